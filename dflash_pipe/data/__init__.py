@@ -1,0 +1,12 @@
+"""Data: JSONL/ShareGPT/pre-tokenized loading, chat-template rendering, token-budget batching.
+
+Public API (the rest of the package imports only these names):
+
+- ``DataConfig``: where the data is and how to cut it (path, max_length, token_budget, skip_bad_lines).
+- ``Sample``: one tokenized sequence with its stable ``sample_id`` and ``loss_mask``.
+- ``load_samples(cfg, tokenizer) -> LoadedData``: read and tokenize a file; bad lines raise
+  ``DataError`` naming file, line and reason (or are skipped and counted with ``skip_bad_lines``).
+- ``plan_batches(lengths, token_budget, *, seed, epoch, exclude) -> list[list[int]]``: the epoch's
+  batches as lists of sample ids, shuffled deterministically by (seed, epoch), skipping ``exclude``.
+- ``demo_tokenizer()`` / ``demo_data_path()``: the bundled tokenizer and sample dataset of the embedded demo.
+"""

@@ -1,0 +1,1 @@
+"""Drafter: the DFlash draft model, its training objective, export and acceptance evaluation."""

@@ -1,0 +1,9 @@
+"""Target: the frozen LLM that produces the drafter's context features.
+
+Public API:
+
+- ``TargetCore(model_path, layer_ids, device, dtype)``: loads an HF causal LM and returns, for a packed
+  batch, the concatenated outputs of the selected decoder layers ``[T, k*H]`` (no LM head).
+- ``build_demo_target(out_dir)``: materialise the embedded default target (tiny Qwen3 built from a config,
+  briefly trained on the bundled sample data so its greedy predictions mean something) plus its tokenizer.
+"""

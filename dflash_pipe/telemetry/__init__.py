@@ -1,0 +1,1 @@
+"""Telemetry: metrics sinks, timing spans and the live dashboard."""

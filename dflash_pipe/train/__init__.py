@@ -1,0 +1,1 @@
+"""Train: the drafter worker process (wire client, torch.distributed group, optimizer, checkpoints)."""
