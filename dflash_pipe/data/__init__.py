@@ -10,3 +10,20 @@ Public API (the rest of the package imports only these names):
   batches as lists of sample ids, shuffled deterministically by (seed, epoch), skipping ``exclude``.
 - ``demo_tokenizer()`` / ``demo_data_path()``: the bundled tokenizer and sample dataset of the embedded demo.
 """
+
+from .batching import plan_batches
+from .config import DataConfig
+from .demo import demo_data_path, demo_tokenizer
+from .loader import load_samples
+from .samples import DataError, LoadedData, Sample
+
+__all__ = [
+    "DataConfig",
+    "DataError",
+    "LoadedData",
+    "Sample",
+    "demo_data_path",
+    "demo_tokenizer",
+    "load_samples",
+    "plan_batches",
+]

@@ -7,3 +7,9 @@ Public API:
 - ``build_demo_target(out_dir)``: materialise the embedded default target (tiny Qwen3 built from a config,
   briefly trained on the bundled sample data so its greedy predictions mean something) plus its tokenizer.
 """
+
+from dflash_pipe.target.core import TargetCore
+from dflash_pipe.target.demo import DemoRecipe, build_demo_target, default_cache_dir
+from dflash_pipe.target.layers import find_decoder_layers
+
+__all__ = ["DemoRecipe", "TargetCore", "build_demo_target", "default_cache_dir", "find_decoder_layers"]

@@ -1,0 +1,133 @@
+"""The one run configuration: every part's config composed, validated at the edge, saved in the run dir."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dflash_pipe.data import DataConfig
+from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.train.config import TrainConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterOptions:
+    """What the user chooses about the drafter; the rest is derived from the target's config."""
+
+    num_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int | None = None
+    """None: a reserved token of the tokenizer (e.g. <|mask|>), or an error saying to set it."""
+    target_layer_ids: tuple[int, ...] | None = None
+    """None: the even-spread rule of the DFlash reference."""
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    max_anchors: int = 512
+
+    def __post_init__(self) -> None:
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}.")
+        if self.block_size < 2:
+            raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}.")
+        if self.attention_backend not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"drafter.attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}.")
+        if self.max_anchors < 1:
+            raise ValueError(f"drafter.max_anchors must be >= 1, got {self.max_anchors}.")
+
+
+@dataclass(kw_only=True, slots=True)
+class WireConfig:
+    bind: str = "tcp://127.0.0.1:0"
+    """Producer address; port 0 picks a free one. Loopback unless you know what you expose."""
+    ready_batches: int = 4
+    """Batches of features the producer keeps computed ahead of demand (host memory bound)."""
+    worker_credits: int = 2
+    """Batches each worker may hold at once (one training, the rest in flight)."""
+    heartbeat_s: float = 2.0
+    peer_timeout_s: float = 120.0
+    """A peer silent this long is declared dead (covers a cold torch.compile)."""
+    join_timeout_s: float = 600.0
+    """How long the producer waits for all launched workers to say HELLO."""
+
+    def __post_init__(self) -> None:
+        if self.ready_batches < 1 or self.worker_credits < 1:
+            raise ValueError("wire.ready_batches and wire.worker_credits must be >= 1.")
+        if not 0 < self.heartbeat_s < self.peer_timeout_s:
+            raise ValueError(
+                f"wire.heartbeat_s ({self.heartbeat_s}) must be > 0 and below wire.peer_timeout_s "
+                f"({self.peer_timeout_s})."
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    run_dir: Path
+    target_model: Path | None = None
+    """HF model directory; None runs the embedded demo target."""
+    data: DataConfig
+    drafter: DrafterOptions = field(default_factory=DrafterOptions)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    eval_samples: int = 16
+    """Held-out samples used for the acceptance (tau) evaluation; 0 disables it."""
+    compile_cache: Path | None = None
+    """Shared torch.compile cache dir; None means RUN_DIR/compile-cache."""
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        if self.target_model is not None:
+            self.target_model = Path(self.target_model)
+        if self.eval_samples < 0:
+            raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples}.")
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.compile_cache or self.run_dir / "compile-cache"
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        data = dict(data)
+        parts = {
+            "data": DataConfig,
+            "drafter": DrafterOptions,
+            "train": TrainConfig,
+            "wire": WireConfig,
+            "layout": LayoutConfig,
+        }
+        for key, kind in parts.items():
+            if key in data:
+                data[key] = _build(kind, data[key], key)
+        return _build(cls, data, "run")
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> RunConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _build(kind: type, values: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"Unknown {where} config key(s) {unknown}; valid keys are {sorted(names)}.")
+    return kind(**values)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value

@@ -1,0 +1,186 @@
+"""Message-format parsing: turn one decoded JSON line into a conversation or a pre-tokenized sample.
+
+Formats, detected per line by their top-level key:
+
+- messages:      ``{"messages": [{"role": "user", "content": "..."}, ...]}`` (roles system/user/assistant/tool)
+- ShareGPT:      ``{"conversations": [{"from": "human", "value": "..."}, ...]}``
+- pre-tokenized: ``{"input_ids": [1, 2, ...], "loss_mask": [0, 1, ...]}`` (same length; mask 0/1 or bool)
+
+ShareGPT turns are mapped to messages, so both formats give identical samples for the same conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+"""Roles accepted in the messages format."""
+
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+"""ShareGPT ``from`` values and the message role each becomes."""
+
+
+class FormatError(Exception):
+    """A line that does not fit any format; the loader adds file and line to make it a ``DataError``."""
+
+    def __init__(self, kind: str, detail: str, fix: str) -> None:
+        super().__init__(f"{kind}: {detail}. {fix}")
+        self.kind = kind  # short reason, the key of LoadedData.skip_reasons
+        self.detail = detail
+        self.fix = fix
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """Chat messages as ``{"role", "content"}`` dicts, ready for ``apply_chat_template``."""
+
+    messages: list[dict[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class PreTokenized:
+    """Token ids and their 0/1 loss mask, used as they are."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+Record = Conversation | PreTokenized
+
+
+def parse_record(obj: Any) -> Record:
+    """Detect the format of one decoded JSON line and validate it; raise ``FormatError`` if it fits none."""
+    if not isinstance(obj, dict):
+        raise FormatError(
+            "wrong schema",
+            f"expected a JSON object, got {type(obj).__name__}",
+            'Write one object per line: {"messages": [...]}, {"conversations": [...]} or {"input_ids": [...], "loss_mask": [...]}',
+        )
+    if "messages" in obj:
+        return _parse_messages(obj["messages"])
+    if "conversations" in obj:
+        return _parse_sharegpt(obj["conversations"])
+    if "input_ids" in obj:
+        return _parse_pretokenized(obj)
+    keys = ", ".join(sorted(map(str, obj))[:8]) or "none"
+    raise FormatError(
+        "wrong schema",
+        f"no 'messages', 'conversations' or 'input_ids' key (keys: {keys})",
+        "Use the messages, ShareGPT or pre-tokenized format (see dflash_pipe.data.formats)",
+    )
+
+
+def _parse_messages(raw: Any) -> Conversation:
+    if not isinstance(raw, list):
+        raise FormatError(
+            "wrong schema", "'messages' is not a list", 'Write "messages": [{"role": ..., "content": ...}]'
+        )
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise FormatError(
+                "wrong schema",
+                f"message {i} is not an object with 'role' and 'content'",
+                'Write each message as {"role": "user"|"assistant"|..., "content": "..."}',
+            )
+        role = m["role"]
+        if role not in ROLES:
+            raise FormatError(
+                "unknown role", f"message {i} has role {role!r}", f"Use one of {', '.join(ROLES)}"
+            )
+        messages.append({"role": role, "content": _content(m["content"], i)})
+    return _check_conversation(messages)
+
+
+def _parse_sharegpt(raw: Any) -> Conversation:
+    if not isinstance(raw, list):
+        raise FormatError(
+            "wrong schema",
+            "'conversations' is not a list",
+            'Write "conversations": [{"from": ..., "value": ...}]',
+        )
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or "from" not in m or "value" not in m:
+            raise FormatError(
+                "wrong schema",
+                f"turn {i} is not an object with 'from' and 'value'",
+                'Write each turn as {"from": "human"|"gpt"|"system", "value": "..."}',
+            )
+        role = SHAREGPT_ROLES.get(m["from"]) if isinstance(m["from"], str) else None
+        if role is None:
+            raise FormatError(
+                "unknown role",
+                f"turn {i} has 'from' {m['from']!r}",
+                f"Use one of {', '.join(SHAREGPT_ROLES)}",
+            )
+        messages.append({"role": role, "content": _content(m["value"], i)})
+    return _check_conversation(messages)
+
+
+def _content(value: Any, i: int) -> str:
+    if not isinstance(value, str):
+        raise FormatError(
+            "wrong schema",
+            f"message {i} content is {type(value).__name__}, not a string",
+            "Write content as a string",
+        )
+    return value
+
+
+def _check_conversation(messages: list[dict[str, str]]) -> Conversation:
+    if not messages:
+        raise FormatError(
+            "empty messages", "the conversation has no messages", "Remove the line or add messages"
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise FormatError(
+            "no assistant turn",
+            "the conversation has no assistant message, so nothing would be trained",
+            "Add an assistant reply or remove the line",
+        )
+    return Conversation(messages)
+
+
+def _parse_pretokenized(obj: dict) -> PreTokenized:
+    ids, mask = obj["input_ids"], obj.get("loss_mask")
+    if mask is None:
+        raise FormatError(
+            "wrong schema", "'input_ids' without 'loss_mask'", "Add a 0/1 'loss_mask' list of the same length"
+        )
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        raise FormatError(
+            "wrong schema", "'input_ids' and 'loss_mask' must be lists", "Write both as JSON lists"
+        )
+    if len(ids) != len(mask):
+        raise FormatError(
+            "length mismatch",
+            f"input_ids has {len(ids)} tokens but loss_mask has {len(mask)}",
+            "Give loss_mask exactly one 0/1 entry per token",
+        )
+    if not ids:
+        raise FormatError("empty input_ids", "input_ids is empty", "Remove the line or add tokens")
+    # bool is an int subclass: reject it in ids, accept it in the mask
+    if not all(type(t) is int for t in ids):
+        bad = next(t for t in ids if type(t) is not int)
+        raise FormatError("non-int ids", f"input_ids contains {bad!r}", "Write token ids as JSON integers")
+    if min(ids) < 0:
+        raise FormatError("negative ids", f"input_ids contains {min(ids)}", "Token ids must be >= 0")
+    if not all(m in (0, 1) and type(m) in (int, bool) for m in mask):
+        bad = next(m for m in mask if not (m in (0, 1) and type(m) in (int, bool)))
+        raise FormatError("bad loss_mask", f"loss_mask contains {bad!r}", "Write loss_mask as 0/1 integers")
+    return PreTokenized([int(t) for t in ids], [int(m) for m in mask])

@@ -1,0 +1,47 @@
+"""The data stage's value types: one tokenized sample, a loaded dataset, and the error a bad input raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class DataError(ValueError):
+    """A problem with the input data. Message: ``"<file>:<line>: <reason>. <fix>"`` (or ``"<file>: ..."``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One training sequence; ``sample_id`` is its index in the loaded dataset (stable for a file + config)."""
+
+    sample_id: int
+    input_ids: torch.Tensor  # [S] int64
+    loss_mask: torch.Tensor  # [S] bool; True on trained (assistant) tokens
+
+
+@dataclass(slots=True)
+class LoadedData:
+    """The samples of one file plus what was left out, so a run can report it."""
+
+    samples: list[Sample]
+    skipped_lines: int
+    """Bad lines skipped (only with ``skip_bad_lines``); per reason in ``skip_reasons``."""
+    truncated: int
+    """Samples cut to ``max_length``."""
+    dropped_short: int
+    """Samples dropped for having fewer than ``min_loss_tokens`` trainable anchor positions."""
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    """Skipped lines by reason (e.g. ``"not JSON"``, ``"no assistant turn"``)."""
+
+    def lengths(self) -> list[int]:
+        """Token count of every sample, indexed by ``sample_id`` (the input of ``plan_batches``)."""
+        return [int(s.input_ids.shape[0]) for s in self.samples]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths())
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(int(s.loss_mask.sum()) for s in self.samples)

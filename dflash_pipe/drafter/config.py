@@ -1,0 +1,244 @@
+"""DrafterConfig: every shape the reference config.json needs, derived from the target's HF config."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# gamma of the per-slot loss decay exp(-(k-1)/gamma) for the block sizes the DFlash recipes use.
+_KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# RoPE variants the drafter implements itself (see model.rope_inv_freq).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Token names tried, in order, for the MASK token when none is given (see resolve_mask_token_id).
+_MASK_TOKEN_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
+_RESERVED_TOKEN_NAMES = ("<|reserved_special_token_0|>", "<|fim_pad|>", "<|reserved_0|>")
+
+
+def gamma_for_block_size(block_size: int) -> float:
+    """Loss-decay constant: the published values for 16/10/8; otherwise scaled linearly from bs 16.
+
+    The rule for other sizes, gamma = max(1, 7 * (bs - 1) / 15), keeps the bs-16 recipe's ratio of gamma to
+    the number of scored slots (bs - 1), so the weight of the last slot stays about exp(-2).
+    """
+    if block_size in _KNOWN_GAMMA:
+        return _KNOWN_GAMMA[block_size]
+    return max(1.0, 7.0 * (block_size - 1) / 15.0)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Evenly spread layer ids from 1 to L-3: round(1 + i*(L-4)/(n-1)); a single layer takes L // 2."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def read_rope(target_config: Any) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from either transformers-4 or transformers-5 style configs.
+
+    transformers 5 keeps both in `config.rope_parameters` (possibly one dict per layer type); older
+    versions have `rope_theta` and `rope_scaling` attributes.
+    """
+    params = getattr(target_config, "rope_parameters", None)
+    if isinstance(params, dict) and params and "rope_theta" not in params and "rope_type" not in params:
+        # per-layer-type dicts (e.g. {"full_attention": {...}, "sliding_attention": {...}})
+        nested = params.get("full_attention") or next(iter(params.values()))
+        params = nested if isinstance(nested, dict) else None
+    theta = getattr(target_config, "rope_theta", None)
+    scaling = getattr(target_config, "rope_scaling", None)
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        scaling = dict(params)
+    if theta is None:
+        theta = 10000.0
+    if isinstance(scaling, dict):
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            scaling = None
+        else:
+            scaling["rope_type"] = rope_type
+            scaling.pop("type", None)
+    else:
+        scaling = None
+    return float(theta), scaling
+
+
+def resolve_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
+    """Pick the MASK token id from the tokenizer, matching what the public DFlash trainers end up with.
+
+    Order: a vocabulary token named "<|mask|>" (or "<|MASK|>", "<mask>", "[MASK]"); the tokenizer's
+    `mask_token_id`; then `len(tokenizer)` when that is still a row of the target's embedding (this is the
+    id SpecForge gets from `add_special_tokens({"mask_token": "<|MASK|>"})`, e.g. 151669 for Qwen3 as in the
+    published z-lab DFlash configs, an embedding row no text ever produces); then a reserved special token
+    ("<|reserved_special_token_0|>" for Llama-3, "<|fim_pad|>" for Qwen). None of these -> ValueError.
+    """
+    vocab = tokenizer.get_vocab()
+    for name in _MASK_TOKEN_NAMES:
+        if name in vocab and vocab[name] < vocab_size:
+            return int(vocab[name])
+    tok_mask = getattr(tokenizer, "mask_token_id", None)
+    if isinstance(tok_mask, int) and 0 <= tok_mask < vocab_size:
+        return tok_mask
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    for name in _RESERVED_TOKEN_NAMES:
+        if name in vocab and vocab[name] < vocab_size:
+            return int(vocab[name])
+    raise ValueError(
+        f"mask_token_id: the tokenizer has no mask or reserved token and no free embedding row "
+        f"(len(tokenizer)={len(tokenizer)}, vocab_size={vocab_size}); pass --mask-token-id"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterConfig:
+    """Shapes of the DFlash drafter (the target's width) plus the training switches."""
+
+    hidden_size: int  # target width H
+    intermediate_size: int  # SwiGLU inner width (target's)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int = 5  # draft layers
+    vocab_size: int  # target vocabulary (embedding / LM head rows)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None  # None = plain RoPE; {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int = 40960
+    block_size: int = 16  # tokens per draft block: [anchor token, MASK x (bs-1)]
+    mask_token_id: int  # id fed to the MASK slots (target embedding row)
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs are the context features
+    num_target_layers: int  # L of the target
+    max_anchors: int = 512  # anchors (blocks) sampled per sequence in training
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"  # auto = flex on CUDA, sdpa on CPU
+    extra: dict = field(default_factory=dict)  # free-form provenance (e.g. target model name)
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_hidden_layers",
+            "vocab_size",
+            "max_position_embeddings",
+            "num_target_layers",
+            "max_anchors",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive int")
+        if self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size}: must be >= 2 (slot 0 is the anchor token)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads}: must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id}: must be in [0, vocab_size={self.vocab_size}); "
+                "pass --mask-token-id with a row of the target's embedding"
+            )
+        ids = self.target_layer_ids
+        if not ids:
+            raise ValueError("target_layer_ids=(): give at least one target layer id")
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(
+                f"target_layer_ids={ids}: must be sorted and unique, e.g. {tuple(sorted(set(ids)))}"
+            )
+        if ids[0] < 0 or ids[-1] >= self.num_target_layers:
+            raise ValueError(
+                f"target_layer_ids={ids}: every id must be in [0, num_target_layers={self.num_target_layers})"
+            )
+        if self.attention_backend not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use 'auto', 'flex' or 'sdpa'")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps}: must be > 0")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"rope_scaling={self.rope_scaling}: rope_type {rope_type!r} is not supported; "
+                    f"supported: {SUPPORTED_ROPE_TYPES}"
+                )
+
+    @property
+    def gamma(self) -> float:
+        """Decay constant of the slot weights exp(-(k-1)/gamma)."""
+        return gamma_for_block_size(self.block_size)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the concatenated context features: k * H."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: Any,
+        *,
+        tokenizer: Any = None,
+        num_layers: int = 5,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        target_layer_ids: tuple[int, ...] | list[int] | None = None,
+        **overrides: Any,
+    ) -> DrafterConfig:
+        """Drafter shapes from any HF causal-LM config (Qwen3Config, LlamaConfig, ...)."""
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = int(tc.num_attention_heads)
+        hidden = int(tc.hidden_size)
+        head_dim = getattr(tc, "head_dim", None) or hidden // heads
+        num_target_layers = int(tc.num_hidden_layers)
+        vocab_size = int(tc.vocab_size)
+        if mask_token_id is None:
+            if tokenizer is None:
+                raise ValueError(
+                    "mask_token_id=None and no tokenizer to look one up in: pass --mask-token-id "
+                    "(a reserved/unused row of the target's embedding)"
+                )
+            mask_token_id = resolve_mask_token_id(tokenizer, vocab_size)
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+        theta, scaling = read_rope(tc)
+        kwargs: dict[str, Any] = dict(
+            hidden_size=hidden,
+            intermediate_size=int(tc.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            num_hidden_layers=num_layers,
+            vocab_size=vocab_size,
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 40960)),
+            block_size=block_size,
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=tuple(target_layer_ids),
+            num_target_layers=num_target_layers,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (tuples become lists)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        out["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling is not None else None
+        out["extra"] = dict(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DrafterConfig:
+        """Inverse of to_dict; unknown keys are an error (they mean a version mismatch)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"DrafterConfig.from_dict: unknown keys {unknown}; known: {sorted(names)}")
+        return cls(**data)

@@ -1,0 +1,136 @@
+"""Training targets (block inputs, positions, labels, slot weights) and the chunked LM-head CE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CE_CHUNK = 4096  # rows of the LM head evaluated at once
+
+
+@dataclass
+class DrafterOutput:
+    """Sums (not means) so workers can all-reduce them before dividing."""
+
+    loss_sum: Tensor  # scalar, sum of decay-weighted CE (differentiable)
+    weight_sum: Tensor  # scalar, sum of the weights used
+    slot_correct: Tensor  # [bs] float, argmax == label counts per slot (slot 0 always 0)
+    slot_total: Tensor  # [bs] float, scored positions per slot
+    num_anchors: int  # real (non-padded) anchors in the batch
+
+    @property
+    def loss(self) -> Tensor:
+        return self.loss_sum / self.weight_sum.clamp_min(1e-8)
+
+
+@dataclass
+class BlockTargets:
+    """Everything derived from the anchors, shaped [B, N, bs]."""
+
+    block_ids: Tensor  # [B, N, bs] int64: token at anchor, then MASK
+    positions: Tensor  # [B, N, bs] int64: anchor + [0..bs-1]
+    labels: Tensor  # [B, N, bs] int64: token at anchor + k (0 where out of range)
+    weights: Tensor  # [B, N, bs] float32: exp(-(k-1)/gamma) where scored, else 0
+
+
+def slot_weights(block_size: int, gamma: float) -> Tensor:
+    """[bs] float32: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float64)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w.float()
+
+
+def build_block_targets(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    valid: Tensor,
+    *,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> BlockTargets:
+    """input_ids/loss_mask [B, S], anchors/valid [B, N]. Slot k of block b predicts token anchor+k,
+    scored only when the anchor is real, k >= 1, anchor+k < S and loss_mask[anchor+k]."""
+    seq_len = input_ids.shape[1]
+    offs = torch.arange(block_size, device=input_ids.device)  # [bs]
+    positions = anchors[:, :, None] + offs  # [B, N, bs]
+    in_range = positions < seq_len
+    idx = positions.clamp(max=seq_len - 1).flatten(1)  # [B, N*bs]
+    labels = input_ids.gather(1, idx).view_as(positions)
+    label_mask = loss_mask.gather(1, idx).view_as(positions)
+    scored = valid[:, :, None] & in_range & label_mask & (offs >= 1)
+    weights = slot_weights(block_size, gamma).to(input_ids.device) * scored
+    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    return BlockTargets(block_ids=block_ids, positions=positions, labels=labels * in_range, weights=weights)
+
+
+def _ce_chunk(hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    logits = F.linear(hidden.to(lm_weight.dtype), lm_weight).float()  # [r, V]
+    ce = F.cross_entropy(logits, labels, reduction="none")  # [r]
+    correct = logits.argmax(dim=-1) == labels
+    return (ce * weights).sum(), correct
+
+
+def chunked_lm_head_ce(
+    hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor, *, chunk: int = DEFAULT_CE_CHUNK
+) -> tuple[Tensor, Tensor]:
+    """Weighted CE sum and per-row correctness without ever holding all [R, V] logits.
+
+    hidden [R, H], lm_weight [V, H] (frozen), labels [R], weights [R]. Each chunk runs under a
+    non-reentrant checkpoint: the forward keeps only its inputs and the backward recomputes that chunk's
+    logits, so peak memory is one chunk of logits (non-reentrant is also safe with threads).
+    """
+    total = hidden.new_zeros((), dtype=torch.float32)
+    correct = []
+    for start in range(0, hidden.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        if hidden.requires_grad and torch.is_grad_enabled():
+            part, ok = checkpoint(
+                _ce_chunk, hidden[sl], lm_weight, labels[sl], weights[sl], use_reentrant=False
+            )
+        else:
+            part, ok = _ce_chunk(hidden[sl], lm_weight, labels[sl], weights[sl])
+        total = total + part
+        correct.append(ok)
+    ok_all = torch.cat(correct) if correct else labels.new_zeros((0,), dtype=torch.bool)
+    return total, ok_all
+
+
+def drafter_loss(
+    hidden: Tensor,
+    targets: BlockTargets,
+    lm_weight: Tensor,
+    *,
+    chunk: int = DEFAULT_CE_CHUNK,
+    num_anchors: int,
+) -> DrafterOutput:
+    """hidden [B, N, bs, H] (after the final norm) -> DrafterOutput over the scored slots only."""
+    bsz, n, bs, width = hidden.shape
+    flat_w = targets.weights.reshape(-1)  # [B*N*bs]
+    rows = flat_w.nonzero().squeeze(1)  # scored rows only: the LM head never sees the rest
+    slots = rows % bs
+    loss_sum, correct = chunked_lm_head_ce(
+        hidden.reshape(-1, width)[rows],
+        lm_weight,
+        targets.labels.reshape(-1)[rows],
+        flat_w[rows],
+        chunk=chunk,
+    )
+    if rows.numel() == 0:
+        loss_sum = loss_sum + hidden.sum() * 0.0  # keep every parameter in the graph
+    slot_correct = torch.zeros(bs, device=hidden.device).index_add_(0, slots, correct.float())
+    slot_total = torch.zeros(bs, device=hidden.device).index_add_(0, slots, torch.ones_like(flat_w[rows]))
+    return DrafterOutput(
+        loss_sum=loss_sum,
+        weight_sum=flat_w.sum().detach(),
+        slot_correct=slot_correct,
+        slot_total=slot_total,
+        num_anchors=num_anchors,
+    )

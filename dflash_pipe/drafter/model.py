@@ -1,0 +1,289 @@
+"""The DFlash drafter: Qwen3-style layers with KV injection of the target's context features.
+
+Attribute names are the reference checkpoint's key names (layers.{i}.self_attn.q_proj, fc, hidden_norm,
+...), so `state_dict()` is the export format as is. The target's embedding and LM head are held outside
+the module tree: frozen, never in `state_dict()` or `trainable_parameters()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import DrafterConfig
+from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
+from .masks import (
+    FLEX_BLOCK,
+    anchor_pad_multiple,
+    dense_mask,
+    flex_block_mask,
+    pad_anchors,
+    sample_anchors,
+    training_eligible,
+)
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B,Hq,Q,D], k, v [B,Hkv,K,D]) -> [B,Hq,Q,D]
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(cfg: DrafterConfig) -> Tensor:
+    """[head_dim/2] float32 inverse frequencies; default, linear and llama3 scaling."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        inv = inv / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """positions [B, L] -> cos, sin [B, 1, L, D] (fp32 angles, cast to dtype)."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # [B, L, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [context | block] through the same k_proj/v_proj."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_k: tuple[Tensor, Tensor],
+        attend: Attend,
+    ) -> Tensor:
+        bsz, q_len, _ = x.shape  # x [B, Q, H], ctx [B, S, H]
+        kv_in = torch.cat([ctx, x], dim=1)  # [B, S+Q, H]
+        kv_len = kv_in.shape[1]
+        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(bsz, kv_len, self.num_kv_heads, self.head_dim)).transpose(
+            1, 2
+        )
+        v = self.v_proj(kv_in).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_k)
+        out = attend(q, k, v)  # [B, Hq, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_k, attend: Attend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def sdpa_attend(mask: Tensor) -> Attend:
+    """SDPA with a dense boolean mask [B, 1, Q, K]; GQA by repeating K/V heads."""
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
+
+
+def flex_attend(block_mask, *, compile: bool) -> Attend:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex_attention() if compile else flex_attention
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash draft model. `forward` is the training objective; `block_hidden` is the shared core."""
+
+    def __init__(
+        self,
+        cfg: DrafterConfig,
+        embed_tokens: nn.Embedding,
+        lm_head: nn.Linear,
+        *,
+        compile_attention: bool | None = None,
+        ce_chunk: int = DEFAULT_CE_CHUNK,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(cfg.feature_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        for part in (embed_tokens, lm_head):
+            part.requires_grad_(False)
+        # a tuple keeps the frozen target parts out of the module tree (state_dict, .parameters(), .to()).
+        self._target_parts = (embed_tokens, lm_head)
+        self.compile_attention = compile_attention  # None = compile on CUDA
+        self.ce_chunk = ce_chunk
+        # fp32 angles on purpose: a plain attribute, so model.to(bfloat16) cannot round it.
+        self.inv_freq = rope_inv_freq(cfg)
+        self.reset_parameters()
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._target_parts[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._target_parts[1]
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Qwen3 init: normal(0, 0.02) linear weights, unit norms."""
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=std)
+            elif isinstance(mod, RMSNorm):
+                nn.init.ones_(mod.weight)
+
+    def trainable_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self.parameters() if p.requires_grad)
+
+    def backend(self, device: torch.device) -> str:
+        if self.cfg.attention_backend != "auto":
+            return self.cfg.attention_backend
+        return "flex" if device.type == "cuda" else "sdpa"
+
+    def block_hidden(self, input_ids: Tensor, features: Tensor, anchors: Tensor, valid: Tensor) -> Tensor:
+        """Final-norm hidden states of every block slot: [B, N, bs, H].
+
+        input_ids [B, S], features [B, S, k*H], anchors/valid [B, N]. Block b = [input_ids[anchor],
+        MASK x (bs-1)] at positions anchor + [0..bs-1]; context keys sit at positions 0..S-1.
+        """
+        cfg, bs = self.cfg, self.cfg.block_size
+        bsz, n = anchors.shape
+        device = input_ids.device
+        backend = self.backend(device)
+        if backend == "flex":
+            # pad S and N*bs to the 128-row tile: fewer distinct shapes, no partial tiles. Padded context
+            # keys sit at positions >= S > every anchor, so the `<` rule never shows them.
+            s_pad = -(-input_ids.shape[1] // FLEX_BLOCK) * FLEX_BLOCK - input_ids.shape[1]
+            if s_pad:
+                input_ids = F.pad(input_ids, (0, s_pad))
+                features = F.pad(features, (0, 0, 0, s_pad))
+            anchors, valid = pad_anchors(anchors, valid, anchor_pad_multiple(bs))
+        seq_len, n_pad = input_ids.shape[1], anchors.shape[1]
+        dtype = self.fc.weight.dtype
+        offs = torch.arange(bs, device=device)
+        block_ids = torch.full((bsz, n_pad, bs), cfg.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, :, 0] = input_ids.gather(1, anchors)
+        x = self.embed_tokens(block_ids.view(bsz, n_pad * bs)).to(dtype)  # [B, Q, H]
+        ctx = self.hidden_norm(self.fc(features.to(dtype)))  # [B, S, H], shared by all layers
+        q_pos = (anchors[:, :, None] + offs).view(bsz, n_pad * bs)  # [B, Q]
+        k_pos = torch.cat([torch.arange(seq_len, device=device).expand(bsz, -1), q_pos], dim=1)  # [B, S+Q]
+        rope_q = rope_cos_sin(self.inv_freq, q_pos, dtype)
+        rope_k = rope_cos_sin(self.inv_freq, k_pos, dtype)
+        if backend == "flex":
+            compile = self.compile_attention if self.compile_attention is not None else device.type == "cuda"
+            attend = flex_attend(
+                flex_block_mask(anchors, valid, seq_len, bs, compile=compile), compile=compile
+            )
+        else:
+            attend = sdpa_attend(dense_mask(anchors, valid, seq_len, bs))
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, attend)
+        return self.norm(x).view(bsz, n_pad, bs, -1)[:, :n]
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        features: Tensor,
+        loss_mask: Tensor,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> DrafterOutput:
+        """input_ids [B, S] int64, features [B, S, k*H], loss_mask [B, S] bool (False on padding)."""
+        cfg = self.cfg
+        anchors, valid = sample_anchors(training_eligible(loss_mask), cfg.max_anchors, generator=generator)
+        targets = build_block_targets(
+            input_ids,
+            loss_mask,
+            anchors,
+            valid,
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+            gamma=cfg.gamma,
+        )
+        hidden = self.block_hidden(input_ids, features, anchors, valid)  # [B, N, bs, H]
+        return drafter_loss(
+            hidden, targets, self.lm_head.weight, chunk=self.ce_chunk, num_anchors=int(valid.sum().item())
+        )

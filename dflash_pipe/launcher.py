@@ -1,0 +1,150 @@
+"""``dflash-pipe launch``: the producer in this process, one worker process per drafter device.
+
+Workers run ``python -m dflash_pipe worker`` (the same command users run to attach), in their own process
+session so a terminal Ctrl-C reaches only the producer, which drains them in order. Each worker's output
+goes to RUN_DIR/logs/; any worker dying stops the run with its name, exit status and last log lines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from dflash_pipe.config import RunConfig
+
+# NVLink multicast stays off on shared multi-GPU hosts (it can take the host's GPUs out of service).
+SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def compile_cache_env(cache_dir: Path, *, workers_on_host: int) -> dict[str, str]:
+    """Set before torch is imported in a worker: one cache per run, bounded compile threads."""
+    cpus = os.cpu_count() or 1
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+        "TRITON_CACHE_DIR": str(cache_dir / "triton"),
+        "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, min(8, cpus // max(workers_on_host, 1)))),
+    }
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    name: str
+    device: str
+    proc: subprocess.Popen
+    log_path: Path
+    log: IO[bytes]
+
+
+class WorkerPool:
+    def __init__(self, cfg: RunConfig, address: str) -> None:
+        self.cfg = cfg
+        self.address = address
+        self.workers: list[WorkerProcess] = []
+
+    def start(self) -> None:
+        logs = self.cfg.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        devices = self.cfg.layout.worker_devices()
+        cpus = os.cpu_count() or 1
+        for i, device in enumerate(devices):
+            name = f"worker{i}"
+            env = {**os.environ, **SAFE_GPU_ENV, "PYTHONUNBUFFERED": "1"}
+            env.update(compile_cache_env(self.cfg.cache_dir, workers_on_host=len(devices)))
+            if device == "cpu":
+                env["OMP_NUM_THREADS"] = str(max(1, cpus // (len(devices) + 1)))
+            log_path = logs / f"{name}.log"
+            log = open(log_path, "ab")
+            cmd = [sys.executable, "-m", "dflash_pipe", "worker", "--connect", self.address, "--device", device]
+            cmd += ["--name", name]
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.workers.append(WorkerProcess(name, device, proc, log_path, log))
+
+    def failure(self) -> str | None:
+        """A description of the first worker that exited with an error, or None while all are fine."""
+        for w in self.workers:
+            rc = w.proc.poll()
+            if rc not in (None, 0):
+                return f"{w.name} ({w.device}, pid {w.proc.pid}) exited with {_describe(rc)}.\n{_tail(w.log_path)}"
+        return None
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM (a worker's drain signal), then SIGKILL whatever is left. Safe to call twice."""
+        alive = [w for w in self.workers if w.proc.poll() is None]
+        for w in alive:
+            w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for w in alive:
+            try:
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+        for w in self.workers:
+            w.log.close()
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f"last lines of {path}:\n" + "\n".join("  " + line for line in text)
+
+
+def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
+    """Prepares the run, starts producer and workers, and returns the producer's summary."""
+    import torch
+
+    from dflash_pipe.producer.proc import ProducerProc, RunAborted
+    from dflash_pipe.producer.setup import prepare_run
+
+    if cfg.layout.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.layout.num_workers + 1)))
+    else:
+        cfg.layout.validate_against(torch.cuda.device_count())
+    for key, value in SAFE_GPU_ENV.items():
+        os.environ.setdefault(key, value)
+    ctx = prepare_run(cfg, resume=resume, progress=live)
+    producer = ProducerProc(ctx, expected_workers=cfg.layout.num_workers, console=console, live=live)
+    pool = WorkerPool(cfg, producer.address)
+    console.print(
+        f"[bold]dflash-pipe[/] run {ctx.run_id}: producer at {producer.address}, "
+        f"{cfg.layout.num_workers} worker(s) on {', '.join(cfg.layout.worker_devices())}, "
+        f"{len(ctx.train_samples)} training samples, run dir {cfg.run_dir}"
+        + (f", resuming from {ctx.resume_from.name}" if ctx.resume_from else "")
+    )
+    try:
+        pool.start()
+        summary = producer.serve(watch=pool.failure)
+        pool.wait(timeout_s=60)
+        return summary
+    except RunAborted:
+        raise
+    except KeyboardInterrupt:
+        raise RunAborted("interrupted twice: stopped without a final checkpoint") from None
+    finally:
+        producer.close()
+        pool.stop()

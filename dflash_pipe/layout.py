@@ -1,0 +1,85 @@
+"""Which devices the target and the drafter workers use: parsing and validating GPU specs."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+_SPEC = re.compile(r"^\d+(-\d+)?$")
+
+
+def parse_gpu_spec(spec: str, *, flag: str = "--gpus") -> tuple[int, ...]:
+    """'0-4' -> (0,1,2,3,4); '0,2,5-7' -> (0,2,5,6,7). Order kept, duplicates rejected."""
+    ids: list[int] = []
+    parts = [p.strip() for p in str(spec).split(",")]
+    if not spec or not all(parts):
+        raise ValueError(f"{flag} {spec!r}: empty GPU list. Use ids and ranges such as '0-4' or '5,6,7'.")
+    for part in parts:
+        if not _SPEC.match(part):
+            raise ValueError(f"{flag} {spec!r}: {part!r} is not a GPU id or a range like '0-4'.")
+        if "-" in part:
+            lo, hi = (int(x) for x in part.split("-"))
+            if hi < lo:
+                raise ValueError(f"{flag} {spec!r}: range {part!r} runs backwards; write '{hi}-{lo}'.")
+            ids.extend(range(lo, hi + 1))
+        else:
+            ids.append(int(part))
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ValueError(f"{flag} {spec!r}: GPU ids {dupes} appear more than once.")
+    return tuple(ids)
+
+
+@dataclass(kw_only=True, slots=True)
+class LayoutConfig:
+    device: Literal["cuda", "cpu"] = "cuda"
+    target_gpus: tuple[int, ...] = ()
+    """CUDA devices of the producer's target replicas (one replica per GPU)."""
+    drafter_gpus: tuple[int, ...] = ()
+    """CUDA devices of the drafter workers (one worker process per GPU)."""
+    cpu_workers: int = 2
+    """Number of drafter workers when device is cpu."""
+
+    def __post_init__(self) -> None:
+        self.target_gpus = tuple(self.target_gpus)
+        self.drafter_gpus = tuple(self.drafter_gpus)
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}.")
+        if self.device == "cuda" and (not self.target_gpus or not self.drafter_gpus):
+            raise ValueError("On CUDA both --target-gpus and --drafter-gpus are needed (e.g. 0-4 and 5-7).")
+        if self.cpu_workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.cpu_workers}.")
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.drafter_gpus) if self.device == "cuda" else self.cpu_workers
+
+    def worker_devices(self) -> list[str]:
+        if self.device == "cpu":
+            return ["cpu"] * self.cpu_workers
+        return [f"cuda:{i}" for i in self.drafter_gpus]
+
+    def target_devices(self) -> list[str]:
+        return ["cpu"] if self.device == "cpu" else [f"cuda:{i}" for i in self.target_gpus]
+
+    def validate_against(self, device_count: int) -> None:
+        """Checks ids exist on this machine; warns when target and drafters share GPUs."""
+        if self.device == "cpu":
+            return
+        if device_count == 0:
+            raise ValueError("No CUDA GPU is visible. Pass --device cpu to run on the CPU.")
+        for flag, ids in (("--target-gpus", self.target_gpus), ("--drafter-gpus", self.drafter_gpus)):
+            missing = [i for i in ids if i >= device_count]
+            if missing:
+                raise ValueError(
+                    f"{flag}: GPU ids {missing} do not exist; this machine has {device_count} "
+                    f"(ids 0-{device_count - 1})."
+                )
+        shared = sorted(set(self.target_gpus) & set(self.drafter_gpus))
+        if shared:
+            warnings.warn(
+                f"GPUs {shared} host both the target and a drafter worker; they will share memory and compute.",
+                stacklevel=2,
+            )

@@ -1,0 +1,474 @@
+"""The producer process: serves the wire, routes batches to workers with credits, watches every peer.
+
+``ProducerProc`` knows sockets, threads and signals; the target math lives in ``TargetCore`` and the
+routing rules in ``BatchScheduler``. The busy loop is a few named steps: receive, refill, dispatch,
+watch, show.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_pipe.data import plan_batches
+from dflash_pipe.producer.features import TargetFailure, TargetThread, build_batch
+from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
+from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.target import TargetCore
+from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, make_logger
+from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.errors import BadMessage, PeerGoneError
+from dflash_pipe.wire.transport import ProducerEndpoint
+
+_TICK_S = 0.02
+_SHOW_EVERY_S = 0.5
+_EVAL_BATCH_SAMPLES = 4
+
+
+class RunAborted(RuntimeError):
+    """A worker or a target replica failed; the run stopped (resume from the last checkpoint)."""
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    name: str
+    device: str
+    host: str
+    pid: int
+    rank: int = -1
+    credits: int = 0
+    last_heard: float = field(default_factory=time.monotonic)
+    state: str = "joining"
+    steps: int = 0
+    first_step_s: float | None = None
+    left: bool = False
+
+
+@dataclass(slots=True)
+class ProducerSummary:
+    steps: int
+    stop_reason: str
+    wall_s: float
+    last_checkpoint: str | None
+    first_step_s: dict[str, float]
+    acked_tokens: int
+    duplicates_redelivered: int
+
+
+class ProducerProc:
+    def __init__(
+        self,
+        ctx: RunContext,
+        *,
+        expected_workers: int,
+        console: Any = None,
+        live: bool | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.expected_workers = expected_workers
+        self.endpoint = ProducerEndpoint(self.cfg.wire.bind)
+        self.address = self.endpoint.address
+        self._store = _start_rendezvous_store(self.address)
+        self.rendezvous = f"tcp://{_host_of(self.address)}:{self._store.port}"
+        self.peers: dict[bytes, Peer] = {}
+        self.scheduler = BatchScheduler(
+            plan_epoch=self._plan_epoch,
+            epochs=self.cfg.train.epochs,
+            start_epoch=min(ctx.ledger.current_epoch(), self.cfg.train.epochs),
+            trained_in_start_epoch=ctx.ledger.trained(ctx.ledger.current_epoch()),
+        )
+        self.metrics = make_logger(self.cfg.run_dir, ("jsonl",), config=self.cfg.to_dict())
+        self.dashboard = Dashboard("dflash-pipe", self.cfg.train.max_steps, live=live, console=console)
+        self.target_rate = RateMeter()
+        self.wire_rate = RateMeter()
+        self.train_rate = RateMeter()
+        self._plans: queue.Queue[PlannedBatch | None] = queue.Queue()
+        self._ready: queue.Queue[ReadyBatch | TargetFailure] = queue.Queue()
+        self._in_target = 0
+        self._threads: list[TargetThread] = []
+        self._cores: list[TargetCore] = []
+        self._stop_requested = threading.Event()
+        self._done_sent = False
+        self._state = RunState()
+        self._loss_history: list[float] = []
+        self._last_checkpoint: str | None = None
+        self._step = ctx.resume_step
+        self._messages: list[str] = []
+        self._closed = False
+        self._started = time.monotonic()
+        self._last_beat = 0.0
+
+    # --- set-up ----------------------------------------------------------------------------------------
+
+    def _plan_epoch(self, epoch: int, exclude: set[int]) -> list[list[int]]:
+        lengths = [int(s.input_ids.numel()) for s in self.ctx.train_samples]
+        return plan_batches(
+            lengths, self.cfg.data.token_budget, seed=self.cfg.train.seed, epoch=epoch, exclude=exclude
+        )
+
+    def start_targets(self) -> None:
+        """One TargetCore per target device, each fed by its own thread."""
+        for device in self.cfg.layout.target_devices():
+            core = TargetCore(self.ctx.target_path, self.ctx.drafter.target_layer_ids, device, self.ctx.target_dtype)
+            self._cores.append(core)
+        for core in self._cores:
+            thread = TargetThread(
+                core, self.ctx.train_samples, self._plans, self._ready, self.target_rate, name=str(core.device)
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _eval_batches(self) -> list[m.Batch]:
+        samples = self.ctx.eval_samples
+        out = []
+        for start in range(0, len(samples), _EVAL_BATCH_SAMPLES):
+            chunk = samples[start : start + _EVAL_BATCH_SAMPLES]
+            plan = PlannedBatch(batch_id=len(out), epoch=0, sample_ids=[s.sample_id for s in chunk])
+            out.append(build_batch(self._cores[0], plan, chunk, for_eval=True))
+        return out
+
+    # --- serving -----------------------------------------------------------------------------------------
+
+    def serve(self, watch: Callable[[], str | None] | None = None) -> ProducerSummary:
+        """Runs until training finishes, Ctrl-C drains it, or a peer fails (RunAborted)."""
+        started = self._started = time.monotonic()
+        previous = _install_sigint(self._stop_requested)
+        try:
+            self.start_targets()
+            eval_batches = self._eval_batches() if self.ctx.eval_samples else []
+            self._join(eval_batches, watch)
+            stop_reason = self._run(watch)
+        finally:
+            _restore_sigint(previous)
+        return ProducerSummary(
+            steps=self._step,
+            stop_reason=stop_reason,
+            wall_s=time.monotonic() - started,
+            last_checkpoint=self._last_checkpoint,
+            first_step_s={p.name: p.first_step_s for p in self.peers.values() if p.first_step_s is not None},
+            acked_tokens=self.scheduler.stats.acked_tokens,
+            duplicates_redelivered=self.scheduler.stats.redelivered,
+        )
+
+    def _join(self, eval_batches: list[m.Batch], watch: Callable[[], str | None] | None) -> None:
+        """Waits for every launched worker's HELLO, then welcomes them all with ranks in arrival order."""
+        deadline = time.monotonic() + self.cfg.wire.join_timeout_s
+        joined: list[Peer] = []
+        while len(joined) < self.expected_workers:
+            if time.monotonic() > deadline:
+                raise RunAborted(
+                    f"only {len(joined)} of {self.expected_workers} workers said HELLO within "
+                    f"{self.cfg.wire.join_timeout_s:.0f} s; see RUN_DIR/logs for their output."
+                )
+            self._check(watch)
+            if self._stop_requested.is_set():
+                raise RunAborted("interrupted while waiting for workers")
+            got = self._recv()
+            if got is None:
+                self._heartbeat_all()
+                continue
+            peer_id, msg = got
+            if isinstance(msg, m.Hello):
+                peer = self._hello(peer_id, msg)
+                if peer is not None:
+                    joined.append(peer)
+            else:
+                self._handle(peer_id, msg)
+        for rank, peer in enumerate(joined):
+            peer.rank = rank
+            peer.state = "starting"
+            self.endpoint.send(peer.identity, self._welcome(peer, len(joined), len(eval_batches)))
+            if rank == 0:
+                for batch in eval_batches:
+                    self.endpoint.send(peer.identity, batch)
+
+    def _run(self, watch: Callable[[], str | None] | None) -> str:
+        stop_reason = "finished"
+        last_show = 0.0
+        while True:
+            self._check(watch)
+            if self._stop_requested.is_set() and not self._done_sent:
+                stop_reason = "interrupted (Ctrl-C): checkpoint written, resume with --resume"
+                self._send_done("interrupted by the user")
+            self._take_ready()
+            self._refill()
+            got = self._recv()
+            if got is not None:
+                self._handle(*got)
+            self._dispatch()
+            if self.scheduler.finished() and not self._done_sent:
+                self._send_done("all epochs trained")
+            self._watch_peers()
+            now = time.monotonic()
+            if now - last_show >= _SHOW_EVERY_S:
+                self._show()
+                last_show = now
+            if self.peers and all(p.left for p in self.peers.values()):
+                if not self._done_sent and not self.scheduler.finished():
+                    stop_reason = "every worker left"
+                return stop_reason
+
+    def _recv(self) -> tuple[bytes, Any] | None:
+        try:
+            return self.endpoint.recv(timeout_s=_TICK_S)
+        except BadMessage as exc:
+            self._note(f"bad message from peer {exc.peer!r}: {exc}")
+            if exc.peer is not None:
+                self._send(exc.peer, m.Reject(reason=str(exc)))
+            return None
+
+    def _hello(self, peer_id: bytes, msg: m.Hello) -> Peer | None:
+        if msg.protocol_version != m.PROTOCOL_VERSION:
+            self._send(peer_id, m.Reject(reason=f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}"))
+            return None
+        if len(self.peers) >= self.expected_workers:
+            self._send(
+                peer_id,
+                m.Reject(reason=f"this run's drafter group is full ({self.expected_workers} workers)"),
+            )
+            return None
+        peer = Peer(identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid)
+        self.peers[peer_id] = peer
+        return peer
+
+    def _welcome(self, peer: Peer, world_size: int, eval_batches: int) -> m.Welcome:
+        d = self.ctx.drafter
+        return m.Welcome(
+            run_id=self.ctx.run_id,
+            rank=peer.rank,
+            world_size=world_size,
+            rendezvous=self.rendezvous,
+            run_dir=str(self.cfg.run_dir.resolve()),
+            target_path=str(Path(self.ctx.target_path).resolve()),
+            feature_dtype=str(self.ctx.target_dtype).removeprefix("torch."),
+            hidden_size=d.hidden_size,
+            target_layer_ids=list(d.target_layer_ids),
+            vocab_size=d.vocab_size,
+            mask_token_id=d.mask_token_id,
+            block_size=d.block_size,
+            drafter=d.to_dict(),
+            train=_train_dict(self.cfg),
+            resume_from=str(self.ctx.resume_from) if self.ctx.resume_from else None,
+            heartbeat_s=self.cfg.wire.heartbeat_s,
+            peer_timeout_s=self.cfg.wire.peer_timeout_s,
+            num_samples=len(self.ctx.train_samples),
+            credits=self.cfg.wire.worker_credits,
+            eval_batches=eval_batches,
+        )
+
+    def _handle(self, peer_id: bytes, msg: Any) -> None:
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            if not isinstance(msg, m.Hello):
+                self._send(peer_id, m.Reject(reason="say HELLO first"))
+            else:
+                self._send(peer_id, m.Reject(reason="the run has already started with its full drafter group"))
+            return
+        peer.last_heard = time.monotonic()
+        if isinstance(msg, m.Ready):
+            peer.credits += msg.credits
+            peer.state = "training"
+        elif isinstance(msg, m.Ack):
+            tokens_before = self.scheduler.stats.acked_tokens
+            self.scheduler.ack(peer_id, msg.batch_ids)
+            self.train_rate.add(self.scheduler.stats.acked_tokens - tokens_before)
+            peer.steps = msg.step
+            self._step = max(self._step, msg.step)
+        elif isinstance(msg, m.Metrics):
+            self._metrics(peer, msg)
+        elif isinstance(msg, m.Checkpoint):
+            self._last_checkpoint = msg.path
+        elif isinstance(msg, m.Error):
+            peer.left = True
+            raise RunAborted(f"worker {peer.name} ({peer.device}, pid {peer.pid}) failed: {msg.message}\n{msg.traceback}")
+        elif isinstance(msg, m.Bye):
+            peer.left = True
+            peer.state = "left"
+            self.scheduler.release(peer_id)
+        elif isinstance(msg, m.Hello):
+            self._send(peer_id, m.Reject(reason="already joined"))
+
+    def _metrics(self, peer: Peer, msg: m.Metrics) -> None:
+        values = dict(msg.values)
+        if "time_to_first_step_s" in values:
+            peer.first_step_s = float(values["time_to_first_step_s"])
+            values = {f"time_to_first_step_s/{peer.name}": peer.first_step_s}
+        if "loss" in values:
+            self._loss_history.append(float(values["loss"]))
+            self._state.loss = float(values["loss"])
+            self._state.acc = list(values.get("acc", []))
+            self._state.lr = float(values.get("lr", 0.0))
+            values.update(self._stage_rates())
+            values["queue_depth"] = self.scheduler.ready_count()
+            values["leased"] = self.scheduler.leased_count()
+        if "tau" in values:
+            self._state.tau = float(values["tau"])
+        self.metrics.log(values, msg.step)
+
+    def _stage_rates(self) -> dict[str, float]:
+        return {
+            "tokens_per_s": self.train_rate.rate(),
+            "tokens_per_s/producer": self.target_rate.rate(),
+            "tokens_per_s/wire": self.wire_rate.rate(),
+            "tokens_per_s/drafters": self.train_rate.rate(),
+        }
+
+    # --- routing -----------------------------------------------------------------------------------------
+
+    def _take_ready(self) -> None:
+        while True:
+            try:
+                item = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, TargetFailure):
+                raise RunAborted(f"target replica {item.replica} failed: {item.error!r}") from item.error
+            self._in_target -= 1
+            self.scheduler.add_ready(item)
+
+    def _refill(self) -> None:
+        """Keeps up to ``ready_batches`` computed or in computation, so the target never waits on us."""
+        while self._in_target + self.scheduler.ready_count() < self.cfg.wire.ready_batches + len(self._threads):
+            if self._done_sent:
+                return
+            plan = self.scheduler.next_plan()
+            if plan is None:
+                return
+            self._plans.put(plan)
+            self._in_target += 1
+
+    def _dispatch(self) -> None:
+        if self._done_sent:
+            return
+        for peer in self.peers.values():
+            while peer.credits > 0 and not peer.left and peer.rank >= 0:
+                batch = self.scheduler.lease_next(peer.identity, time.monotonic())
+                if batch is None:
+                    return
+                self._send(peer.identity, batch.payload)
+                peer.credits -= 1
+                self.wire_rate.add(batch.tokens)
+
+    def _send_done(self, reason: str) -> None:
+        self._done_sent = True
+        for peer in self.peers.values():
+            if not peer.left:
+                self._send(peer.identity, m.Done(reason=reason))
+
+    def _send(self, peer_id: bytes, msg: Any) -> None:
+        try:
+            self.endpoint.send(peer_id, msg)
+        except PeerGoneError:
+            peer = self.peers.get(peer_id)
+            if peer is not None and not peer.left:
+                raise RunAborted(f"worker {peer.name} ({peer.device}) disconnected") from None
+
+    # --- watching ----------------------------------------------------------------------------------------
+
+    def _check(self, watch: Callable[[], str | None] | None) -> None:
+        if watch is not None and (problem := watch()) is not None:
+            raise RunAborted(problem)
+
+    def _heartbeat_all(self) -> None:
+        for peer in self.peers.values():
+            if not peer.left:
+                self._send(peer.identity, m.Heartbeat(time=time.time()))
+
+    def _watch_peers(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= self.cfg.wire.heartbeat_s:
+            self._last_beat = now
+            self._heartbeat_all()
+        for peer in self.peers.values():
+            silent = now - peer.last_heard
+            if not peer.left and silent > self.cfg.wire.peer_timeout_s:
+                raise RunAborted(
+                    f"worker {peer.name} ({peer.device}, pid {peer.pid}) has been silent for {silent:.0f} s "
+                    f"(wire.peer_timeout_s = {self.cfg.wire.peer_timeout_s:.0f}); it is probably dead or hung."
+                )
+
+    def _note(self, text: str) -> None:
+        self._messages = (self._messages + [text])[-5:]
+
+    def _show(self) -> None:
+        s = self._state
+        s.step = self._step
+        total = self.ctx.ledger.num_samples * self.cfg.train.epochs
+        done = self.ctx.ledger.total_trained() + self.scheduler.stats.acked_samples
+        s.progress = min(1.0, done / total)
+        if self.cfg.train.max_steps:
+            s.progress = max(s.progress, min(1.0, self._step / self.cfg.train.max_steps))
+        s.elapsed_s = time.monotonic() - self._started
+        s.eta_s = s.elapsed_s * (1 - s.progress) / s.progress if s.progress > 0 else None
+        s.tokens_per_s = {
+            "producer": self.target_rate.rate(),
+            "wire": self.wire_rate.rate(),
+            "drafters": self.train_rate.rate(),
+        }
+        s.queue_depth = self.scheduler.ready_count()
+        s.leased = self.scheduler.leased_count()
+        s.workers = [
+            {
+                "name": p.name,
+                "rank": p.rank,
+                "device": p.device,
+                "state": p.state,
+                "steps": p.steps,
+                "first_step_s": p.first_step_s,
+            }
+            for p in self.peers.values()
+        ]
+        s.messages = list(self._messages)
+        self.dashboard.update(s)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._plans.put(None)
+        self.dashboard.close()
+        self.metrics.close()
+        self.endpoint.close()
+
+
+def _train_dict(cfg: Any) -> dict[str, Any]:
+    return cfg.to_dict()["train"]
+
+
+def _host_of(address: str) -> str:
+    rest = address.split("://", 1)[1]
+    return rest.rsplit(":", 1)[0] if rest.count(":") else "127.0.0.1"
+
+
+def _start_rendezvous_store(address: str) -> torch.distributed.TCPStore:
+    """The drafters' torch.distributed store lives in the producer, which outlives any worker."""
+    host = _host_of(address) if address.startswith("tcp://") else "127.0.0.1"
+    return torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+
+def _install_sigint(event: threading.Event) -> Any:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, _frame: object) -> None:
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+
+    return signal.signal(signal.SIGINT, handler)
+
+
+def _restore_sigint(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,130 @@
+"""Which batch goes where: epoch plans, leases until ACK, redelivery after a worker is lost.
+
+Pure bookkeeping (no sockets, no tensors) so the rules that guarantee "no sample lost, none trained twice
+in an epoch" are testable on their own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PlanFn = Callable[[int, set[int]], list[list[int]]]
+"""(epoch, sample ids to exclude) -> that epoch's batches as lists of sample ids."""
+
+
+@dataclass(slots=True)
+class PlannedBatch:
+    batch_id: int
+    epoch: int
+    sample_ids: list[int]
+
+
+@dataclass(slots=True)
+class ReadyBatch:
+    """A planned batch whose features exist; ``payload`` is the encoded message the wire sends."""
+
+    plan: PlannedBatch
+    payload: Any
+    tokens: int
+
+
+@dataclass(slots=True)
+class Lease:
+    worker: bytes
+    batch: ReadyBatch
+    sent_at: float
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    planned: int = 0
+    sent: int = 0
+    acked: int = 0
+    redelivered: int = 0
+    unknown_acks: int = 0
+    acked_tokens: int = 0
+    acked_samples: int = 0
+
+
+@dataclass(slots=True)
+class BatchScheduler:
+    plan_epoch: PlanFn
+    epochs: int
+    start_epoch: int = 0
+    trained_in_start_epoch: set[int] = field(default_factory=set)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    _plans: Iterator[PlannedBatch] | None = None
+    _ready: deque[ReadyBatch] = field(default_factory=deque)
+    _leases: dict[int, Lease] = field(default_factory=dict)
+    _outstanding: int = 0
+    _exhausted: bool = False
+
+    def __post_init__(self) -> None:
+        self._plans = self._generate()
+
+    def _generate(self) -> Iterator[PlannedBatch]:
+        batch_id = 0
+        for epoch in range(self.start_epoch, self.epochs):
+            exclude = self.trained_in_start_epoch if epoch == self.start_epoch else set()
+            for ids in self.plan_epoch(epoch, exclude):
+                yield PlannedBatch(batch_id=batch_id, epoch=epoch, sample_ids=ids)
+                batch_id += 1
+
+    def next_plan(self) -> PlannedBatch | None:
+        """The next batch the target should compute, or None once every epoch is planned."""
+        if self._exhausted:
+            return None
+        plan = next(self._plans, None)  # type: ignore[arg-type]
+        if plan is None:
+            self._exhausted = True
+            return None
+        self.stats.planned += 1
+        self._outstanding += 1
+        return plan
+
+    def add_ready(self, batch: ReadyBatch) -> None:
+        self._ready.append(batch)
+
+    def ready_count(self) -> int:
+        return len(self._ready)
+
+    def leased_count(self) -> int:
+        return len(self._leases)
+
+    def lease_next(self, worker: bytes, now: float) -> ReadyBatch | None:
+        if not self._ready:
+            return None
+        batch = self._ready.popleft()
+        self._leases[batch.plan.batch_id] = Lease(worker=worker, batch=batch, sent_at=now)
+        self.stats.sent += 1
+        return batch
+
+    def ack(self, worker: bytes, batch_ids: Sequence[int]) -> None:
+        for batch_id in batch_ids:
+            lease = self._leases.get(batch_id)
+            if lease is None or lease.worker != worker:
+                self.stats.unknown_acks += 1
+                continue
+            del self._leases[batch_id]
+            self._outstanding -= 1
+            self.stats.acked += 1
+            self.stats.acked_tokens += lease.batch.tokens
+            self.stats.acked_samples += len(lease.batch.plan.sample_ids)
+
+    def release(self, worker: bytes) -> int:
+        """A worker is gone: its leased batches go back to the front of the queue, in order."""
+        lost = sorted((bid for bid, lease in self._leases.items() if lease.worker == worker), reverse=True)
+        for batch_id in lost:
+            self._ready.appendleft(self._leases.pop(batch_id).batch)
+        self.stats.redelivered += len(lost)
+        return len(lost)
+
+    def leases_of(self, worker: bytes) -> list[int]:
+        return [bid for bid, lease in self._leases.items() if lease.worker == worker]
+
+    def finished(self) -> bool:
+        """Every epoch planned and every planned batch acknowledged."""
+        return self._exhausted and self._outstanding == 0

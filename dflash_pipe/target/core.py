@@ -1,0 +1,183 @@
+"""TargetCore: the frozen target LLM as a function from packed token batches to context features.
+
+Knows models and tensors only (no sockets, threads or signals: the producer process wraps it).
+
+Packed batches arrive as ``input_ids [T]`` plus per-sample ``lengths``. For now they run padded (right
+padding + attention mask); everything layout-specific lives in ``_PaddedLayout`` so a varlen-attention
+packing can replace it without touching the capture logic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the last needed layer: later layers and the LM head never run."""
+
+
+@dataclass(frozen=True, slots=True)
+class _PaddedLayout:
+    """Right-padded ``[B, S]`` view of a packed ``[T]`` batch, and the way back."""
+
+    input_ids: torch.Tensor  # [B, S] int64, pad positions hold 0
+    attention_mask: torch.Tensor  # [B, S] int64, 1 on real tokens
+    valid: torch.Tensor  # [B, S] bool, same as attention_mask
+
+    @classmethod
+    def from_packed(cls, input_ids: torch.Tensor, lengths: Sequence[int]) -> _PaddedLayout:
+        """Split ``input_ids [T]`` by ``lengths`` into right-padded rows."""
+        lens = torch.as_tensor(list(lengths), dtype=torch.long, device=input_ids.device)  # [B]
+        batch, width = len(lengths), max(lengths)
+        valid = torch.arange(width, device=input_ids.device)[None, :] < lens[:, None]  # [B, S]
+        padded = torch.zeros(batch, width, dtype=torch.long, device=input_ids.device)  # [B, S]
+        padded[valid] = input_ids.long()  # row-major mask order == packed order
+        return cls(input_ids=padded, attention_mask=valid.long(), valid=valid)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, S, ...]`` -> ``[T, ...]``: drop padding, samples back to back."""
+        return x[self.valid]
+
+
+def _check_lengths(input_ids: torch.Tensor, lengths: Sequence[int]) -> list[int]:
+    lens = [int(n) for n in lengths]
+    if input_ids.dim() != 1:
+        raise ValueError(
+            f"input_ids must be packed 1-D [T], got shape {tuple(input_ids.shape)}; "
+            "concatenate the samples and pass their lengths"
+        )
+    if not lens or min(lens) <= 0:
+        raise ValueError(f"lengths must be a non-empty list of positive ints, got {lens}")
+    if sum(lens) != input_ids.numel():
+        raise ValueError(
+            f"lengths sum to {sum(lens)} but input_ids has {input_ids.numel()} tokens; "
+            "pass one length per packed sample"
+        )
+    return lens
+
+
+def _layer_output(output: object) -> torch.Tensor:
+    """Decoder layers return a tensor (transformers 5) or a tuple whose first item is the hidden state."""
+    return output[0] if isinstance(output, (tuple, list)) else output  # type: ignore[return-value]
+
+
+class TargetCore:
+    """A frozen HF causal LM that returns the outputs of selected decoder layers for packed batches."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        layer_ids: Sequence[int],
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, attn_implementation="sdpa")
+        model.to(self.device).eval().requires_grad_(False)
+        self.model: nn.Module = model
+        self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models
+        self.config = model.config
+        text_config = self.config.get_text_config()
+        self.hidden_size: int = int(text_config.hidden_size)
+        self.vocab_size: int = int(text_config.vocab_size)
+        # The decoder stack without the LM head (e.g. Qwen3Model inside Qwen3ForCausalLM).
+        self.decoder: nn.Module = model.get_decoder() if hasattr(model, "get_decoder") else model
+        self.num_layers: int = num_hidden_layers(self.config) or len(self.layers)
+        self.layer_ids: tuple[int, ...] = _validate_layer_ids(layer_ids, self.num_layers, model_path)
+
+    @property
+    def feature_size(self) -> int:
+        """k*H, the width of one feature row."""
+        return len(self.layer_ids) * self.hidden_size
+
+    @torch.inference_mode()
+    def features(self, input_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """Outputs of decoder layers ``layer_ids`` (``hidden_states[id + 1]``) for packed samples.
+
+        ``input_ids [T]`` on any device; returns ``[T, k*H]`` in ``dtype`` on ``device``. Each selected
+        layer's output is packed straight into its slice of the result by a forward hook (no full
+        hidden-state list is kept), and the hook on the deepest selected layer aborts the forward. The
+        LM head never runs; the final layer, if selected, comes from the decoder's normed output because
+        that is what ``hidden_states[L]`` holds in HF.
+        """
+        lens = _check_lengths(input_ids, lengths)
+        layout = _PaddedLayout.from_packed(input_ids.to(self.device), lens)
+        hidden = self.hidden_size
+        out = torch.empty(sum(lens), self.feature_size, dtype=self.dtype, device=self.device)  # [T, k*H]
+        slots = {layer_id: j for j, layer_id in enumerate(self.layer_ids)}
+        final = self.num_layers - 1
+        # hidden_states[L] is the *normed* output of the last layer: take it from the decoder's output.
+        hooked = [i for i in self.layer_ids if i != final]
+        stop_after = None if final in slots else max(hooked)
+
+        def make_hook(layer_id: int):
+            def hook(_module: nn.Module, _args: object, output: object) -> None:
+                j = slots[layer_id]
+                out[:, j * hidden : (j + 1) * hidden] = layout.pack(_layer_output(output))  # [T, H]
+                if layer_id == stop_after:
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in hooked]
+        try:
+            result = self.decoder(
+                input_ids=layout.input_ids, attention_mask=layout.attention_mask, use_cache=False
+            )
+        except _StopForward:
+            result = None
+        finally:
+            for handle in handles:
+                handle.remove()
+        if final in slots:
+            j = slots[final]
+            last_hidden = getattr(result, "last_hidden_state", None)
+            if last_hidden is None:
+                last_hidden = result[0]
+            out[:, j * hidden : (j + 1) * hidden] = layout.pack(last_hidden)  # [T, H]
+        elif result is not None:
+            raise RuntimeError(
+                f"{type(self.model).__name__} finished its forward without running decoder layer "
+                f"{stop_after}; the layer list found by dflash_pipe.target.layers is not the one it uses"
+            )
+        return out
+
+    @torch.inference_mode()
+    def greedy_next(self, input_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """The target's greedy next token at every packed position (``[T]`` int64), for acceptance eval.
+
+        Runs the full model including the LM head, so it is much costlier than ``features``.
+        """
+        lens = _check_lengths(input_ids, lengths)
+        layout = _PaddedLayout.from_packed(input_ids.to(self.device), lens)
+        logits = self.model(
+            input_ids=layout.input_ids, attention_mask=layout.attention_mask, use_cache=False
+        ).logits  # [B, S, V]
+        return layout.pack(logits.argmax(dim=-1))  # [T]
+
+
+def _validate_layer_ids(layer_ids: Sequence[int], num_layers: int, model_path: str | Path) -> tuple[int, ...]:
+    ids = tuple(layer_ids)
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
+    if not ids or bad:
+        raise ValueError(
+            f"layer_ids {list(ids)} are invalid for the target {model_path} with {num_layers} decoder layers"
+            + (f" (out of range: {bad})" if bad else " (empty)")
+            + f"; pick distinct ids in 0..{num_layers - 1}, e.g. the drafter's target_layer_ids from "
+            "DrafterConfig.from_target"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(
+            f"layer_ids {list(ids)} contain duplicates; pick distinct ids in 0..{num_layers - 1}"
+        )
+    return ids

@@ -1,0 +1,48 @@
+"""From a packed BATCH message (samples back to back) to the padded tensors the drafter trains on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class DeviceBatch:
+    input_ids: torch.Tensor  # [B, S] int64
+    features: torch.Tensor  # [B, S, k*H]
+    loss_mask: torch.Tensor  # [B, S] bool, False on padding
+    target_next: torch.Tensor | None  # [B, S] int64, eval batches only
+    tokens: int
+
+
+def unpack(tensors: dict[str, torch.Tensor], lengths: list[int], device: torch.device) -> DeviceBatch:
+    """Copies the packed wire tensors to ``device`` once, then pads there (right padding)."""
+    total = sum(lengths)
+    feats = tensors["features"]
+    if feats.shape[0] != total or tensors["input_ids"].shape[0] != total:
+        raise ValueError(f"BATCH tensors hold {feats.shape[0]} tokens but lengths sum to {total}.")
+    non_blocking = device.type == "cuda"
+    ids = tensors["input_ids"].to(device, torch.int64, non_blocking=non_blocking)
+    mask = tensors["loss_mask"].to(device, non_blocking=non_blocking).bool()
+    feats = feats.to(device, non_blocking=non_blocking)
+    nxt = tensors.get("target_next")
+    nxt = None if nxt is None else nxt.to(device, torch.int64, non_blocking=non_blocking)
+    b, s = len(lengths), max(lengths)
+    if b == 1:
+        return DeviceBatch(
+            ids[None], feats[None], mask[None], None if nxt is None else nxt[None], tokens=total
+        )
+    out_ids = torch.zeros(b, s, dtype=torch.int64, device=device)
+    out_mask = torch.zeros(b, s, dtype=torch.bool, device=device)
+    out_feats = torch.zeros(b, s, feats.shape[-1], dtype=feats.dtype, device=device)
+    out_next = None if nxt is None else torch.full((b, s), -1, dtype=torch.int64, device=device)
+    start = 0
+    for row, n in enumerate(lengths):
+        out_ids[row, :n] = ids[start : start + n]
+        out_mask[row, :n] = mask[start : start + n]
+        out_feats[row, :n] = feats[start : start + n]
+        if out_next is not None:
+            out_next[row, :n] = nxt[start : start + n]
+        start += n
+    return DeviceBatch(out_ids, out_feats, out_mask, out_next, tokens=total)

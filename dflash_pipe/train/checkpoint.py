@@ -1,0 +1,165 @@
+"""Checkpoints: drafter weights, optimizer, trainer state (step, ledger) and RNG, written atomically.
+
+A checkpoint is built in a temporary directory and renamed into place, then the ``latest`` pointer is
+replaced the same way: a crash (or a full disk) never leaves a half-written checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+DRAFTER_WEIGHTS = "drafter.safetensors"
+DRAFTER_CONFIG = "drafter_config.json"
+OPTIMIZER = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+RNG = "rng.pt"
+
+
+@dataclass(slots=True)
+class TrainerState:
+    step: int
+    ledger: dict[str, Any]
+    """Ledger.to_dict(): which samples these weights have been trained on, per epoch."""
+    extra: dict[str, Any]
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's own weights; the frozen target embedding and LM head are never saved."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    drafter_config: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    ledger: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    keep_last: int = 3,
+) -> Path:
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:08d}"
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        weights = {k: v.float().contiguous().cpu() for k, v in trainable_state(model).items()}
+        save_file(weights, str(tmp / DRAFTER_WEIGHTS))
+        _write_json(tmp / DRAFTER_CONFIG, drafter_config)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        torch.save(_rng_state(), tmp / RNG)
+        _write_json(
+            tmp / TRAINER_STATE,
+            {"step": step, "time": time.time(), "ledger": ledger, "extra": extra or {}},
+        )
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    pointer_tmp = root / f".{LATEST}.{os.getpid()}"
+    pointer_tmp.write_text(name + "\n")
+    os.replace(pointer_tmp, root / LATEST)
+    _fsync_dir(root)
+    _prune(root, keep_last)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / CHECKPOINTS / LATEST
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / TRAINER_STATE).exists():
+        raise FileNotFoundError(
+            f"{pointer} points at {path.name}, which is missing or incomplete. Point it at an existing "
+            f"checkpoint directory under {pointer.parent}."
+        )
+    return path
+
+
+def read_trainer_state(path: Path) -> TrainerState:
+    data = json.loads((Path(path) / TRAINER_STATE).read_text())
+    return TrainerState(step=int(data["step"]), ledger=data["ledger"], extra=data.get("extra", {}))
+
+
+def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainerState:
+    path = Path(path)
+    weights = load_file(str(path / DRAFTER_WEIGHTS))
+    own = dict(model.named_parameters())
+    missing = sorted(k for k, p in own.items() if p.requires_grad and k not in weights)
+    unexpected = sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"Checkpoint {path} does not fit this drafter (missing {missing[:5]}, unexpected {unexpected[:5]}). "
+            "Was it written for another target or drafter config?"
+        )
+    with torch.no_grad():
+        for name, value in weights.items():
+            own[name].copy_(value)
+    if optimizer is not None:
+        state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state)
+    rng = torch.load(path / RNG, map_location="cpu", weights_only=True)
+    _restore_rng(rng)
+    return read_trainer_state(path)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    py = random.getstate()
+    state["python"] = torch.tensor(list(py[1]), dtype=torch.int64)
+    state["python_pos"] = py[2] if py[2] is not None else -1
+    state["python_version"] = py[0]
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "python" in state:
+        pos = state["python_pos"]
+        random.setstate((state["python_version"], tuple(state["python"].tolist()), None if pos == -1 else pos))
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)

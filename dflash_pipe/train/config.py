@@ -1,0 +1,54 @@
+"""Training hyper-parameters: the DFlash recipe by default (DESIGN.md, "Recipe")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    lr: float = 6e-4
+    """Peak AdamW learning rate."""
+    warmup_ratio: float = 0.04
+    """Fraction of all planned samples spent warming the LR up linearly."""
+    min_lr_ratio: float = 0.0
+    """Cosine decay floor, as a fraction of ``lr``."""
+    epochs: int = 6
+    grad_clip: float = 1.0
+    """Max global grad norm; 0 disables clipping."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    seed: int = 0
+    checkpoint_every: int = 500
+    """Steps between checkpoints (one is always written at the end)."""
+    eval_every: int = 0
+    """Steps between acceptance (tau) evaluations; 0 evaluates only at the end."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the drafter layers: auto = on for CUDA, off on CPU."""
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        if not self.lr > 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}.")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
+        if self.epochs < 1:
+            raise ValueError(f"train.epochs must be >= 1, got {self.epochs}.")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip}.")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"train.checkpoint_every must be >= 1, got {self.checkpoint_every}.")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every must be >= 0, got {self.eval_every}.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1 or unset, got {self.max_steps}.")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"train.compile must be auto, on or off, got {self.compile!r}.")
+        if self.log_every < 1:
+            raise ValueError(f"train.log_every must be >= 1, got {self.log_every}.")

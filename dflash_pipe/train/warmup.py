@@ -1,0 +1,59 @@
+"""Compile once per run: the first worker compiles under a file lock, the others then start warm.
+
+Inductor's cache is safe to share but does not deduplicate work: workers that start together on an empty
+cache each compile everything (DESIGN.md, "Compile cache"). A lock plus a marker file turns N cold
+compiles into one cold and N-1 warm ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from filelock import FileLock
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    for layer in model.layers:  # type: ignore[attr-defined]
+        layer.compile(dynamic=True)
+
+
+def warm_up(
+    model: torch.nn.Module, *, drafter_config: dict[str, Any], cache_dir: Path, device: torch.device, seq_len: int
+) -> dict[str, float]:
+    """Runs synthetic steps so every compiled variant exists before real batches arrive."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(
+        json.dumps([drafter_config, torch.__version__, str(device.type)], sort_keys=True).encode()
+    ).hexdigest()[:16]
+    marker = cache_dir / f"warm-{key}"
+    t0 = time.time()
+    waited = 0.0
+    if marker.exists():
+        _synthetic_steps(model, drafter_config, device, seq_len)
+        return {"warmup_s": time.time() - t0, "warmup_waited_s": 0.0, "warmup_cold": 0.0}
+    with FileLock(str(cache_dir / "warmup.lock")):
+        waited = time.time() - t0
+        cold = not marker.exists()
+        _synthetic_steps(model, drafter_config, device, seq_len)
+        marker.write_text(f"{time.time()}\n")
+    return {"warmup_s": time.time() - t0, "warmup_waited_s": waited, "warmup_cold": float(cold)}
+
+
+def _synthetic_steps(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device, seq_len: int) -> None:
+    k = len(cfg["target_layer_ids"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for length in (seq_len, max(seq_len // 2, 8)):
+        ids = torch.randint(0, cfg["vocab_size"], (1, length), device=device)
+        feats = torch.randn(1, length, k * cfg["hidden_size"], device=device, dtype=dtype)
+        mask = torch.ones(1, length, dtype=torch.bool, device=device)
+        with autocast:
+            out = model(ids, feats, mask, generator=torch.Generator(device=device).manual_seed(0))
+        out.loss_sum.backward()
+    for p in model.parameters():
+        p.grad = None

@@ -1,0 +1,275 @@
+"""Message <-> frames: `[msgpack header, *raw tensor frames]`, zero-copy both ways, strict on decode.
+
+Header (frame 0, a msgpack map with exactly these keys):
+    v: protocol version (int)      k: kind byte (int)
+    f: the message fields, except `tensors` (map str -> value)
+    t: tensor table, a list of [name, dtype, shape, loc]; loc is the index of the raw frame holding the
+       tensor's bytes (frames 1..N, each used once) or, for tensors under `INLINE_MAX_BYTES`, the bytes.
+
+Zero-copy rules:
+- `encode` returns memoryviews of the tensors' own storage (non-contiguous tensors are made contiguous
+  first, which copies). The views keep the tensors alive; do not modify a tensor in place until the send
+  is done (`ProducerEndpoint.send(..., track=True)` gives a tracker to wait on).
+- `decode` returns tensors that are views of the received frame buffers (zmq frames are writable). A
+  read-only buffer (e.g. `bytes`) is copied into a `bytearray` first: a tensor over immutable memory
+  would let in-place ops corrupt it, and torch warns about it. The transport never hands read-only
+  buffers, so the socket path stays zero-copy. Callers `.clone()` or copy to device what they keep.
+- A raw frame whose address is not aligned to the element size is copied (torch kernels assume alignment).
+
+Every size the header declares is checked against the frames and against `max_tensor_bytes` before any
+tensor is built; msgpack runs with `raw=False`, `strict_map_key=True`, explicit length limits and no
+extension types. Nothing but msgpack and raw bytes ever crosses the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import torch
+
+from dflash_pipe.wire.errors import ProtocolError, ProtocolVersionError
+from dflash_pipe.wire.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Kind,
+    Message,
+    field_names,
+    has_tensors,
+)
+
+INLINE_MAX_BYTES = 1023
+"""Tensors of at most this many bytes travel inside the header (no frame of their own)."""
+DEFAULT_MAX_TENSOR_BYTES = 8 << 30
+"""Default cap on the total tensor bytes one message may declare (8 GiB)."""
+MAX_HEADER_BYTES = 16 << 20
+"""Cap on the header frame (sample ids, configs, tracebacks fit easily)."""
+MAX_RANK = 8
+
+_NAMES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+)
+DTYPES: Mapping[str, torch.dtype] = {n: getattr(torch, n) for n in _NAMES if hasattr(torch, n)}
+"""Allow-list of tensor dtypes on the wire, by the name used in the header (torch's own names)."""
+_DTYPE_NAMES = {dt: n for n, dt in DTYPES.items()}
+_HEADER_KEYS = frozenset("vkft")
+
+Frame = bytes | bytearray | memoryview  # or anything with the buffer protocol (zmq.Frame)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a dtype (e.g. "bfloat16"); raises `ProtocolError` for dtypes not on the wire."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ProtocolError(f"dtype {dtype} cannot travel on the wire; allowed: {sorted(DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of `dtype_name`."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ProtocolError(f"dtype {name!r} is not allowed on the wire; allowed: {sorted(DTYPES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# encode
+
+
+def _tensor_bytes(name: str, tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of the tensor's storage (copies only if it is not contiguous)."""
+    if tensor.layout != torch.strided:
+        raise ProtocolError(f"tensor {name!r}: layout {tensor.layout} cannot travel; send a dense tensor")
+    if tensor.device.type != "cpu":
+        raise ProtocolError(f"tensor {name!r} is on {tensor.device}; copy it to (pinned) CPU memory first")
+    flat = tensor.detach().contiguous().reshape(-1)  # [numel]
+    # numpy has no bf16/fp8: reinterpret as bytes, which also makes 0-d and bool tensors uniform.
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """Frames for `msg`: the msgpack header, then one raw frame per tensor over `INLINE_MAX_BYTES`."""
+    cls = type(msg)
+    if MESSAGE_TYPES.get(getattr(cls, "KIND", None)) is not cls:
+        raise ProtocolError(f"cannot encode {cls.__name__}: not a registered wire message")
+    fields = {name: getattr(msg, name) for name in field_names(cls)}
+    table: list[list[Any]] = []
+    frames: list[bytes | memoryview] = [b""]  # header goes in slot 0 once the table is complete
+    if has_tensors(cls):
+        for name, tensor in msg.tensors.items():
+            if tensor.dim() > MAX_RANK:
+                raise ProtocolError(f"tensor {name!r}: rank {tensor.dim()} exceeds {MAX_RANK}")
+            data = _tensor_bytes(name, tensor)
+            if data.nbytes <= INLINE_MAX_BYTES:
+                loc: int | bytes = data.tobytes()
+            else:
+                loc = len(frames)
+                frames.append(data)
+            table.append([name, dtype_name(tensor.dtype), list(tensor.shape), loc])
+    header = {"v": PROTOCOL_VERSION, "k": int(cls.KIND), "f": fields, "t": table}
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed in a wire header")
+
+
+def _unpack_header(buf: memoryview) -> Any:
+    if buf.nbytes == 0:
+        raise ProtocolError("empty header frame")
+    if buf.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame of {buf.nbytes} bytes exceeds the {MAX_HEADER_BYTES}-byte cap")
+    try:
+        return msgpack.unpackb(
+            buf,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_reject_ext,
+            max_str_len=MAX_HEADER_BYTES,
+            max_bin_len=INLINE_MAX_BYTES,
+            max_array_len=1 << 22,
+            max_map_len=1 << 16,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several types (ExtraData, OutOfData, ValueError, ...)
+        raise ProtocolError(f"header frame is not valid msgpack: {type(e).__name__}: {e}") from None
+
+
+def _as_bytes_view(frame: Any, index: int) -> memoryview:
+    try:
+        view = memoryview(frame)
+    except TypeError:
+        raise ProtocolError(f"frame {index} is a {type(frame).__name__}, not a buffer") from None
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def _check_entry(entry: Any, i: int) -> tuple[str, torch.dtype, list[int], int | bytes, int]:
+    """Validate one tensor-table entry; returns (name, dtype, shape, loc, nbytes)."""
+    if not isinstance(entry, list) or len(entry) != 4:
+        raise ProtocolError(f"tensor table entry {i} must be [name, dtype, shape, loc], got {entry!r:.80}")
+    name, dtype, shape, loc = entry
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"tensor table entry {i}: name must be a non-empty str, got {name!r:.80}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ProtocolError(f"tensor {name!r}: dtype {dtype!r:.40} is not allowed; allowed: {sorted(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_RANK} ints")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise ProtocolError(f"tensor {name!r}: shape {shape!r:.80} must hold non-negative ints")
+    if not (type(loc) is int or isinstance(loc, bytes)):
+        raise ProtocolError(f"tensor {name!r}: loc must be a frame index or inline bytes, got {loc!r:.40}")
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize  # Python ints: no overflow
+    return name, DTYPES[dtype], shape, loc, nbytes
+
+
+def _to_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """A tensor over `buf` (zero-copy when it is writable and aligned)."""
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dtype)  # frombuffer refuses empty buffers
+    if isinstance(buf, bytes) or buf.readonly:
+        buf = bytearray(buf)  # see module docstring: copy instead of aliasing immutable memory
+    tensor = torch.frombuffer(buf, dtype=torch.uint8)
+    if tensor.data_ptr() % dtype.itemsize:
+        tensor = tensor.clone()  # unaligned (small frames can sit at odd offsets of zmq's buffer)
+    return tensor.view(dtype).reshape(shape)
+
+
+def decode(frames: Sequence[Any], *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Message:
+    """Parse and validate a frame set; raises `ProtocolError` (or `ProtocolVersionError`) if malformed.
+
+    Tensors are views of the frame buffers where possible: keep `frames` immutable while you use them.
+    """
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ProtocolError("a message needs at least one frame (the header)")
+    views = [_as_bytes_view(f, i) for i, f in enumerate(frames)]
+    header = _unpack_header(views[0])
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.get("v")
+    if type(version) is not int:
+        raise ProtocolError(f"header 'v' (protocol version) must be an int, got {version!r:.40}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolVersionError(theirs=version, ours=PROTOCOL_VERSION)
+    if header.keys() != _HEADER_KEYS:
+        raise ProtocolError(f"header keys must be {sorted(_HEADER_KEYS)}, got {sorted(header, key=repr)}")
+    kind_byte, fields, table = header["k"], header["f"], header["t"]
+    try:
+        if type(kind_byte) is not int:
+            raise ValueError
+        cls = MESSAGE_TYPES[Kind(kind_byte)]
+    except (ValueError, KeyError):
+        raise ProtocolError(f"unknown message kind {kind_byte!r:.40}") from None
+    kind = cls.KIND.name
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{kind}: header 'f' must be a map, got {type(fields).__name__}")
+    expected = set(field_names(cls))
+    if missing := expected - fields.keys():
+        raise ProtocolError(f"{kind}: missing field(s) {sorted(missing)}")
+    if extra := fields.keys() - expected:
+        raise ProtocolError(f"{kind}: unknown field(s) {sorted(extra, key=repr)}")
+    if not isinstance(table, list):
+        raise ProtocolError(f"{kind}: header 't' (tensor table) must be a list")
+    if table and not has_tensors(cls):
+        raise ProtocolError(f"{kind} carries no tensors, but the header lists {len(table)}")
+
+    # Validate the whole table against the frames before building any tensor.
+    entries = [_check_entry(e, i) for i, e in enumerate(table)]
+    total, used = 0, set()
+    for name, _dtype, shape, loc, nbytes in entries:
+        total += nbytes
+        if total > max_tensor_bytes:
+            raise ProtocolError(
+                f"{kind}: tensors declare {total} bytes (at {name!r}, shape {shape}), over the "
+                f"{max_tensor_bytes}-byte cap; raise max_tensor_bytes on both sides if this is intended"
+            )
+        if isinstance(loc, bytes):
+            if len(loc) != nbytes:
+                raise ProtocolError(
+                    f"tensor {name!r}: inline data has {len(loc)} bytes, shape needs {nbytes}"
+                )
+            continue
+        if not 1 <= loc < len(views):
+            raise ProtocolError(f"tensor {name!r}: frame index {loc} out of range 1..{len(views) - 1}")
+        if loc in used:
+            raise ProtocolError(f"tensor {name!r}: frame {loc} is used by two tensors")
+        used.add(loc)
+        if views[loc].nbytes != nbytes:
+            raise ProtocolError(
+                f"tensor {name!r}: frame {loc} has {views[loc].nbytes} bytes, shape {shape} needs {nbytes}"
+            )
+    if len(used) != len(views) - 1:
+        raise ProtocolError(f"{kind}: header references {len(used)} tensor frame(s), got {len(views) - 1}")
+    if len({e[0] for e in entries}) != len(entries):
+        raise ProtocolError(f"{kind}: duplicate tensor names in the tensor table")
+
+    tensors = {}
+    for name, dtype, shape, loc, _ in entries:
+        tensor = _to_tensor(loc if isinstance(loc, bytes) else views[loc], dtype, shape)
+        if dtype == torch.bool and tensor.numel() and tensor.view(torch.uint8).max() > 1:
+            raise ProtocolError(f"tensor {name!r}: bool data holds bytes other than 0/1")
+        tensors[name] = tensor
+    if has_tensors(cls):
+        fields["tensors"] = tensors
+    return cls(**fields)  # __post_init__ validates every field and raises ProtocolError

@@ -1,0 +1,437 @@
+"""Wire message types: one dataclass per `Kind`, a kind <-> class registry and the protocol version.
+
+Every message validates its own fields in `__post_init__` (type, range, cross-field rules) and raises
+`ProtocolError` naming the field. The codec decodes a header into a plain dict and constructs the class, so
+the same checks guard both a message built in-process and one that arrived from a peer. The checks are
+derived once per class from its annotations plus optional `field(metadata=...)` bounds (`ge`, `gt`, `le`;
+on a list they bound every element), so adding a field or a range is a one-line change.
+
+Field values are restricted to what msgpack carries without extensions: None, bool, int (int64/uint64),
+float, str, lists and str-keyed dicts of those; tensors travel only in a `tensors: dict[str, Tensor]` field.
+Tuples are accepted and normalized to lists, ints in float fields to floats, so a decoded message compares
+equal to the one that was sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from dflash_pipe.wire.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+"""Bumped on any change to the header layout, a kind's fields or their meaning."""
+
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
+_MAX_JSON_DEPTH = 32  # nesting bound for free-form dict fields (drafter/train configs)
+
+
+class Kind(enum.IntEnum):
+    """Message kind, sent as one byte (`k` in the header). Values are part of the protocol: never reuse."""
+
+    HELLO = 0x01  # worker -> producer
+    WELCOME = 0x02  # producer -> worker
+    REJECT = 0x03  # producer -> worker
+    READY = 0x04  # worker -> producer
+    BATCH = 0x05  # producer -> worker
+    IDLE = 0x06  # producer -> worker
+    ACK = 0x07  # worker -> producer
+    METRICS = 0x08  # worker rank 0 -> producer
+    CHECKPOINT = 0x09  # worker rank 0 -> producer
+    HEARTBEAT = 0x0A  # both ways
+    ERROR = 0x0B  # either way
+    DONE = 0x0C  # producer -> worker
+    BYE = 0x0D  # worker -> producer
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-field checkers, compiled once per class from the annotations.
+
+Checker = Callable[[Any, str], Any]  # (value, field path) -> normalized value; raises ProtocolError
+
+
+def _fail(path: str, expected: str, value: Any) -> typing.NoReturn:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise ProtocolError(f"field {path!r}: expected {expected}, got {type(value).__name__} {shown}")
+
+
+def _check_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(path, "int", value)
+    if not _INT_MIN <= value <= _INT_MAX:
+        _fail(path, "an int within int64/uint64", value)
+    return int(value)
+
+
+def _check_float(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(path, "float", value)
+    return float(value)
+
+
+def _check_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        _fail(path, "str", value)
+    return value
+
+
+def _check_bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(path, "bool", value)
+    return value
+
+
+def _check_none(value: Any, path: str) -> None:
+    if value is not None:
+        _fail(path, "None", value)
+
+
+def _check_tensor(value: Any, path: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        _fail(path, "torch.Tensor", value)
+    return value
+
+
+def _check_json(value: Any, path: str, depth: int = 0) -> Any:
+    """A msgpack-safe plain value (for free-form dicts such as the drafter config); tuples become lists."""
+    if depth > _MAX_JSON_DEPTH:
+        raise ProtocolError(f"field {path!r}: nested deeper than {_MAX_JSON_DEPTH} levels")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return _check_int(value, path)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_check_json(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                _fail(f"{path} key", "str", k)
+            out[k] = _check_json(v, f"{path}.{k}", depth + 1)
+        return out
+    _fail(path, "None, bool, int, float, str, list or dict", value)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is None and isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _compile(tp: Any) -> Checker:
+    """Build a checker for an annotation; only the small vocabulary the protocol uses is supported."""
+    simple = {
+        int: _check_int,
+        float: _check_float,
+        str: _check_str,
+        bool: _check_bool,
+        type(None): _check_none,
+        torch.Tensor: _check_tensor,
+    }
+    if tp in simple:
+        return simple[tp]
+    if tp is Any:
+        return _check_json
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list:
+        item = _compile(args[0])
+
+        def check_list(value: Any, path: str) -> list:
+            if not isinstance(value, (list, tuple)):
+                _fail(path, _type_name(tp), value)
+            return [item(v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+        return check_list
+    if origin is dict:
+        if args[0] is not str:
+            raise TypeError(f"wire dict fields need str keys, got {tp!r}")
+        val = _compile(args[1])
+
+        def check_dict(value: Any, path: str) -> dict:
+            if not isinstance(value, dict):
+                _fail(path, _type_name(tp), value)
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    _fail(f"{path} key", "str", k)
+                out[k] = val(v, f"{path}.{k}")
+            return out
+
+        return check_dict
+    if origin in (typing.Union, types.UnionType):
+        alternatives = [_compile(a) for a in args]
+
+        def check_union(value: Any, path: str) -> Any:
+            for alt in alternatives:
+                try:
+                    return alt(value, path)
+                except ProtocolError:
+                    continue
+            _fail(path, _type_name(tp), value)
+
+        return check_union
+    raise TypeError(f"unsupported wire field type {tp!r}")
+
+
+def _bound(value: Any, path: str, meta: Mapping[str, Any]) -> None:
+    """Apply `ge`/`gt`/`le` bounds from field metadata; on a list, to every element."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _bound(v, f"{path}[{i}]", meta)
+        return
+    if not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and math.isnan(value) and meta:
+        raise ProtocolError(f"field {path!r}: NaN where a bounded number is required")
+    if "ge" in meta and not value >= meta["ge"]:
+        raise ProtocolError(f"field {path!r}: must be >= {meta['ge']}, got {value!r}")
+    if "gt" in meta and not value > meta["gt"]:
+        raise ProtocolError(f"field {path!r}: must be > {meta['gt']}, got {value!r}")
+    if "le" in meta and not value <= meta["le"]:
+        raise ProtocolError(f"field {path!r}: must be <= {meta['le']}, got {value!r}")
+
+
+def bounded(*, ge: float | None = None, gt: float | None = None, le: float | None = None, **kw: Any) -> Any:
+    """`dataclasses.field` with numeric bounds checked on construction and on decode."""
+    meta = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
+    return field(metadata=meta, **kw)
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """How one message field is checked: its compiled type checker and numeric bounds."""
+
+    name: str
+    check: Checker
+    bounds: Mapping[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Base class and registry.
+
+
+class Message:
+    """Base of all wire messages. Subclasses are registered with `@register(Kind.X)` and are
+    `@dataclass(kw_only=True, slots=True)`; construction validates every field."""
+
+    __slots__ = ()
+    KIND: ClassVar[Kind]
+    SCHEMA: ClassVar[tuple[FieldSpec, ...]]
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for spec in self.SCHEMA:
+            path = f"{name}.{spec.name}"
+            value = spec.check(getattr(self, spec.name), path)
+            _bound(value, path, spec.bounds)
+            object.__setattr__(self, spec.name, value)
+        self._check()
+
+    def _check(self) -> None:
+        """Cross-field rules; override in a subclass (raise `ProtocolError`)."""
+
+
+M = TypeVar("M", bound=type[Message])
+
+_REGISTRY: dict[Kind, type[Message]] = {}
+MESSAGE_TYPES: Mapping[Kind, type[Message]] = types.MappingProxyType(_REGISTRY)
+"""Kind -> message class. The only dispatch table: the codec looks kinds up here, never by name."""
+
+
+def register(kind: Kind) -> Callable[[M], M]:
+    """Class decorator: bind a message dataclass to its kind and compile its field schema."""
+
+    def wrap(cls: M) -> M:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__}: apply @register above @dataclass")
+        if kind in _REGISTRY:
+            raise TypeError(f"{kind!r} is already bound to {_REGISTRY[kind].__name__}")
+        hints = typing.get_type_hints(cls)
+        cls.KIND = kind
+        cls.SCHEMA = tuple(
+            FieldSpec(name=f.name, check=_compile(hints[f.name]), bounds=dict(f.metadata))
+            for f in dataclasses.fields(cls)
+        )
+        _REGISTRY[kind] = cls
+        return cls
+
+    return wrap
+
+
+def field_names(cls: type[Message]) -> tuple[str, ...]:
+    """Names of the header fields of a message class (everything but `tensors`)."""
+    return tuple(s.name for s in cls.SCHEMA if s.name != "tensors")
+
+
+def has_tensors(cls: type[Message]) -> bool:
+    return any(s.name == "tensors" for s in cls.SCHEMA)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The messages (fields as in contracts.md, section dflash_pipe.wire).
+
+
+@register(Kind.HELLO)
+@dataclass(kw_only=True, slots=True)
+class Hello(Message):
+    """Worker introduces itself; the producer answers WELCOME or REJECT."""
+
+    worker_name: str
+    host: str
+    pid: int = bounded(ge=0)
+    device: str  # e.g. "cuda:0", "cpu"
+    capabilities: list[str] = field(default_factory=list)
+    protocol_version: int = bounded(ge=0, default=PROTOCOL_VERSION)
+
+
+@register(Kind.WELCOME)
+@dataclass(kw_only=True, slots=True)
+class Welcome(Message):
+    """Everything a worker needs to build its drafter and join the run."""
+
+    run_id: str
+    rank: int = bounded(ge=0)
+    world_size: int = bounded(ge=1)
+    rendezvous: str  # "tcp://host:port" for torch.distributed
+    run_dir: str
+    target_path: str
+    feature_dtype: str  # e.g. "bfloat16"
+    hidden_size: int = bounded(ge=1)
+    target_layer_ids: list[int] = bounded(ge=0)
+    vocab_size: int = bounded(ge=1)
+    mask_token_id: int = bounded(ge=0)
+    block_size: int = bounded(ge=1)
+    drafter: dict[str, Any]  # DrafterConfig.to_dict()
+    train: dict[str, Any]  # TrainConfig as a dict
+    resume_from: str | None = None
+    heartbeat_s: float = bounded(gt=0)
+
+    def _check(self) -> None:
+        if self.rank >= self.world_size:
+            raise ProtocolError(
+                f"field 'Welcome.rank': must be < world_size ({self.world_size}), got {self.rank}"
+            )
+
+
+@register(Kind.REJECT)
+@dataclass(kw_only=True, slots=True)
+class Reject(Message):
+    """Handshake refused (version or config mismatch); the worker should exit with this reason."""
+
+    reason: str
+
+
+@register(Kind.READY)
+@dataclass(kw_only=True, slots=True)
+class Ready(Message):
+    """Credit-based flow: the worker accepts up to `credits` more BATCHes."""
+
+    credits: int = bounded(ge=1)
+
+
+@register(Kind.BATCH)
+@dataclass(kw_only=True, slots=True)
+class Batch(Message):
+    """Packed samples (back to back, `lengths` sum to T) and their target features.
+
+    tensors: "input_ids" [T] int64|int32, "loss_mask" [T] bool|uint8, "features" [T, k*H] bf16|fp32.
+    Decoded tensors share the receive buffer: `.clone()` or copy to device what you keep.
+    Equality (`==`) is not meaningful for this class: compare tensors with `torch.equal`.
+    """
+
+    batch_id: int = bounded(ge=0)
+    epoch: int = bounded(ge=0)
+    sample_ids: list[int] = bounded(ge=0)
+    lengths: list[int] = bounded(ge=0)
+    tensors: dict[str, torch.Tensor]
+
+    def _check(self) -> None:
+        if len(self.sample_ids) != len(self.lengths):
+            raise ProtocolError(
+                f"field 'Batch.lengths': {len(self.lengths)} lengths for {len(self.sample_ids)} sample_ids"
+            )
+        ids = self.tensors.get("input_ids")
+        if ids is not None and (ids.dim() != 1 or ids.shape[0] != sum(self.lengths)):
+            raise ProtocolError(
+                f"field 'Batch.tensors.input_ids': shape {tuple(ids.shape)} does not match "
+                f"sum(lengths) = {sum(self.lengths)} (packed [T] expected)"
+            )
+
+
+@register(Kind.IDLE)
+@dataclass(kw_only=True, slots=True)
+class Idle(Message):
+    """Nothing to hand out right now (epoch tail); ask again later."""
+
+
+@register(Kind.ACK)
+@dataclass(kw_only=True, slots=True)
+class Ack(Message):
+    """The worker finished these batches (their leases end) at optimizer step `step`."""
+
+    batch_ids: list[int] = bounded(ge=0)
+    step: int = bounded(ge=0)
+
+
+@register(Kind.METRICS)
+@dataclass(kw_only=True, slots=True)
+class Metrics(Message):
+    """Training metrics from worker rank 0, for the producer's logger."""
+
+    step: int = bounded(ge=0)
+    values: dict[str, float | list[float]]
+
+
+@register(Kind.CHECKPOINT)
+@dataclass(kw_only=True, slots=True)
+class Checkpoint(Message):
+    """Worker rank 0 wrote a checkpoint at `path`."""
+
+    step: int = bounded(ge=0)
+    path: str
+
+
+@register(Kind.HEARTBEAT)
+@dataclass(kw_only=True, slots=True)
+class Heartbeat(Message):
+    """Liveness, both ways; `time` is the sender's `time.time()`."""
+
+    time: float
+
+
+@register(Kind.ERROR)
+@dataclass(kw_only=True, slots=True)
+class Error(Message):
+    """A dying peer says why (this is a message, not an exception)."""
+
+    source: str  # e.g. "worker rank 3 (host:pid)"
+    message: str
+    traceback: str = ""
+
+
+@register(Kind.DONE)
+@dataclass(kw_only=True, slots=True)
+class Done(Message):
+    """Training finished (all epochs acked) or shutdown requested; the worker should leave."""
+
+    reason: str
+
+
+@register(Kind.BYE)
+@dataclass(kw_only=True, slots=True)
+class Bye(Message):
+    """The worker leaves cleanly; its leases (if any) go back to the queue."""
+
+    reason: str

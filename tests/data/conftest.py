@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_pipe.data import demo_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return demo_tokenizer()
+
+
+@pytest.fixture
+def write_jsonl(tmp_path: Path):
+    """write_jsonl(rows) -> Path; a row that is a str is written verbatim (for bad lines)."""
+
+    def write(rows: list, name: str = "data.jsonl") -> Path:
+        path = tmp_path / name
+        lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        return path
+
+    return write
+
+
+def conv(*pairs: tuple[str, str], system: str | None = None) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    for q, a in pairs:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return msgs
+
+
+def trained_runs(ids: list[int], mask) -> list[list[int]]:
+    """The maximal runs of trained token ids, in order."""
+    runs: list[list[int]] = []
+    prev = False
+    for t, m in zip(ids, [bool(x) for x in mask], strict=True):
+        if m and not prev:
+            runs.append([])
+        if m:
+            runs[-1].append(int(t))
+        prev = m
+    return runs

@@ -1,0 +1,1 @@
+"""Drafter tests (a package so helper imports and module names stay unambiguous)."""

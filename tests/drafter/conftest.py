@@ -1,0 +1,48 @@
+"""Tiny drafter fixtures shared by the drafter tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # eager flex_attention warns that it is unfused: expected on CPU.
+    config.addinivalue_line("filterwarnings", "ignore:.*flex_attention called without torch.compile.*")
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    kwargs = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=2,
+        vocab_size=50,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        block_size=4,
+        mask_token_id=49,
+        target_layer_ids=(0, 2),
+        num_target_layers=4,
+        max_anchors=6,
+    )
+    kwargs.update(overrides)
+    return DrafterConfig(**kwargs)
+
+
+def tiny_drafter(cfg: DrafterConfig | None = None, seed: int = 0) -> DFlashDrafter:
+    cfg = cfg or tiny_config()
+    torch.manual_seed(seed)
+    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    return DFlashDrafter(cfg, embed, head)
+
+
+@pytest.fixture
+def drafter() -> DFlashDrafter:
+    return tiny_drafter()

@@ -1,0 +1,73 @@
+"""flex_attention and SDPA give the same drafter outputs; the mask's meaning holds end to end.
+
+On CPU flex_attention runs uncompiled (forward only: torch has no CPU flex backward), so the
+compiled path is exercised by bench/drafter_step.py on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dflash_pipe.drafter.masks import sample_anchors, training_eligible
+
+from .conftest import tiny_config, tiny_drafter
+
+
+def _inputs(cfg, seed: int = 0, bsz: int = 2, seq_len: int = 30):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 49, (bsz, seq_len), generator=g)
+    feats = torch.randn(bsz, seq_len, cfg.feature_size, generator=g)
+    loss_mask = torch.rand(bsz, seq_len, generator=g) > 0.2
+    loss_mask[-1, seq_len - 7 :] = False
+    return ids, feats, loss_mask
+
+
+@torch.no_grad()
+def test_flex_and_sdpa_forward_agree() -> None:
+    cfg = tiny_config(block_size=4, max_anchors=9)
+    sdpa = tiny_drafter(dataclasses.replace(cfg, attention_backend="sdpa"))
+    flex = tiny_drafter(dataclasses.replace(cfg, attention_backend="flex"))
+    flex.load_state_dict(sdpa.state_dict())
+    flex._target_parts = sdpa._target_parts
+    ids, feats, loss_mask = _inputs(cfg)
+    anchors, valid = sample_anchors(training_eligible(loss_mask), 9, generator=torch.Generator().manual_seed(0))
+    hs = sdpa.block_hidden(ids, feats, anchors, valid)
+    hf = flex.block_hidden(ids, feats, anchors, valid)  # pads S to 128 and N to a tile multiple inside
+    assert hs.shape == hf.shape
+    assert torch.allclose(hs, hf, atol=1e-5)
+    out_s = sdpa(ids, feats, loss_mask, generator=torch.Generator().manual_seed(1))
+    out_f = flex(ids, feats, loss_mask, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(out_s.loss_sum, out_f.loss_sum, atol=1e-4)
+    assert torch.equal(out_s.slot_total, out_f.slot_total)
+
+
+@torch.no_grad()
+def test_context_at_or_after_anchor_is_invisible() -> None:
+    cfg = tiny_config(block_size=4, attention_backend="sdpa")
+    model = tiny_drafter(cfg)
+    ids, feats, _ = _inputs(cfg, bsz=1)
+    anchors, valid = torch.tensor([[10, 20]]), torch.tensor([[True, True]])
+    base = model.block_hidden(ids, feats, anchors, valid)
+    later = feats.clone()
+    later[:, 10:] += 5.0  # features at and after the first anchor
+    moved = model.block_hidden(ids, later, anchors, valid)
+    assert torch.allclose(base[:, 0], moved[:, 0], atol=1e-6)  # block 0 cannot see position >= 10
+    assert not torch.allclose(base[:, 1], moved[:, 1], atol=1e-3)  # block 1 sees 10..19
+    earlier = feats.clone()
+    earlier[:, 9] += 5.0  # the last visible position for block 0
+    assert not torch.allclose(base[:, 0], model.block_hidden(ids, earlier, anchors, valid)[:, 0], atol=1e-3)
+
+
+@torch.no_grad()
+def test_blocks_are_independent_and_padded_slots_are_harmless() -> None:
+    cfg = tiny_config(block_size=4, attention_backend="sdpa")
+    model = tiny_drafter(cfg)
+    ids, feats, _ = _inputs(cfg, bsz=1)
+    one = model.block_hidden(ids, feats, torch.tensor([[12]]), torch.tensor([[True]]))
+    many = model.block_hidden(
+        ids, feats, torch.tensor([[3, 12, 25, 0]]), torch.tensor([[True, True, True, False]])
+    )
+    assert torch.allclose(one[:, 0], many[:, 1], atol=1e-5)
+    assert torch.isfinite(many).all()  # the padded slot sees its own block: no NaN row

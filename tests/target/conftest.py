@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random HF targets saved to disk (built from configs, no downloads)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+# Make the repo importable when the package is not installed (plain `pytest tests/target`).
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+VOCAB = 97
+NUM_LAYERS = 5
+
+
+def _save(model: torch.nn.Module, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return _save(Qwen3ForCausalLM(cfg), tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1)
+    return _save(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+def packed_batch(lengths: list[int], seed: int = 0) -> torch.Tensor:
+    """Random packed input_ids [T] for samples of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (sum(lengths),), generator=g)

@@ -1,0 +1,87 @@
+"""TargetCore.features equals HF's output_hidden_states, and stops after the last needed layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import NUM_LAYERS, packed_batch
+
+from dflash_pipe.target import TargetCore
+
+LENGTHS = [7, 13, 1, 10]
+
+
+def _padded(ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent right-padding: input_ids [B, S], attention_mask [B, S]."""
+    width = max(lengths)
+    out = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, chunk in enumerate(ids.split(lengths)):
+        out[b, : len(chunk)] = chunk
+        mask[b, : len(chunk)] = 1
+    return out, mask
+
+
+@pytest.mark.parametrize("layer_ids", [(1, 3), (3, 0, 2), (0, NUM_LAYERS - 1), (NUM_LAYERS - 1,)])
+def test_features_equal_output_hidden_states(model_dir, layer_ids):
+    core = TargetCore(model_dir, layer_ids, torch.device("cpu"), torch.float32)
+    ids = packed_batch(LENGTHS)
+    feats = core.features(ids, LENGTHS)
+    assert feats.shape == (sum(LENGTHS), len(layer_ids) * core.hidden_size)
+    assert feats.dtype == torch.float32
+
+    # Exact: the same padded batch through a plain HF forward with output_hidden_states=True.
+    padded, mask = _padded(ids, LENGTHS)
+    with torch.no_grad():
+        hs = core.model(input_ids=padded, attention_mask=mask, output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[mask.bool()]  # [T, k*H]
+    assert torch.equal(feats, ref)
+
+    # Close: every sample alone, unpadded (padding must not leak into real positions).
+    for chunk, got in zip(ids.split(LENGTHS), feats.split(LENGTHS), strict=True):
+        with torch.no_grad():
+            hs = core.model(input_ids=chunk[None], output_hidden_states=True).hidden_states
+        alone = torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1)
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_features_in_requested_dtype(qwen3_dir):
+    core = TargetCore(qwen3_dir, [1, 2], "cpu", torch.bfloat16)
+    feats = core.features(packed_batch([4, 6]).int(), [4, 6])
+    assert feats.dtype == torch.bfloat16 and feats.device.type == "cpu"
+    assert torch.isfinite(feats.float()).all()
+
+
+def test_later_layers_and_lm_head_never_run(model_dir):
+    core = TargetCore(model_dir, [2, 0], "cpu", torch.float32)
+    calls: dict[str, int] = {}
+
+    def counter(name: str):
+        def pre_hook(_module, _args):
+            calls[name] = calls.get(name, 0) + 1
+
+        return pre_hook
+
+    watched = {f"layer{i}": layer for i, layer in enumerate(core.layers)}
+    watched["norm"] = core.model.model.norm
+    watched["lm_head"] = core.model.get_output_embeddings()
+    handles = [m.register_forward_pre_hook(counter(n)) for n, m in watched.items()]
+    try:
+        core.features(packed_batch(LENGTHS), LENGTHS)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == {"layer0": 1, "layer1": 1, "layer2": 1}
+    # The hooks are removed afterwards: a plain forward runs to the end.
+    out = core.model(input_ids=packed_batch([5])[None])
+    assert out.logits.shape == (1, 5, core.vocab_size)
+
+
+def test_bad_inputs_error(qwen3_dir):
+    core = TargetCore(qwen3_dir, [1], "cpu", torch.float32)
+    with pytest.raises(ValueError, match="lengths sum to 5 but input_ids has 6"):
+        core.features(torch.zeros(6, dtype=torch.long), [2, 3])
+    with pytest.raises(ValueError, match="packed 1-D"):
+        core.features(torch.zeros(2, 3, dtype=torch.long), [3, 3])
+    with pytest.raises(ValueError, match="positive"):
+        core.features(torch.zeros(3, dtype=torch.long), [3, 0])

@@ -1,0 +1,136 @@
+"""Decoding rejects malformed frame sets with a clear `ProtocolError`, before allocating anything."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+import dflash_pipe.wire.codec as codec
+from dflash_pipe.wire import Heartbeat, ProtocolError, ProtocolVersionError, decode, encode
+
+
+@pytest.fixture
+def batch_frames(batch_factory) -> list:
+    """A valid BATCH: input_ids raw (frame 1), loss_mask inline, features raw (frame 2)."""
+    frames = [bytearray(f) for f in encode(batch_factory([300, 300], hidden=64))]
+    assert len(frames) == 3
+    return frames
+
+
+def unpack(frame) -> dict:
+    return msgpack.unpackb(bytes(frame), raw=False)
+
+
+def repack(frames: list, edit) -> list:
+    header = unpack(frames[0])
+    edit(header)
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+def rejects(frames, match: str, error: type[Exception] = ProtocolError, **kw) -> None:
+    with pytest.raises(error, match=match):
+        decode(frames, **kw)
+
+
+def test_valid_fixture_decodes(batch_frames):
+    assert decode(batch_frames).tensors["features"].shape == (600, 64)
+
+
+def test_bad_header_bytes(batch_frames):
+    rejects([], "at least one frame")
+    rejects([b"", *batch_frames[1:]], "empty header")
+    rejects([bytes(batch_frames[0][: len(batch_frames[0]) // 2]), *batch_frames[1:]], "not valid msgpack")
+    rejects([b"\xc1", *batch_frames[1:]], "not valid msgpack")  # 0xc1 is never used by msgpack
+    rejects([bytes(batch_frames[0]) + b"\x00", *batch_frames[1:]], "not valid msgpack")  # trailing data
+    rejects([msgpack.packb([1, 5, {}, []])], "must be a msgpack map")
+    rejects([msgpack.packb({"v": msgpack.ExtType(1, b"x")})], "max_ext_len")  # no extension types
+    rejects(["not a buffer"], "not a buffer")
+
+
+def test_wrong_version_names_both():
+    frames = repack(encode(Heartbeat(time=1.0)), lambda h: h.update(v=2))
+    with pytest.raises(ProtocolVersionError, match="v2.*v1") as info:
+        decode(frames)
+    assert (info.value.theirs, info.value.ours) == (2, 1)
+    rejects(repack(frames, lambda h: h.update(v="1")), "must be an int")
+    rejects(repack(frames, lambda h: h.pop("v")), "must be an int")
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda h: h.update(k=0x7F), "unknown message kind 127"),
+        (lambda h: h.update(k=0), "unknown message kind 0"),
+        (lambda h: h.update(k="HEARTBEAT"), "unknown message kind"),
+        (lambda h: h.update(x=1), "header keys"),
+        (lambda h: h.pop("t"), "header keys"),
+        (lambda h: h.update(f=[]), "'f' must be a map"),
+        (lambda h: h["f"].pop("time"), r"missing field\(s\) \['time'\]"),
+        (lambda h: h["f"].update(extra=1), r"unknown field\(s\) \['extra'\]"),
+        (lambda h: h["f"].update(time="noon"), "Heartbeat.time': expected float"),
+        (lambda h: h.update(t=[["x", "float32", [1], b"\0\0\0\0"]]), "HEARTBEAT carries no tensors"),
+    ],
+)
+def test_bad_header_content(edit, match):
+    rejects(repack(encode(Heartbeat(time=1.0)), edit), match)
+
+
+def _entry(name: str):
+    def edit(header, fn):
+        entry = next(e for e in header["t"] if e[0] == name)
+        fn(entry)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda h: h["f"].update(batch_id=-1), "Batch.batch_id': must be >= 0"),
+        (lambda h: h["f"].update(sample_ids=[1, "2"]), r"Batch.sample_ids\[1\]': expected int"),
+        (lambda h: h["f"].update(lengths=[300, 299]), r"sum\(lengths\) = 599"),
+        (lambda h: h.update(t={}), "tensor table"),
+        (lambda h: h["t"].append(["x", "float32"]), "must be \\[name, dtype, shape, loc\\]"),
+        (lambda h: h["t"][0].__setitem__(0, ""), "non-empty str"),
+        (lambda h: h["t"][2].__setitem__(1, "float64"), "dtype 'float64' is not allowed"),
+        (lambda h: h["t"][2].__setitem__(1, "object"), "dtype 'object' is not allowed"),
+        (lambda h: h["t"][2].__setitem__(2, [600, -64]), "non-negative ints"),
+        (lambda h: h["t"][2].__setitem__(2, [600, 64.0]), "non-negative ints"),
+        (lambda h: h["t"][2].__setitem__(2, [1] * 9), "at most 8"),
+        (lambda h: h["t"][2].__setitem__(3, 5), "frame index 5 out of range"),
+        (lambda h: h["t"][2].__setitem__(3, 0), "frame index 0 out of range"),
+        (lambda h: h["t"][2].__setitem__(3, 1), "used by two tensors"),
+        (lambda h: h["t"][2].__setitem__(3, "2"), "loc must be"),
+        (lambda h: h["t"][2].__setitem__(2, [600, 32]), "frame 2 has 76800 bytes"),
+        (lambda h: h["t"][1].__setitem__(3, b"\x01" * 599), "inline data has 599 bytes"),
+        (lambda h: h["t"][1].__setitem__(3, b"\x02" * 600), "bool data holds bytes other than 0/1"),
+        (lambda h: h["t"].append(h["t"][1]), "duplicate tensor names"),
+    ],
+)
+def test_bad_tensor_table(batch_frames, edit, match):
+    rejects(repack(batch_frames, edit), match)
+
+
+def test_frame_size_and_count_mismatch(batch_frames):
+    rejects([*batch_frames[:2], batch_frames[2][:-2]], "frame 2 has 76798 bytes")
+    rejects([*batch_frames, b"extra"], r"references 2 tensor frame\(s\), got 3")
+    rejects(batch_frames[:2], "frame index 2 out of range")
+
+
+def test_declared_size_over_cap_rejected_before_allocation(batch_frames, monkeypatch):
+    def no_alloc(*args, **kwargs):
+        raise AssertionError("decode allocated before validating sizes")
+
+    monkeypatch.setattr(codec.torch, "empty", no_alloc)
+    monkeypatch.setattr(codec.torch, "frombuffer", no_alloc)
+    huge = repack(batch_frames, lambda h: h["t"][2].__setitem__(2, [2**40, 2**20]))  # 2 PiB of bf16
+    rejects(huge, "over the 8589934592-byte cap")
+    inline_huge = repack(batch_frames, lambda h: h["t"][1].__setitem__(2, [2**62, 2**62]))
+    rejects(inline_huge, "cap")
+    # The cap is configurable; the real message is 600*8 + 600 + 600*64*2 = 82200 bytes.
+    rejects(batch_frames, "over the 80000-byte cap", max_tensor_bytes=80_000)
+
+
+def test_decode_accepts_the_configured_cap_exactly(batch_frames):
+    assert decode(batch_frames, max_tensor_bytes=82_200).tensors["input_ids"].dtype == torch.int64

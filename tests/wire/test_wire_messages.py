@@ -1,0 +1,120 @@
+"""Message classes: registry, per-field validation and normalization."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dflash_pipe.wire import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Ack,
+    Batch,
+    Hello,
+    Kind,
+    Metrics,
+    ProtocolError,
+    Ready,
+)
+from dflash_pipe.wire import Welcome
+
+
+def test_registry_covers_every_kind_once(messages):
+    assert set(MESSAGE_TYPES) == set(Kind)
+    assert len(set(MESSAGE_TYPES.values())) == len(Kind)
+    assert {type(m).KIND for m in messages} == set(Kind)
+    for kind, cls in MESSAGE_TYPES.items():
+        assert cls.KIND is kind
+        params = cls.__dataclass_params__
+        assert params.kw_only if hasattr(params, "kw_only") else True
+        assert hasattr(cls, "__slots__")
+
+
+def test_kind_bytes_are_pinned():
+    # Golden: kind bytes are part of the protocol; changing one needs a PROTOCOL_VERSION bump.
+    assert PROTOCOL_VERSION == 1
+    assert {k.name: k.value for k in Kind} == {
+        "HELLO": 1, "WELCOME": 2, "REJECT": 3, "READY": 4, "BATCH": 5, "IDLE": 6, "ACK": 7,
+        "METRICS": 8, "CHECKPOINT": 9, "HEARTBEAT": 10, "ERROR": 11, "DONE": 12, "BYE": 13,
+    }  # fmt: skip
+
+
+def test_field_names_are_pinned():
+    names = {k.name: [f.name for f in dataclasses.fields(cls)] for k, cls in MESSAGE_TYPES.items()}
+    assert names == {
+        "HELLO": ["worker_name", "host", "pid", "device", "capabilities", "protocol_version"],
+        "WELCOME": [
+            "run_id", "rank", "world_size", "rendezvous", "run_dir", "target_path", "feature_dtype",
+            "hidden_size", "target_layer_ids", "vocab_size", "mask_token_id", "block_size", "drafter",
+            "train", "resume_from", "heartbeat_s",
+        ],
+        "REJECT": ["reason"],
+        "READY": ["credits"],
+        "BATCH": ["batch_id", "epoch", "sample_ids", "lengths", "tensors"],
+        "IDLE": [],
+        "ACK": ["batch_ids", "step"],
+        "METRICS": ["step", "values"],
+        "CHECKPOINT": ["step", "path"],
+        "HEARTBEAT": ["time"],
+        "ERROR": ["source", "message", "traceback"],
+        "DONE": ["reason"],
+        "BYE": ["reason"],
+    }  # fmt: skip
+
+
+def test_normalization(messages):
+    welcome = next(m for m in messages if isinstance(m, Welcome))
+    assert welcome.target_layer_ids == [1, 9, 17, 25, 33]
+    assert type(welcome.heartbeat_s) is float and welcome.heartbeat_s == 5.0
+    assert Metrics(step=0, values={"a": 1, "b": (2, 3)}).values == {"a": 1.0, "b": [2.0, 3.0]}
+    assert Hello(worker_name="w", host="h", pid=1, device="cpu").protocol_version == PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize(
+    "build, needle",
+    [
+        (lambda: Ready(credits=0), "Ready.credits': must be >= 1"),
+        (lambda: Ready(credits=True), "Ready.credits': expected int"),
+        (lambda: Ready(credits=1.0), "Ready.credits': expected int"),
+        (lambda: Ready(credits=2**64), "int64"),
+        (lambda: Ack(batch_ids=[1, -1], step=0), "Ack.batch_ids[1]': must be >= 0"),
+        (lambda: Ack(batch_ids=5, step=0), "Ack.batch_ids': expected list[int]"),
+        (lambda: Hello(worker_name=3, host="h", pid=1, device="cpu"), "Hello.worker_name': expected str"),
+        (lambda: Metrics(step=0, values={"a": "x"}), "Metrics.values.a'"),
+        (lambda: Metrics(step=0, values={1: 1.0}), "Metrics.values key'"),
+        (lambda: Batch(batch_id=0, epoch=0, sample_ids=[1], lengths=[], tensors={}), "1 sample_ids"),
+        (
+            lambda: Batch(
+                batch_id=0, epoch=0, sample_ids=[1], lengths=[3], tensors={"input_ids": torch.zeros(4)}
+            ),
+            "sum(lengths) = 3",
+        ),
+        (lambda: Batch(batch_id=0, epoch=0, sample_ids=[], lengths=[], tensors={"x": 1}), "torch.Tensor"),
+    ],
+)
+def test_bad_fields_raise_protocol_error_naming_the_field(build, needle):
+    with pytest.raises(ProtocolError) as info:
+        build()
+    assert needle in str(info.value)
+    assert isinstance(info.value, ValueError)  # config-style errors stay ValueErrors
+
+
+def test_welcome_cross_field_and_json_checks(messages):
+    base = dataclasses.asdict(next(m for m in messages if isinstance(m, Welcome)))
+    with pytest.raises(ProtocolError, match="must be < world_size"):
+        Welcome(**{**base, "rank": 3})
+    with pytest.raises(ProtocolError, match=r"Welcome.heartbeat_s': must be > 0"):
+        Welcome(**{**base, "heartbeat_s": 0.0})
+    with pytest.raises(ProtocolError, match="NaN"):
+        Welcome(**{**base, "heartbeat_s": float("nan")})
+    with pytest.raises(ProtocolError, match=r"Welcome.drafter.bad'"):
+        Welcome(**{**base, "drafter": {"bad": object()}})
+    deep: dict = {}
+    cur = deep
+    for _ in range(40):
+        cur["x"] = {}
+        cur = cur["x"]
+    with pytest.raises(ProtocolError, match="nested deeper"):
+        Welcome(**{**base, "train": deep})

@@ -1,0 +1,201 @@
+"""Live ROUTER/DEALER exchanges over ipc:// and tcp://127.0.0.1:0."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import pytest
+import torch
+import zmq
+
+from dflash_pipe.wire import (
+    Ack,
+    BadMessage,
+    Error,
+    Heartbeat,
+    Hello,
+    PeerGoneError,
+    ProducerEndpoint,
+    ProtocolError,
+    Ready,
+    Reject,
+    SendTimeoutError,
+    Welcome,
+    WorkerEndpoint,
+    decode,
+    encode,
+)
+
+T = 5.0  # generous receive timeout; every exchange below completes in milliseconds
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def address(request):
+    if request.param == "tcp":
+        yield "tcp://127.0.0.1:0"
+    else:
+        with tempfile.TemporaryDirectory(prefix="dfw") as d:  # short path: ipc paths are limited to ~107 B
+            yield f"ipc://{d}/p.sock"
+
+
+@pytest.fixture
+def pair(address):
+    producer = ProducerEndpoint(address)
+    worker = WorkerEndpoint(producer.address)
+    yield producer, worker
+    worker.close(linger_s=0)
+    producer.close(linger_s=0)
+
+
+def test_handshake_and_batch(pair, messages, batch_factory):
+    producer, worker = pair
+    if producer.address.startswith("tcp://"):
+        assert producer.address.startswith("tcp://127.0.0.1:") and not producer.address.endswith(":0")
+
+    hello = next(m for m in messages if isinstance(m, Hello))
+    worker.send(hello)
+    peer, got = producer.recv(T)
+    assert got == hello and isinstance(peer, bytes) and peer
+
+    welcome = next(m for m in messages if isinstance(m, Welcome))
+    producer.send(peer, welcome)
+    assert worker.recv(T) == welcome
+
+    worker.send(Ready(credits=2))
+    assert producer.recv(T) == (peer, Ready(credits=2))
+
+    batch = batch_factory([4096, 4096, 2048], hidden=256)  # features: 10240 x 256 bf16 = 5 MiB
+    tracker = producer.send(peer, batch, track=True)
+    got = worker.recv(T)
+    tracker.wait(T)
+    assert tracker.done
+    assert (got.batch_id, got.epoch, got.sample_ids, got.lengths) == (
+        7,
+        2,
+        [100, 101, 102],
+        [4096, 4096, 2048],
+    )
+    for name, t in batch.tensors.items():
+        assert got.tensors[name].dtype == t.dtype and torch.equal(got.tensors[name], t), name
+
+    worker.send(Ack(batch_ids=[got.batch_id], step=1))
+    assert producer.recv(T) == (peer, Ack(batch_ids=[7], step=1))
+
+
+def test_received_tensors_view_the_zmq_frame(batch_factory):
+    # What the endpoints do on receive, checked at the frame level: decode over zmq frames copies nothing.
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://zc")
+        b.connect("inproc://zc")
+        a.send_multipart(encode(batch_factory([2048, 2048], hidden=256)), copy=False)
+        frames = b.recv_multipart(copy=False)
+        out = decode(frames)
+        start = torch.frombuffer(frames[-1], dtype=torch.uint8).data_ptr()
+        assert start <= out.tensors["features"].data_ptr() < start + len(frames[-1].buffer)
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+
+
+def test_recv_timeout_returns_none(pair):
+    producer, worker = pair
+    t0 = time.monotonic()
+    assert producer.recv(0.1) is None
+    assert worker.recv(0.1) is None
+    assert 0.15 <= time.monotonic() - t0 < 2.0
+
+
+def test_send_to_unknown_peer_raises_quickly(pair):
+    producer, _ = pair
+    t0 = time.monotonic()
+    with pytest.raises(PeerGoneError, match="gone") as info:
+        producer.send(b"\x00nobody", Heartbeat(time=0.0))
+    assert info.value.peer == b"\x00nobody"
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_send_to_disconnected_peer_raises(pair):
+    producer, worker = pair
+    worker.send(Heartbeat(time=1.0))
+    peer, _ = producer.recv(T)
+    worker.close(linger_s=0)
+    deadline = time.monotonic() + T
+    with pytest.raises(PeerGoneError):  # once libzmq has seen the disconnect
+        while time.monotonic() < deadline:
+            producer.send(peer, Heartbeat(time=2.0))
+            time.sleep(0.01)
+
+
+def test_bad_message_names_the_peer_and_endpoint_survives(address):
+    producer = ProducerEndpoint(address)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    try:
+        raw.connect(producer.address)
+        raw.send_multipart([b"\xc1garbage"])
+        with pytest.raises(BadMessage) as info:
+            producer.recv(T)
+        assert isinstance(info.value.error, ProtocolError) and "msgpack" in str(info.value)
+        producer.send(info.value.peer, Reject(reason="bad frame"))  # the producer can answer that peer
+        assert decode(raw.recv_multipart()) == Reject(reason="bad frame")
+        raw.send_multipart(encode(Heartbeat(time=3.0)))  # ... and carry on
+        assert producer.recv(T) == (info.value.peer, Heartbeat(time=3.0))
+    finally:
+        raw.close(0)
+        ctx.term()
+        producer.close(linger_s=0)
+
+
+def test_send_final_delivers_and_closes(pair):
+    producer, worker = pair
+    assert worker.send_final(Error(source="worker 0", message="boom", traceback="tb"), linger_s=2.0)
+    _, got = producer.recv(T)
+    assert got == Error(source="worker 0", message="boom", traceback="tb")
+    assert worker.send_final(Heartbeat(time=0.0)) is False  # already closed: no raise
+    worker.close()  # idempotent
+    producer.close()
+    producer.close()
+
+
+def test_slow_reader_raises_send_timeout(batch_factory):
+    with tempfile.TemporaryDirectory(prefix="dfw") as d:
+        producer = ProducerEndpoint(f"ipc://{d}/p.sock", hwm=1, send_timeout_s=0.1)
+        worker = WorkerEndpoint(producer.address, hwm=1)
+        try:
+            worker.send(Heartbeat(time=0.0))
+            peer, _ = producer.recv(T)
+            batch = batch_factory([4096, 4096], hidden=512)  # 8 MiB per message, shared storage
+            with pytest.raises(SendTimeoutError):
+                for _ in range(200):  # the worker never reads: socket buffers and HWM fill up
+                    producer.send(peer, batch)
+        finally:
+            worker.close(linger_s=0)
+            producer.close(linger_s=0)
+
+
+@pytest.mark.parametrize("address", ["tcp://0.0.0.0:0", "tcp://*:0", "tcp://10.1.2.3:5555", "tcp://eth0:0"])
+def test_public_bind_refused(address):
+    with pytest.raises(ValueError, match="allow_public=True"):
+        ProducerEndpoint(address)
+
+
+def test_public_bind_allowed_when_asked():
+    with ProducerEndpoint("tcp://0.0.0.0:0", allow_public=True) as producer:
+        assert producer.address.startswith("tcp://0.0.0.0:")
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:5555", "udp://127.0.0.1:1", "tcp://127.0.0.1"])
+def test_malformed_address(address):
+    with pytest.raises(ValueError, match="address"):
+        ProducerEndpoint(address)
+
+
+def test_closed_endpoint_raises():
+    producer = ProducerEndpoint()
+    producer.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        producer.recv(0.0)
