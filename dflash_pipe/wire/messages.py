@@ -317,6 +317,10 @@ class Welcome(Message):
     train: dict[str, Any]  # TrainConfig as a dict
     resume_from: str | None = None
     heartbeat_s: float = bounded(gt=0)
+    peer_timeout_s: float = bounded(gt=0)  # a peer silent this long is dead
+    num_samples: int = bounded(ge=1)  # training samples per epoch (the ledger's size)
+    credits: int = bounded(ge=1)  # batches the worker may hold at once (its first READY)
+    eval_batches: int = bounded(ge=0)  # held-out eval BATCHes sent to rank 0 right after WELCOME
 
     def _check(self) -> None:
         if self.rank >= self.world_size:
@@ -356,6 +360,7 @@ class Batch(Message):
     sample_ids: list[int] = bounded(ge=0)
     lengths: list[int] = bounded(ge=0)
     tensors: dict[str, torch.Tensor]
+    for_eval: bool = False  # held-out eval data (tensors also hold "target_next"); never leased or acked
 
     def _check(self) -> None:
         if len(self.sample_ids) != len(self.lengths):

@@ -19,9 +19,18 @@ BAD_LINES = [  # (line, reason named in the error)
     (json.dumps({"text": "hello"}), "wrong schema"),
     (json.dumps({"messages": []}), "empty messages"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "no assistant turn"),
-    (json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}), "unknown role"),
-    (json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}), "wrong schema"),
-    (json.dumps({"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}), "unknown role"),
+    (
+        json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+        "unknown role",
+    ),
+    (
+        json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}),
+        "wrong schema",
+    ),
+    (
+        json.dumps({"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}),
+        "unknown role",
+    ),
     (json.dumps({"conversations": [{"from": "human", "text": "x"}]}), "wrong schema"),
     (json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}), "length mismatch"),
     (json.dumps({"input_ids": [1, 2.5, 3], "loss_mask": [0, 1, 1]}), "non-int ids"),
@@ -35,7 +44,10 @@ BAD_LINES = [  # (line, reason named in the error)
 
 
 def test_pretokenized_passthrough(tok, write_jsonl):
-    rows = [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 1, 1, 1, 0]}, {"input_ids": [10, 11, 12], "loss_mask": [True, True, True]}]
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 1, 1, 1, 0]},
+        {"input_ids": [10, 11, 12], "loss_mask": [True, True, True]},
+    ]
     data = load_samples(DataConfig(path=write_jsonl(rows)), tok)
     assert [s.sample_id for s in data.samples] == [0, 1]
     for s, r in zip(data.samples, rows, strict=True):
@@ -53,12 +65,19 @@ def test_bundled_pretokenized_equals_rendered_sharegpt(tok):
 
 
 def test_pretokenized_needs_no_tokenizer(write_jsonl):
-    data = load_samples(DataConfig(path=write_jsonl([{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}])), None)
+    data = load_samples(
+        DataConfig(path=write_jsonl([{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}])), None
+    )
     assert data.lengths() == [3]
 
 
 def test_mixed_formats_and_blank_lines(tok, write_jsonl):
-    sharegpt = {"conversations": [{"from": "human", "value": "What is 1 plus 1?"}, {"from": "gpt", "value": "1 plus 1 is 2."}]}
+    sharegpt = {
+        "conversations": [
+            {"from": "human", "value": "What is 1 plus 1?"},
+            {"from": "gpt", "value": "1 plus 1 is 2."},
+        ]
+    }
     path = write_jsonl([GOOD, "", "   ", sharegpt, {"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}])
     data = load_samples(DataConfig(path=path), tok)
     assert [s.sample_id for s in data.samples] == [0, 1, 2]
@@ -119,7 +138,12 @@ def test_missing_file_and_directory(tmp_path, tok):
 
 
 def test_empty_file_and_no_usable_samples(tok, write_jsonl):
-    for rows, kw in [([], {}), (["", ""], {}), (["{bad"], {"skip_bad_lines": True}), ([GOOD], {"min_loss_tokens": 10_000})]:
+    for rows, kw in [
+        ([], {}),
+        (["", ""], {}),
+        (["{bad"], {"skip_bad_lines": True}),
+        ([GOOD], {"min_loss_tokens": 10_000}),
+    ]:
         path = write_jsonl(rows)
         with pytest.raises(DataError, match=f"^{path}: no usable samples"):
             load_samples(DataConfig(path=path, **kw), tok)
@@ -130,11 +154,15 @@ def test_tokenizer_without_chat_template(tok, write_jsonl):
     t.chat_template = None
     path = write_jsonl([{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}, GOOD])
     # even with skip_bad_lines: a tokenizer problem is not a bad line
-    with pytest.raises(DataError, match=f"^{path}:2: this line is a conversation, but the tokenizer has no chat template"):
+    with pytest.raises(
+        DataError, match=f"^{path}:2: this line is a conversation, but the tokenizer has no chat template"
+    ):
         load_samples(DataConfig(path=path, skip_bad_lines=True), t)
     with pytest.raises(DataError, match="no tokenizer was given"):
         load_samples(DataConfig(path=path), None)
-    assert load_samples(DataConfig(path=write_jsonl([{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}])), t).lengths() == [3]
+    assert load_samples(
+        DataConfig(path=write_jsonl([{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}])), t
+    ).lengths() == [3]
 
 
 def test_progress_bar_runs(tok, write_jsonl, capsys):
@@ -144,6 +172,10 @@ def test_progress_bar_runs(tok, write_jsonl, capsys):
 
 def test_config_validation(tmp_path):
     assert DataConfig(path=str(tmp_path)).path == tmp_path
-    for kw, field in [({"max_length": 1}, "max_length"), ({"token_budget": 0}, "token_budget"), ({"min_loss_tokens": -1}, "min_loss_tokens")]:
+    for kw, field in [
+        ({"max_length": 1}, "max_length"),
+        ({"token_budget": 0}, "token_budget"),
+        ({"min_loss_tokens": -1}, "min_loss_tokens"),
+    ]:
         with pytest.raises(ValueError, match=f"DataConfig.{field}"):
             DataConfig(path=tmp_path, **kw)

@@ -56,7 +56,9 @@ def test_demo_conversations_mask_exactly_assistant_text(tok):
 
 
 def test_system_and_user_never_trained(tok):
-    messages = conv(("Spell the word apple.", "apple is spelled a p p l e."), ("Hi", "Hello."), system="Be brief.")
+    messages = conv(
+        ("Spell the word apple.", "apple is spelled a p p l e."), ("Hi", "Hello."), system="Be brief."
+    )
     ids, mask = render_conversation(tok, messages)
     untrained = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
     assert untrained == (
@@ -83,7 +85,10 @@ def test_tool_role_and_assistant_first(tok):
 
 @pytest.mark.parametrize(
     ("template", "eot", "extra"),
-    [(QWEN25_TEMPLATE, "<|im_end|>", []), (LLAMA3_TEMPLATE, "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])],
+    [
+        (QWEN25_TEMPLATE, "<|im_end|>", []),
+        (LLAMA3_TEMPLATE, "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
+    ],
 )
 def test_real_world_templates(tok, template, eot, extra):
     t = type(tok).from_pretrained(tok.name_or_path)  # private copy: we change its template and vocab
@@ -97,7 +102,10 @@ def test_real_world_templates(tok, template, eot, extra):
 def test_template_that_rewrites_earlier_turns(tok):
     t = type(tok).from_pretrained(tok.name_or_path)
     t.chat_template = DROP_OLD_THINK_TEMPLATE
-    messages = conv(("What is 2 plus 3?", "<think>\nadd\n</think>\n\n2 plus 3 is 5."), ("And 1 plus 1?", "<think>\nx\n</think>\n\n2."))
+    messages = conv(
+        ("What is 2 plus 3?", "<think>\nadd\n</think>\n\n2 plus 3 is 5."),
+        ("And 1 plus 1?", "<think>\nx\n</think>\n\n2."),
+    )
     ids, mask = render_conversation(t, messages)
     assert [t.decode(r) for r in trained_runs(ids, mask)] == [
         "2 plus 3 is 5.<|im_end|>",
@@ -112,10 +120,13 @@ def test_template_errors_are_format_errors(tok):
         render_conversation(t, conv(("a", "b")))
 
 
-def test_sharegpt_and_messages_give_identical_samples(tok):
+def test_sharegpt_and_messages_give_identical_samples(tok, tmp_path):
+    head = tmp_path / "head.jsonl"
+    with open(demo_data_path()) as f:
+        head.write_text("".join(next(f) for _ in range(40)))
     a = load_samples(DataConfig(path=demo_sharegpt_path()), tok).samples
-    b = load_samples(DataConfig(path=demo_data_path()), tok).samples[: len(a)]
-    assert len(a) == 40
+    b = load_samples(DataConfig(path=head), tok).samples
+    assert len(a) == len(b) == 40
     for x, y in zip(a, b, strict=True):
         assert x.sample_id == y.sample_id
         assert x.input_ids.tolist() == y.input_ids.tolist()

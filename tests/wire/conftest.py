@@ -62,6 +62,10 @@ def every_kind() -> list[Message]:
             train={"lr": 6e-4, "betas": [0.9, 0.95], "compile": "auto"},
             resume_from=None,
             heartbeat_s=5,  # int in a float field: normalized to 5.0
+            peer_timeout_s=60.0,
+            num_samples=1000,
+            credits=2,
+            eval_batches=1,
         ),
         Reject(reason="protocol v2 != v1"),
         Ready(credits=2),

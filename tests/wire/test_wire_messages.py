@@ -17,8 +17,8 @@ from dflash_pipe.wire import (
     Metrics,
     ProtocolError,
     Ready,
+    Welcome,
 )
-from dflash_pipe.wire import Welcome
 
 
 def test_registry_covers_every_kind_once(messages):
@@ -27,9 +27,10 @@ def test_registry_covers_every_kind_once(messages):
     assert {type(m).KIND for m in messages} == set(Kind)
     for kind, cls in MESSAGE_TYPES.items():
         assert cls.KIND is kind
-        params = cls.__dataclass_params__
-        assert params.kw_only if hasattr(params, "kw_only") else True
-        assert hasattr(cls, "__slots__")
+    for msg in messages:
+        assert not hasattr(msg, "__dict__")  # slots=True
+    with pytest.raises(TypeError):
+        Ready(1)  # kw_only=True
 
 
 def test_kind_bytes_are_pinned():
@@ -48,11 +49,11 @@ def test_field_names_are_pinned():
         "WELCOME": [
             "run_id", "rank", "world_size", "rendezvous", "run_dir", "target_path", "feature_dtype",
             "hidden_size", "target_layer_ids", "vocab_size", "mask_token_id", "block_size", "drafter",
-            "train", "resume_from", "heartbeat_s",
+            "train", "resume_from", "heartbeat_s", "peer_timeout_s", "num_samples", "credits", "eval_batches",
         ],
         "REJECT": ["reason"],
         "READY": ["credits"],
-        "BATCH": ["batch_id", "epoch", "sample_ids", "lengths", "tensors"],
+        "BATCH": ["batch_id", "epoch", "sample_ids", "lengths", "tensors", "for_eval"],
         "IDLE": [],
         "ACK": ["batch_ids", "step"],
         "METRICS": ["step", "values"],

@@ -1,0 +1,67 @@
+"""End to end on CPU: producer + 2 gloo workers on the demo target, checkpoint, then resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.train.ledger import Ledger
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--plain", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    common = ["--device", "cpu", "--workers", "2", "--token-budget", "1024", "--max-length", "256"]
+    first = launch("--run-dir", str(run_dir), "--max-steps", "24", "--checkpoint-every", "10", *common)
+    assert first.returncode == 0, first.stdout + first.stderr
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and ckpt.name == "step-00000024"
+    state = read_trainer_state(ckpt)
+    ledger = Ledger.from_dict(state.ledger)
+    trained_first = ledger.trained(0)
+    assert state.step == 24 and len(trained_first) > 0 and ledger.duplicates == 0
+    assert state.extra["world_size"] == 2
+    rows = [r for r in metrics(run_dir) if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
+    firsts = [r for r in metrics(run_dir) if any(k.startswith("time_to_first_step_s/") for k in r)]
+    assert len(firsts) == 2
+    assert any("tau" in r for r in metrics(run_dir))
+
+    second = launch("--resume", str(run_dir), "--max-steps", "36")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming from step-00000024" in second.stderr
+    state2 = read_trainer_state(latest_checkpoint(run_dir))
+    assert state2.step == 36
+    ledger2 = Ledger.from_dict(state2.ledger)
+    assert trained_first < ledger2.trained(0) or ledger2.current_epoch() > 0
+    assert ledger2.duplicates == 0
+    steps = [r["step"] for r in metrics(run_dir) if "loss" in r]
+    assert max(steps) == 36 and min(s for s in steps if s > 24) > 24
+
+
+def test_fresh_launch_refuses_a_run_dir_with_checkpoints(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "config.json").write_text("{}")
+    out = launch("--run-dir", str(run_dir), "--device", "cpu", "--max-steps", "1")
+    assert out.returncode == 2
+    assert "--resume" in out.stderr
