@@ -12,7 +12,7 @@ from dflash_pipe.data import DataConfig, demo_data_path
 from dflash_pipe.layout import LayoutConfig, parse_gpu_spec
 from dflash_pipe.train.config import TrainConfig
 
-DEMO_DEFAULTS: dict[str, Any] = {"epochs": 2, "token_budget": 2048, "max_length": 512, "checkpoint_every": 100}
+DEMO_DEFAULTS: dict[str, Any] = {"draft_layers": 3, "epochs": 2, "token_budget": 2048, "max_length": 512, "checkpoint_every": 100}
 RESUME_OVERRIDES = {"max_steps", "device", "target_gpus", "drafter_gpus", "workers", "live", "epochs"}
 """Flags that may change on --resume; everything else comes from the run's saved config."""
 

@@ -182,7 +182,7 @@ def _train_and_save(
     model.train()
     gen = torch.Generator().manual_seed(recipe.seed)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay
+        model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay, foreach=True
     )
 
     def lr_at(step: int) -> float:

@@ -24,23 +24,3 @@ def write_jsonl(tmp_path: Path):
         return path
 
     return write
-
-
-def conv(*pairs: tuple[str, str], system: str | None = None) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": system}] if system else []
-    for q, a in pairs:
-        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    return msgs
-
-
-def trained_runs(ids: list[int], mask) -> list[list[int]]:
-    """The maximal runs of trained token ids, in order."""
-    runs: list[list[int]] = []
-    prev = False
-    for t, m in zip(ids, [bool(x) for x in mask], strict=True):
-        if m and not prev:
-            runs.append([])
-        if m:
-            runs[-1].append(int(t))
-        prev = m
-    return runs

@@ -46,3 +46,12 @@ def tiny_drafter(cfg: DrafterConfig | None = None, seed: int = 0) -> DFlashDraft
 @pytest.fixture
 def drafter() -> DFlashDrafter:
     return tiny_drafter()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls are much faster on one thread, and the CI box is shared by other test runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import conv, trained_runs
+from data_helpers import conv, trained_runs
 
 from dflash_pipe.data import DataConfig, demo_data_path, load_samples
 from dflash_pipe.data.demo import demo_sharegpt_path

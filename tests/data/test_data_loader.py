@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import conv
+from data_helpers import conv
 
 from dflash_pipe.data import DataConfig, DataError, LoadedData, load_samples
 from dflash_pipe.data.demo import demo_pretokenized_path, demo_sharegpt_path

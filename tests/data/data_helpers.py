@@ -1,0 +1,23 @@
+"""Helpers shared by the data tests (a uniquely named module: other test packages have a conftest too)."""
+
+from __future__ import annotations
+
+
+def conv(*pairs: tuple[str, str], system: str | None = None) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    for q, a in pairs:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return msgs
+
+
+def trained_runs(ids: list[int], mask) -> list[list[int]]:
+    """The maximal runs of trained token ids, in order."""
+    runs: list[list[int]] = []
+    prev = False
+    for t, m in zip(ids, [bool(x) for x in mask], strict=True):
+        if m and not prev:
+            runs.append([])
+        if m:
+            runs[-1].append(int(t))
+        prev = m
+    return runs
