@@ -41,10 +41,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def shapes(args: argparse.Namespace) -> dict:
     if args.quick:
-        return dict(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512, vocab=1000, layers=min(args.layers, 2),
-                    context=min(args.context, 256), anchors=min(args.anchors, 16))
-    return dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=12288, vocab=151936, layers=args.layers,
-                context=args.context, anchors=args.anchors)
+        return dict(
+            hidden=256,
+            heads=4,
+            kv_heads=2,
+            head_dim=64,
+            inter=512,
+            vocab=1000,
+            layers=min(args.layers, 2),
+            context=min(args.context, 256),
+            anchors=min(args.anchors, 16),
+        )
+    return dict(
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        inter=12288,
+        vocab=151936,
+        layers=args.layers,
+        context=args.context,
+        anchors=args.anchors,
+    )
 
 
 def build(sh: dict, args: argparse.Namespace, backend: str, device, dtype, seed: int = 0):
@@ -54,10 +72,18 @@ def build(sh: dict, args: argparse.Namespace, backend: str, device, dtype, seed:
     from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig(
-        hidden_size=sh["hidden"], intermediate_size=sh["inter"], num_attention_heads=sh["heads"],
-        num_key_value_heads=sh["kv_heads"], head_dim=sh["head_dim"], num_hidden_layers=sh["layers"],
-        vocab_size=sh["vocab"], block_size=args.block_size, mask_token_id=sh["vocab"] - 1,
-        target_layer_ids=tuple(range(1, 6)), num_target_layers=8, max_anchors=sh["anchors"],
+        hidden_size=sh["hidden"],
+        intermediate_size=sh["inter"],
+        num_attention_heads=sh["heads"],
+        num_key_value_heads=sh["kv_heads"],
+        head_dim=sh["head_dim"],
+        num_hidden_layers=sh["layers"],
+        vocab_size=sh["vocab"],
+        block_size=args.block_size,
+        mask_token_id=sh["vocab"] - 1,
+        target_layer_ids=tuple(range(1, 6)),
+        num_target_layers=8,
+        max_anchors=sh["anchors"],
         attention_backend=backend,
     )
     torch.manual_seed(seed)
@@ -106,7 +132,13 @@ def count_flops(model, inputs) -> dict:
     q = anchors.shape[1] * cfg.block_size  # query rows per sequence
     k = s + q
     visible = int(dense_mask(anchors, valid, s, cfg.block_size).sum())  # (query, key) pairs, all sequences
-    h, d, hq, hkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    h, d, hq, hkv, inter = (
+        cfg.hidden_size,
+        cfg.head_dim,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+    )
     per_layer_proj = 2 * b * (q * h * hq * d + 2 * k * h * hkv * d + q * hq * d * h)
     per_layer_attn = 2 * 2 * hq * d * visible  # QK^T and PV over visible pairs only
     per_layer_mlp = 2 * b * q * 3 * h * inter
@@ -115,8 +147,12 @@ def count_flops(model, inputs) -> dict:
     lm_head = 2 * scored * h * cfg.vocab_size
     fwd = cfg.num_hidden_layers * (per_layer_proj + per_layer_attn + per_layer_mlp) + fc + lm_head
     return {
-        "forward": fwd, "train_step": 3 * fwd, "attention_pairs_visible": visible,
-        "mask_density": visible / (b * q * k), "lm_head_forward": lm_head, "scored_rows": scored,
+        "forward": fwd,
+        "train_step": 3 * fwd,
+        "attention_pairs_visible": visible,
+        "mask_density": visible / (b * q * k),
+        "lm_head_forward": lm_head,
+        "scored_rows": scored,
     }
 
 
@@ -138,9 +174,24 @@ def first_step(args: argparse.Namespace) -> None:
 def cold_warm(args: argparse.Namespace, backend: str) -> dict:
     cache = tempfile.mkdtemp(prefix="dflash-bench-inductor-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-    cmd = [sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--first-step-only", backend,
-           "--layers", str(args.layers), "--context", str(args.context), "--anchors", str(args.anchors),
-           "--batch", str(args.batch), "--block-size", str(args.block_size)] + (["--quick"] if args.quick else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--out",
+        str(args.out),
+        "--first-step-only",
+        backend,
+        "--layers",
+        str(args.layers),
+        "--context",
+        str(args.context),
+        "--anchors",
+        str(args.anchors),
+        "--batch",
+        str(args.batch),
+        "--block-size",
+        str(args.block_size),
+    ] + (["--quick"] if args.quick else [])
     result = {"cache_dir": cache}
     for label in ("cold", "warm"):
         t0 = time.perf_counter()
@@ -173,9 +224,11 @@ def measure(args, sh, backend, device, dtype) -> dict:
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
     res = {
-        "step_s_median": med, "step_s_all": times,
+        "step_s_median": med,
+        "step_s_all": times,
         "tokens_per_s": args.batch * sh["context"] / med,
-        "tflops_per_s": flops["train_step"] / med / 1e12, "flops": flops,
+        "tflops_per_s": flops["train_step"] / med / 1e12,
+        "flops": flops,
     }
     if device.type == "cuda":
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -185,7 +238,6 @@ def measure(args, sh, backend, device, dtype) -> dict:
 
 def equality(args, sh, backends, device, dtype) -> dict:
     """Same weights, inputs and anchors through both backends: max |diff| of loss and of every grad."""
-    import torch
 
     outs = {}
     for backend in backends:
@@ -197,8 +249,10 @@ def equality(args, sh, backends, device, dtype) -> dict:
     diffs = {n: float((ga[n] - gb[n]).abs().max()) for n in ga}
     worst = max(diffs, key=diffs.get)
     return {
-        "loss": {b: float(outs[b][0]) for b in backends}, "loss_abs_diff": float((la - lb).abs()),
-        "grad_max_abs_diff": diffs[worst], "grad_worst_param": worst,
+        "loss": {b: float(outs[b][0]) for b in backends},
+        "loss_abs_diff": float((la - lb).abs()),
+        "grad_max_abs_diff": diffs[worst],
+        "grad_worst_param": worst,
         "grad_max_abs": max(float(g.abs().max()) for g in ga.values()),
     }
 
@@ -208,12 +262,21 @@ def provenance() -> dict:
     import transformers
 
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (subprocess.CalledProcessError, FileNotFoundError):
         sha = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"git_sha": sha, "torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu,
-            "python": platform.python_version(), "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {
+        "git_sha": sha,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,9 +293,15 @@ def main(argv: list[str] | None = None) -> None:
         print("flex_attention has no CPU backward: dropping flex on CPU", file=sys.stderr)
         backends = [b for b in backends if b != "flex"]
     sh = shapes(args)
-    report = {"provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()}, "shapes": sh,
-              "dtype": str(dtype), "optimizer": "torch AdamW, state in param dtype", "device": str(device),
-              "results": {}}
+    report = {
+        "provenance": provenance(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "shapes": sh,
+        "dtype": str(dtype),
+        "optimizer": "torch AdamW, state in param dtype",
+        "device": str(device),
+        "results": {},
+    }
     for backend in backends:
         print(f"[{backend}] measuring ...", file=sys.stderr)
         report["results"][backend] = measure(args, sh, backend, device, dtype)

@@ -117,6 +117,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     """Prepares the run, starts producer and workers, and returns the producer's summary."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     from dflash_pipe.producer.proc import ProducerProc, RunAborted
     from dflash_pipe.producer.setup import prepare_run
@@ -127,6 +128,7 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
         cfg.layout.validate_against(torch.cuda.device_count())
     for key, value in SAFE_GPU_ENV.items():
         os.environ.setdefault(key, value)
+    hf_logging.disable_progress_bar()
     ctx = prepare_run(cfg, resume=resume, progress=live)
     producer = ProducerProc(ctx, expected_workers=cfg.layout.num_workers, console=console, live=live)
     pool = WorkerPool(cfg, producer.address)

@@ -107,6 +107,7 @@ class ProducerProc:
         self._closed = False
         self._started = time.monotonic()
         self._last_beat = 0.0
+        self._bye_reason: str | None = None
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -215,7 +216,7 @@ class ProducerProc:
                 last_show = now
             if self.peers and all(p.left for p in self.peers.values()):
                 if not self._done_sent and not self.scheduler.finished():
-                    stop_reason = "every worker left"
+                    stop_reason = self._bye_reason or "every worker left"
                 return stop_reason
 
     def _recv(self) -> tuple[bytes, Any] | None:
@@ -292,6 +293,7 @@ class ProducerProc:
             peer.left = True
             raise RunAborted(f"worker {peer.name} ({peer.device}, pid {peer.pid}) failed: {msg.message}\n{msg.traceback}")
         elif isinstance(msg, m.Bye):
+            self._bye_reason = self._bye_reason or msg.reason
             peer.left = True
             peer.state = "left"
             self.scheduler.release(peer_id)

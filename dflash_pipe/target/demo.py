@@ -185,29 +185,16 @@ def _train_and_save(
         model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay, foreach=True
     )
 
-    def lr_at(step: int) -> float:
-        if step < recipe.warmup_steps:
-            return recipe.lr * (step + 1) / recipe.warmup_steps
-        t = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-        return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
     losses: list[float] = []
     start = time.perf_counter()
     show = sys.stderr.isatty() if progress is None else progress
-    with _progress_bar(show, recipe.steps) as advance:
-        for step in range(recipe.steps):
-            first = int(torch.randint(len(rows) - recipe.batch_size + 1, (1,), generator=gen))
-            input_ids, labels, attention_mask = _pad_batch(rows[first : first + recipe.batch_size])
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, S, V]
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            advance(losses[-1])
+    threads, build_threads = torch.get_num_threads(), _free_threads(torch.get_num_threads())
+    torch.set_num_threads(build_threads)
+    try:
+        with _progress_bar(show, recipe.steps) as advance:
+            _train_loop(model, opt, rows, recipe, gen, losses, advance)
+    finally:
+        torch.set_num_threads(threads)
 
     model.eval()
     model.save_pretrained(tmp)
@@ -219,7 +206,53 @@ def _train_and_save(
         "loss_first": losses[0] if losses else None,
         "loss_last10": sum(tail) / len(tail) if tail else None,
         "num_samples": len(rows),
+        "threads": build_threads,
     }
+
+
+def _lr_at(recipe: DemoRecipe, step: int) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    t = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _train_loop(
+    model: Qwen3ForCausalLM,
+    opt: torch.optim.Optimizer,
+    rows: list[torch.Tensor],
+    recipe: DemoRecipe,
+    gen: torch.Generator,
+    losses: list[float],
+    advance,
+) -> None:
+    for step in range(recipe.steps):
+        first = int(torch.randint(len(rows) - recipe.batch_size + 1, (1,), generator=gen))
+        input_ids, labels, attention_mask = _pad_batch(rows[first : first + recipe.batch_size])
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, S, V]
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(recipe, step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        advance(losses[-1])
+
+
+def _free_threads(current: int) -> int:
+    """Intra-op threads for the build: no more than the idle cores.
+
+    The demo model's ops are tiny, and oversubscribed OpenMP threads spin: on a 2-core machine with two
+    other busy processes, 2 threads ran a step 4-7x slower than 1 thread.
+    """
+    try:
+        idle = (os.cpu_count() or 1) - os.getloadavg()[0]
+    except OSError:  # getloadavg is unavailable on some platforms
+        return current
+    return max(1, min(current, 4, math.floor(idle + 0.5)))
 
 
 def _pad_batch(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,7 +32,9 @@ def test_flex_and_sdpa_forward_agree() -> None:
     flex.load_state_dict(sdpa.state_dict())
     flex._target_parts = sdpa._target_parts
     ids, feats, loss_mask = _inputs(cfg)
-    anchors, valid = sample_anchors(training_eligible(loss_mask), 9, generator=torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(
+        training_eligible(loss_mask), 9, generator=torch.Generator().manual_seed(0)
+    )
     hs = sdpa.block_hidden(ids, feats, anchors, valid)
     hf = flex.block_hidden(ids, feats, anchors, valid)  # pads S to 128 and N to a tile multiple inside
     assert hs.shape == hf.shape

@@ -25,7 +25,12 @@ def qwen3_8b_like() -> Qwen3Config:
 def test_from_qwen3_config() -> None:
     cfg = DrafterConfig.from_target(qwen3_8b_like(), mask_token_id=151669)
     assert cfg.target_layer_ids == (1, 9, 17, 25, 33)
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4096, 32, 8, 128)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        4096,
+        32,
+        8,
+        128,
+    )
     assert cfg.intermediate_size == 12288 and cfg.num_hidden_layers == 5 and cfg.num_target_layers == 36
     assert cfg.rope_theta == 1_000_000.0 and cfg.rope_scaling is None
     assert cfg.block_size == 16 and cfg.gamma == 7.0

@@ -51,7 +51,9 @@ def test_export_key_set_and_config(tmp_path) -> None:
     assert cfg["num_hidden_layers"] == 2
     assert cfg["dflash_config"] == {"target_layer_ids": [0, 2], "block_size": 4, "mask_token_id": 49}
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 4
-    Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("dflash_config", "dflash_pipe")})  # loads as Qwen3
+    Qwen3Config(
+        **{k: v for k, v in cfg.items() if k not in ("dflash_config", "dflash_pipe")}
+    )  # loads as Qwen3
 
 
 def test_round_trip_identical_outputs(tmp_path) -> None:

@@ -50,7 +50,9 @@ class TinyTarget:
 
     @torch.no_grad()
     def greedy_next(self, input_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-        return torch.cat([self.model(seq[None]).logits[0].argmax(-1) for seq in self._split(input_ids, lengths)])
+        return torch.cat(
+            [self.model(seq[None]).logits[0].argmax(-1) for seq in self._split(input_ids, lengths)]
+        )
 
 
 def _setup(num_samples: int = 24):
@@ -70,8 +72,13 @@ def _setup(num_samples: int = 24):
     prompts = torch.randint(0, VOCAB - 1, (num_samples, PROMPT))
     with torch.no_grad():
         seqs = target.generate(
-            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=GEN, min_new_tokens=GEN,
-            do_sample=False, pad_token_id=0, eos_token_id=None,
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=GEN,
+            min_new_tokens=GEN,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
         )
     loss_mask = torch.zeros_like(seqs, dtype=torch.bool)
     loss_mask[:, PROMPT:] = True

@@ -61,7 +61,9 @@ def test_drafter_loss_equals_full_logits_reference() -> None:
     loss_mask[1, 12:] = False  # padding
     out = model(ids, feats, loss_mask, generator=torch.Generator().manual_seed(9))
     # independent recomputation with the same anchors
-    anchors, valid = sample_anchors(training_eligible(loss_mask), 5, generator=torch.Generator().manual_seed(9))
+    anchors, valid = sample_anchors(
+        training_eligible(loss_mask), 5, generator=torch.Generator().manual_seed(9)
+    )
     hidden = model.block_hidden(ids, feats, anchors, valid)
     logits = model.lm_head(hidden).float().detach()  # [B, N, bs, V]
     loss_sum = weight_sum = 0.0

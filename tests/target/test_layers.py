@@ -49,7 +49,10 @@ def test_unfindable_layers_error_from_target_core(qwen3_dir, monkeypatch):
 @pytest.mark.parametrize(
     ("layer_ids", "match"),
     [
-        ([1, NUM_LAYERS], rf"\[1, {NUM_LAYERS}\].*{NUM_LAYERS} decoder layers.*out of range: \[{NUM_LAYERS}\]"),
+        (
+            [1, NUM_LAYERS],
+            rf"\[1, {NUM_LAYERS}\].*{NUM_LAYERS} decoder layers.*out of range: \[{NUM_LAYERS}\]",
+        ),
         ([-1], r"out of range: \[-1\].*0\.\.4"),
         ([], "empty"),
         ([2, 2], "duplicates"),
