@@ -17,7 +17,7 @@ from rich.console import Console
 from dflash_pipe import __version__
 
 _STARTED = time.time()
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 
@@ -48,7 +48,7 @@ def main() -> None:
 @click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4 or 0,1.")
 @click.option("--drafter-gpus", help="GPUs of the drafter workers (one process each), e.g. 5-7.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Number of drafter workers on CPU.")
-@click.option("--epochs", type=int, help="Epochs over the data (recipe: 6; demo: 2).")
+@click.option("--epochs", type=int, help="Epochs over the data (recipe: 6; demo: 1).")
 @click.option("--max-steps", type=int, help="Stop after this many optimizer steps.")
 @click.option("--lr", type=float, help="Peak learning rate (recipe: 6e-4).")
 @click.option("--token-budget", type=int, help="Max tokens per batch (default 16384; demo 2048).")
@@ -57,6 +57,7 @@ def main() -> None:
 @click.option("--draft-layers", type=int, help="Drafter depth (default 5).")
 @click.option("--block-size", type=int, help="Draft block size (default 16).")
 @click.option("--mask-token-id", type=int, help="Mask token (default: a reserved token of the tokenizer).")
+@click.option("--max-anchors", type=int, help="Sampled blocks per sequence (recipe: 512; demo: 32).")
 @click.option("--target-layer-ids", help="Comma-separated target layers to read (default: the even-spread rule).")
 @click.option("--attention", "attention_backend", type=click.Choice(["auto", "flex", "sdpa"]), help="Drafter attention backend (auto: flex on CUDA, SDPA on CPU).")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter layers (auto: on CUDA).")

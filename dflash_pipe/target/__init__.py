@@ -5,7 +5,9 @@ Public API:
 - ``TargetCore(model_path, layer_ids, device, dtype)``: loads an HF causal LM and returns, for a packed
   batch, the concatenated outputs of the selected decoder layers ``[T, k*H]`` (no LM head).
 - ``build_demo_target(out_dir)``: materialise the embedded default target (tiny Qwen3 built from a config,
-  briefly trained on the bundled sample data so its greedy predictions mean something) plus its tokenizer.
+  briefly trained on the bundled sample data so its greedy predictions mean something) plus its tokenizer;
+  cached by fingerprint. ``DemoRecipe`` (training knobs), ``default_cache_dir()`` (where it is cached).
+- ``find_decoder_layers(model)``: the decoder-layer ``ModuleList`` of any HF decoder-only model.
 """
 
 from dflash_pipe.target.core import TargetCore

@@ -8,6 +8,7 @@ build, and the build is written to a temp dir and renamed so a crash never leave
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -16,6 +17,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from filelock import FileLock
 from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.utils import logging as hf_logging
 
 # Bump when the build changes in a way the fingerprint's other fields do not capture.
 RECIPE_VERSION = 1
@@ -34,13 +37,13 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", 
 class DemoRecipe:
     """How the demo target is trained (all of it enters the fingerprint)."""
 
-    steps: int = 200
+    steps: int = 120
     """Optimizer steps; 0 saves the seeded random init (useful as a baseline and in tests)."""
     batch_size: int = 16
     """Samples per step (right-padded)."""
     seq_len: int = 256
     """Samples are truncated to this many tokens."""
-    lr: float = 3e-3
+    lr: float = 5e-3
     """Peak AdamW learning rate (linear warmup, cosine decay to 10%)."""
     warmup_steps: int = 20
     """Linear warmup length in steps."""
@@ -57,7 +60,7 @@ class DemoRecipe:
             if getattr(self, name) < 2:
                 raise ValueError(f"DemoRecipe.{name}={getattr(self, name)} must be >= 2")
         if not self.lr > 0:
-            raise ValueError(f"DemoRecipe.lr={self.lr} must be > 0, e.g. 3e-3")
+            raise ValueError(f"DemoRecipe.lr={self.lr} must be > 0, e.g. 5e-3")
         if self.weight_decay < 0:
             raise ValueError(f"DemoRecipe.weight_decay={self.weight_decay} must be >= 0")
 
@@ -197,8 +200,9 @@ def _train_and_save(
         torch.set_num_threads(threads)
 
     model.eval()
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    with _quiet_hf_progress():  # our own bar already said what happens; no "Writing model shards" noise
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     tail = losses[-10:]
     return {
         "steps": recipe.steps,
@@ -266,6 +270,17 @@ def _pad_batch(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, to
         labels[b, : r.numel()] = r
         mask[b, : r.numel()] = 1
     return input_ids, labels, mask
+
+
+@contextlib.contextmanager
+def _quiet_hf_progress() -> Iterator[None]:
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 class _progress_bar:

@@ -45,6 +45,28 @@ def test_features_equal_output_hidden_states(model_dir, layer_ids):
         torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_features_on_cuda(model_dir, dtype):
+    layer_ids = (3, 1, NUM_LAYERS - 1)
+    core = TargetCore(model_dir, layer_ids, torch.device("cuda"), dtype)
+    ids = packed_batch(LENGTHS)  # on the CPU: features moves it
+    feats = core.features(ids, LENGTHS)
+    assert feats.device.type == "cuda" and feats.dtype == dtype
+    padded, mask = _padded(ids, LENGTHS)
+    with torch.no_grad():
+        hs = core.model(
+            input_ids=padded.cuda(), attention_mask=mask.cuda(), output_hidden_states=True
+        ).hidden_states
+    ref = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[mask.cuda().bool()]
+    assert torch.equal(feats, ref)
+    cpu = TargetCore(model_dir, layer_ids, "cpu", torch.float32).features(ids, LENGTHS)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(feats.float().cpu(), cpu, rtol=tol, atol=tol)
+    greedy = core.greedy_next(ids.cuda(), LENGTHS)
+    assert greedy.device.type == "cuda" and greedy.shape == (sum(LENGTHS),)
+
+
 def test_features_in_requested_dtype(qwen3_dir):
     core = TargetCore(qwen3_dir, [1, 2], "cpu", torch.bfloat16)
     feats = core.features(packed_batch([4, 6]).int(), [4, 6])

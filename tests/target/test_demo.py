@@ -1,0 +1,111 @@
+"""build_demo_target: cached by fingerprint, atomic, and the real build actually learns the data."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_pipe.data import DataConfig, demo_data_path, demo_tokenizer, load_samples
+from dflash_pipe.target import DemoRecipe, TargetCore, build_demo_target, default_cache_dir
+from dflash_pipe.target import demo as demo_mod
+
+TINY = DemoRecipe(steps=3, batch_size=4, warmup_steps=1)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first 40 demo conversations: enough to exercise the build quickly."""
+    path = tmp_path_factory.mktemp("data") / "small.jsonl"
+    lines = demo_data_path().read_text().splitlines()[:40]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _snapshot(d: Path) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(d.iterdir())}
+
+
+def test_build_is_idempotent_and_rebuilds_on_change(tmp_path, small_data):
+    out = tmp_path / "target"
+    assert build_demo_target(out, recipe=TINY, data_path=small_data, progress=True) == out
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json", demo_mod.FINGERPRINT_FILE):
+        assert (out / name).is_file()
+    first = _snapshot(out)
+    info = demo_mod.read_build_info(out)
+    assert info["train"]["steps"] == 3 and info["fingerprint"]["recipe"]["steps"] == 3
+
+    start = time.perf_counter()
+    assert build_demo_target(out, recipe=TINY, data_path=small_data) == out
+    assert time.perf_counter() - start < 1.0
+    assert _snapshot(out) == first  # untouched: same bytes, same mtimes
+
+    # A different recipe is a different fingerprint: rebuilt in place.
+    build_demo_target(out, recipe=DemoRecipe(steps=2, batch_size=4, warmup_steps=1), data_path=small_data)
+    assert demo_mod.read_build_info(out)["train"]["steps"] == 2
+    # An incomplete dir (a file lost) is rebuilt too.
+    (out / "model.safetensors").unlink()
+    build_demo_target(out, recipe=TINY, data_path=small_data)
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["target"]
+
+
+def test_same_recipe_gives_same_weights(tmp_path, small_data):
+    a = build_demo_target(tmp_path / "a", recipe=TINY, data_path=small_data)
+    b = build_demo_target(tmp_path / "b", recipe=TINY, data_path=small_data)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+def test_crash_leaves_no_half_build(tmp_path, small_data, monkeypatch):
+    def boom(tmp: Path, *args, **kwargs):
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text("{}")
+        raise RuntimeError("killed mid-build")
+
+    monkeypatch.setattr(demo_mod, "_train_and_save", boom)
+    with pytest.raises(RuntimeError, match="killed mid-build"):
+        build_demo_target(tmp_path / "target", recipe=TINY, data_path=small_data)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_default_cache_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_PIPE_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "demo-target"
+    monkeypatch.delenv("DFLASH_PIPE_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "dflash-pipe" / "demo-target"
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="DemoRecipe.steps=-1"):
+        DemoRecipe(steps=-1)
+    with pytest.raises(ValueError, match="DemoRecipe.lr=0"):
+        DemoRecipe(lr=0)
+
+
+def _greedy_accuracy(model_dir: Path, samples) -> float:
+    """Fraction of positions where the target's greedy next token is the data's next token."""
+    core = TargetCore(model_dir, [1], "cpu", torch.float32)
+    ids = torch.cat([s.input_ids for s in samples])
+    lengths = [s.input_ids.numel() for s in samples]
+    pred = core.greedy_next(ids, lengths)
+    hits = sum(
+        int((p[:-1] == t[1:]).sum()) for p, t in zip(pred.split(lengths), ids.split(lengths), strict=True)
+    )
+    return hits / sum(n - 1 for n in lengths)
+
+
+@pytest.mark.slow
+def test_real_build_learns_the_data(tmp_path):
+    """The default recipe (about 30-60 s on 2 cores) makes greedy predictions follow the data."""
+    trained = build_demo_target(tmp_path / "trained")
+    untrained = build_demo_target(tmp_path / "init", recipe=DemoRecipe(steps=0))
+    stats = demo_mod.read_build_info(trained)["train"]
+    assert stats["loss_last10"] < 0.25 * stats["loss_first"], stats
+
+    tok = demo_tokenizer()
+    samples = load_samples(DataConfig(path=demo_data_path(), max_length=256), tok).samples[::100]
+    acc_trained, acc_init = _greedy_accuracy(trained, samples), _greedy_accuracy(untrained, samples)
+    assert acc_trained > 0.6 and acc_init < 0.05, (acc_trained, acc_init)
+    assert len(tok) == TargetCore(trained, [0], "cpu", torch.float32).vocab_size
