@@ -1,0 +1,130 @@
+"""A live CPU run under stress: bad handshakes are refused, Ctrl-C drains, a killed worker stops the run
+with a message naming it (never a hang)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.transport import WorkerEndpoint
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class LiveRun:
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--plain", "--device", "cpu", "--workers", "2",
+               "--run-dir", str(run_dir), "--token-budget", "1024", "--max-length", "256", *args]
+        self.run_dir = run_dir
+        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if found := re.search(pattern, line):
+                    return found
+            assert self.proc.poll() is None, "".join(self.lines)
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern!r} within {timeout} s:\n" + "".join(self.lines))
+
+    def wait_for_steps(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        metrics = self.run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and '"loss"' in metrics.read_text():
+                return
+            assert self.proc.poll() is None, "".join(self.lines)
+            time.sleep(0.2)
+        raise AssertionError("no training step logged:\n" + "".join(self.lines))
+
+    def finish(self, timeout: float = 120) -> tuple[int, str]:
+        rc = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=5)
+        return rc, "".join(self.lines)
+
+
+def worker_pid(address: str, name: str) -> int:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"worker" in argv and address.encode() in argv and name.encode() in argv:
+            return int(entry.name)
+    raise AssertionError(f"no process for {name} at {address}")
+
+
+def test_bad_handshakes_are_refused_and_ctrl_c_drains_to_a_checkpoint(tmp_path: Path):
+    run = LiveRun(tmp_path / "run", "--max-steps", "100000", "--checkpoint-every", "100000")
+    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
+    run.wait_for_steps()
+
+    # A peer speaking another protocol version is answered with REJECT, not ignored.
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(address)
+    raw.send_multipart([msgpack.packb({"v": 99, "k": 1, "f": {}, "t": []})])
+    assert raw.poll(10_000), "no answer to a bad protocol version"
+    reply = msgpack.unpackb(raw.recv_multipart()[0])
+    assert reply["k"] == m.Kind.REJECT and "99" in reply["f"]["reason"]
+    raw.close(linger=0)
+
+    # A well-formed worker arriving when the group is full is refused with the reason.
+    late = WorkerEndpoint(address)
+    late.send(m.Hello(worker_name="late", host="test", pid=1, device="cpu"))
+    answer = None
+    deadline = time.monotonic() + 10
+    while answer is None or isinstance(answer, m.Heartbeat):
+        assert time.monotonic() < deadline
+        answer = late.recv(timeout_s=1.0)
+    assert isinstance(answer, m.Reject) and "full" in answer.reason
+    late.close()
+
+    # The run is unharmed; Ctrl-C now drains it to a checkpoint and a clean exit.
+    run.proc.send_signal(signal.SIGINT)
+    rc, out = run.finish()
+    assert rc == 0, out
+    assert "interrupted" in out
+    ckpt = latest_checkpoint(run.run_dir)
+    assert ckpt is not None and read_trainer_state(ckpt).step >= 1
+
+
+def test_a_killed_worker_stops_the_run_with_a_message_naming_it(tmp_path: Path):
+    run = LiveRun(tmp_path / "run", "--max-steps", "100000")
+    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
+    run.wait_for_steps()
+    t0 = time.monotonic()
+    os.kill(worker_pid(address, "worker1"), signal.SIGKILL)
+    rc, out = run.finish(timeout=90)
+    assert rc == 1, out
+    assert "worker1" in out and "SIGKILL" in out and "--resume" in out
+    assert time.monotonic() - t0 < 60
+    # The surviving worker does not linger.
+    time.sleep(1)
+    with pytest.raises(AssertionError):
+        worker_pid(address, "worker0")
