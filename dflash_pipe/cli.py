@@ -60,7 +60,7 @@ def main() -> None:
 @click.option("--max-anchors", type=int, help="Sampled blocks per sequence (recipe: 512; demo: 32).")
 @click.option("--target-layer-ids", help="Comma-separated target layers to read (default: the even-spread rule).")
 @click.option("--attention", "attention_backend", type=click.Choice(["auto", "flex", "sdpa"]), help="Drafter attention backend (auto: flex on CUDA, SDPA on CPU).")
-@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter layers (auto: on CUDA).")
+@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter's flex attention (auto: on CUDA).")
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints (default 500).")
 @click.option("--eval-every", type=int, help="Steps between tau evaluations (default: only at the end).")
 @click.option("--eval-samples", type=int, help="Held-out samples for tau (default 16).")

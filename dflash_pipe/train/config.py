@@ -27,7 +27,7 @@ class TrainConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the drafter layers: auto = on for CUDA, off on CPU."""
+    """torch.compile the drafter's flex attention and block mask: auto = on for CUDA, off on CPU."""
     log_every: int = 10
 
     def __post_init__(self) -> None:

@@ -17,11 +17,6 @@ import torch
 from filelock import FileLock
 
 
-def compile_layers(model: torch.nn.Module) -> None:
-    for layer in model.layers:  # type: ignore[attr-defined]
-        layer.compile(dynamic=True)
-
-
 def warm_up(
     model: torch.nn.Module, *, drafter_config: dict[str, Any], cache_dir: Path, device: torch.device, seq_len: int
 ) -> dict[str, float]:

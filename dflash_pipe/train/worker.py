@@ -26,7 +26,7 @@ from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink
 from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, run_training
 from dflash_pipe.train.optim import build_optimizer
-from dflash_pipe.train.warmup import compile_layers, warm_up
+from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
 
 CAPABILITIES = ["frames"]
@@ -55,7 +55,8 @@ def run_worker(
         train_cfg = TrainConfig(**welcome.train)
         feature_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         embed, head = load_frozen_target_parts(welcome.target_path, dtype=feature_dtype, device=dev)
-        model = DFlashDrafter(drafter_cfg, embed, head).to(dev)
+        compile_on = train_cfg.compile == "on" or (train_cfg.compile == "auto" and dev.type == "cuda")
+        model = DFlashDrafter(drafter_cfg, embed, head, compile_attention=compile_on).to(dev)
         model.train()
         optimizer = build_optimizer(model.trainable_parameters(), train_cfg)
         group = DrafterGroup(
@@ -70,10 +71,8 @@ def run_worker(
         if welcome.resume_from:
             state = load_checkpoint(Path(welcome.resume_from), model=model, optimizer=optimizer)
             step, ledger = state.step, Ledger.from_dict(state.ledger)
-        compile_on = train_cfg.compile == "on" or (train_cfg.compile == "auto" and dev.type == "cuda")
         warm = {}
         if compile_on:
-            compile_layers(model)
             warm = warm_up(
                 model,
                 drafter_config=welcome.drafter,
