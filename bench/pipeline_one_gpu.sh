@@ -11,7 +11,7 @@ export PYTHONPATH=${PYTHONPATH:-}:$(pwd) PYTHONUNBUFFERED=1
 python3 bench/make_target.py --shape "$shape" --out "$work/target" 2>&1 | tee -a "$out/run.log"
 python3 bench/make_data.py --out "$work/data.jsonl" --samples 1500 --min-len 128 --max-len 3072 2>&1 | tee -a "$out/run.log"
 common=(--target-model "$work/target" --data "$work/data.jsonl" --target-gpus 0 --drafter-gpus 0
-        --token-budget 16384 --max-length 3072 --plain --checkpoint-every 100000 --eval-samples 8)
+        --token-budget 4096 --max-length 3072 --plain --checkpoint-every 100000 --eval-samples 8)
 # Cold: a new run dir, so a new compile cache.
 python3 -m dflash_pipe launch "${common[@]}" --run-dir "$work/run" --max-steps "$steps" 2>&1 | tee -a "$out/run.log"
 # Warm: resume the same run (same cache) for more steps.

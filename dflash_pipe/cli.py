@@ -51,7 +51,7 @@ def main() -> None:
 @click.option("--epochs", type=int, help="Epochs over the data (recipe: 6; demo: 1).")
 @click.option("--max-steps", type=int, help="Stop after this many optimizer steps.")
 @click.option("--lr", type=float, help="Peak learning rate (recipe: 6e-4).")
-@click.option("--token-budget", type=int, help="Max tokens per batch (default 16384; demo 2048).")
+@click.option("--token-budget", type=int, help="Max tokens per batch (default 4096: one 3072-token sample with 512 anchors, or several short ones; demo 2048).")
 @click.option("--max-length", type=int, help="Longer samples are truncated (default 3072; demo 512).")
 @click.option("--skip-bad-lines", is_flag=True, help="Skip and count malformed data lines instead of stopping.")
 @click.option("--draft-layers", type=int, help="Drafter depth (default 5).")

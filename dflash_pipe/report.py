@@ -22,6 +22,7 @@ def print_summary(run_dir: Path, summary: Any, console: Console) -> None:
     console.print(table)
     tokens_s = summary.acked_tokens / summary.wall_s if summary.wall_s else 0.0
     console.print(
-        f"{summary.steps} steps in {summary.wall_s:.0f} s ({tokens_s:,.0f} tokens/s overall); "
+        f"{summary.steps} steps in {summary.wall_s:.0f} s ({tokens_s:,.0f} tokens/s overall, "
+        f"{summary.steady_tokens_per_s:,.0f} tokens/s after the first step); "
         f"stopped: {summary.stop_reason}; last checkpoint: {summary.last_checkpoint}"
     )

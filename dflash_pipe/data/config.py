@@ -14,7 +14,7 @@ class DataConfig:
     """JSONL file: one conversation (messages / ShareGPT) or one pre-tokenized sample per line."""
     max_length: int = 3072
     """Tokens per sample; longer samples are truncated (and counted in ``LoadedData.truncated``)."""
-    token_budget: int = 16384
+    token_budget: int = 4096
     """Maximum tokens per batch (sum of sample lengths); a longer single sample gets a batch of its own."""
     skip_bad_lines: bool = False
     """Skip malformed lines (counted per reason) instead of raising ``DataError`` on the first one."""

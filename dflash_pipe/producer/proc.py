@@ -62,6 +62,8 @@ class ProducerSummary:
     first_step_s: dict[str, float]
     acked_tokens: int
     duplicates_redelivered: int
+    steady_tokens_per_s: float
+    """Trained tokens/s from the first ACK to the end: the pipeline's rate once every worker is warm."""
 
 
 class ProducerProc:
@@ -108,6 +110,7 @@ class ProducerProc:
         self._started = time.monotonic()
         self._last_beat = 0.0
         self._bye_reason: str | None = None
+        self._first_ack: tuple[float, int] | None = None
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -159,7 +162,15 @@ class ProducerProc:
             first_step_s={p.name: p.first_step_s for p in self.peers.values() if p.first_step_s is not None},
             acked_tokens=self.scheduler.stats.acked_tokens,
             duplicates_redelivered=self.scheduler.stats.redelivered,
+            steady_tokens_per_s=self._steady_rate(),
         )
+
+    def _steady_rate(self) -> float:
+        if self._first_ack is None:
+            return 0.0
+        t0, tokens0 = self._first_ack
+        elapsed = time.monotonic() - t0
+        return (self.scheduler.stats.acked_tokens - tokens0) / elapsed if elapsed > 0 else 0.0
 
     def _join(self, eval_batches: list[m.Batch], watch: Callable[[], str | None] | None) -> None:
         """Waits for every launched worker's HELLO, then welcomes them all with ranks in arrival order."""
@@ -282,6 +293,8 @@ class ProducerProc:
         elif isinstance(msg, m.Ack):
             tokens_before = self.scheduler.stats.acked_tokens
             self.scheduler.ack(peer_id, msg.batch_ids)
+            if self._first_ack is None:
+                self._first_ack = (time.monotonic(), self.scheduler.stats.acked_tokens)
             self.train_rate.add(self.scheduler.stats.acked_tokens - tokens_before)
             peer.steps = msg.step
             self._step = max(self._step, msg.step)

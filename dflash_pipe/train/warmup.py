@@ -43,10 +43,12 @@ def _synthetic_steps(model: torch.nn.Module, cfg: dict[str, Any], device: torch.
     k = len(cfg["target_layer_ids"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    # Batch 2 and two lengths: dynamic shapes specialise on size 1, so B=1 alone would leave the real
+    # (multi-sample) batches to compile on the first training step.
     for length in (seq_len, max(seq_len // 2, 8)):
-        ids = torch.randint(0, cfg["vocab_size"], (1, length), device=device)
-        feats = torch.randn(1, length, k * cfg["hidden_size"], device=device, dtype=dtype)
-        mask = torch.ones(1, length, dtype=torch.bool, device=device)
+        ids = torch.randint(0, cfg["vocab_size"], (2, length), device=device)
+        feats = torch.randn(2, length, k * cfg["hidden_size"], device=device, dtype=dtype)
+        mask = torch.ones(2, length, dtype=torch.bool, device=device)
         with autocast:
             out = model(ids, feats, mask, generator=torch.Generator(device=device).manual_seed(0))
         out.loss_sum.backward()
