@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dflash_pipe.data import demo_data_path
+from dflash_pipe.target import default_cache_dir
 from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
 from dflash_pipe.train.ledger import Ledger
 
@@ -18,10 +21,14 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--plain", *args]
+    cmd = [sys.executable, "-m", "dflash_pipe", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def launch(*args: str) -> subprocess.CompletedProcess:
+    return cli("launch", "--plain", *args)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -54,6 +61,16 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     ledger2 = Ledger.from_dict(state2.ledger)
     assert trained_first < ledger2.trained(0) or ledger2.current_epoch() > 0
     assert ledger2.duplicates == 0
+    # The trained drafter exports to the reference format and evaluates against the target.
+    exported = tmp_path / "export"
+    out = cli("export", str(run_dir), str(exported))
+    assert out.returncode == 0, out.stderr
+    assert (exported / "config.json").exists() and (exported / "model.safetensors").exists()
+    out = cli("eval", "--target-model", str(default_cache_dir()), "--drafter", str(exported), "--data",
+              str(demo_data_path()), "--max-samples", "8", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    tau = float(re.search(r"tau = ([0-9.]+)", out.stdout).group(1))
+    assert tau > 1.0
     steps = [r["step"] for r in metrics(run_dir) if "loss" in r]
     assert steps[-2:] == [30, 40]  # logged every 10 steps, continuing after 24
     assert [r["step"] for r in metrics(run_dir) if "tau" in r] == [24, 40]

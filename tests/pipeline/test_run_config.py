@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from dflash_pipe.config import DrafterOptions, RunConfig
+from dflash_pipe.data import DataConfig
+from dflash_pipe.launch_options import build_run_config
+from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.train.config import TrainConfig
+
+
+def test_round_trip_through_json(tmp_path: Path):
+    cfg = RunConfig(
+        run_dir=tmp_path / "run",
+        data=DataConfig(path=tmp_path / "d.jsonl", token_budget=1234),
+        drafter=DrafterOptions(num_layers=3, target_layer_ids=(1, 4, 7)),
+        train=TrainConfig(max_steps=9, betas=(0.8, 0.9)),
+        layout=LayoutConfig(device="cpu", cpu_workers=3),
+    )
+    cfg.save(tmp_path / "config.json")
+    back = RunConfig.load(tmp_path / "config.json")
+    assert back.to_dict() == cfg.to_dict()
+    assert back.drafter.target_layer_ids == (1, 4, 7) and back.train.betas == (0.8, 0.9)
+    assert back.cache_dir == tmp_path / "run" / "compile-cache"
+
+
+def test_unknown_keys_are_named():
+    with pytest.raises(ValueError, match=r"Unknown train config key\(s\) \['lr_max'\]"):
+        RunConfig.from_dict({"run_dir": "x", "data": {"path": "d"}, "train": {"lr_max": 1}})
+
+
+def test_cli_options_build_a_demo_config_on_cpu(tmp_path: Path):
+    cfg, resume = build_run_config({"run_dir": tmp_path, "device": "cpu", "workers": 3, "max_steps": 5})
+    assert not resume and cfg.target_model is None
+    assert cfg.layout.num_workers == 3 and cfg.train.max_steps == 5
+    assert cfg.drafter.num_layers == 3 and cfg.train.epochs == 1  # demo defaults
+    with pytest.raises(ValueError, match="--data is needed"):
+        build_run_config({"run_dir": tmp_path, "target_model": tmp_path, "device": "cpu"})
+
+
+def test_resume_refuses_flags_that_cannot_change(tmp_path: Path):
+    cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu"})
+    cfg.save(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="--lr cannot change on resume"):
+        build_run_config({"resume_dir": tmp_path, "lr": 1e-3})
+    resumed, resume = build_run_config({"resume_dir": tmp_path, "max_steps": 50})
+    assert resume and resumed.train.max_steps == 50

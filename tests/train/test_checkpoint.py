@@ -1,0 +1,84 @@
+import json
+
+import pytest
+import torch
+
+from dflash_pipe.train import checkpoint as ck
+from dflash_pipe.train.ledger import Ledger
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.frozen = torch.nn.Linear(3, 2).requires_grad_(False)
+
+
+def make():
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.fc(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_round_trip_restores_weights_optimizer_ledger_and_rng(tmp_path):
+    model, opt = make()
+    ledger = Ledger(10, 2)
+    ledger.mark(0, [1, 2, 3])
+    path = ck.save_checkpoint(tmp_path, step=7, model=model, drafter_config={"a": 1}, optimizer=opt,
+                              ledger=ledger.to_dict(), extra={"world_size": 2})
+    assert path.name == "step-00000007" and ck.latest_checkpoint(tmp_path) == path
+    assert "frozen.weight" not in json.dumps(list(ck.trainable_state(model)))
+    expected_rand = torch.rand(3)
+    fresh, fresh_opt = Tiny(), None
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+    state = ck.load_checkpoint(path, model=fresh, optimizer=fresh_opt)
+    assert torch.equal(fresh.fc.weight, model.fc.weight)
+    assert torch.equal(torch.rand(3), expected_rand)  # RNG restored to the moment of saving
+    assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    assert state.step == 7 and Ledger.from_dict(state.ledger).trained(0) == {1, 2, 3}
+    assert state.extra == {"world_size": 2}
+
+
+def test_a_failed_save_leaves_the_previous_latest_intact(tmp_path, monkeypatch):
+    model, opt = make()
+    first = ck.save_checkpoint(tmp_path, step=1, model=model, drafter_config={}, optimizer=opt, ledger={})
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "_rng_state", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        ck.save_checkpoint(tmp_path, step=2, model=model, drafter_config={}, optimizer=opt, ledger={})
+    assert ck.latest_checkpoint(tmp_path) == first
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001"]
+
+
+def test_keeps_only_the_last_checkpoints(tmp_path):
+    model, opt = make()
+    for step in range(1, 6):
+        ck.save_checkpoint(tmp_path, step=step, model=model, drafter_config={}, optimizer=opt, ledger={}, keep_last=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert names == ["step-00000004", "step-00000005"]
+
+
+def test_a_dangling_latest_pointer_is_a_clear_error(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step-00000009\n")
+    with pytest.raises(FileNotFoundError, match="step-00000009"):
+        ck.latest_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    model, opt = make()
+    path = ck.save_checkpoint(tmp_path, step=1, model=model, drafter_config={}, optimizer=opt, ledger={})
+
+    class Other(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 3)
+
+    with pytest.raises(ValueError, match="does not fit"):
+        ck.load_checkpoint(path, model=Other(), optimizer=None)
