@@ -18,7 +18,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--min-len", type=int, default=128)
     p.add_argument("--max-len", type=int, default=3072)
-    p.add_argument("--vocab", type=int, default=1000, help="ids drawn below this (the demo tokenizer has 1035)")
+    p.add_argument(
+        "--vocab", type=int, default=1000, help="ids drawn below this (the demo tokenizer has 1035)"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     rng = random.Random(args.seed)

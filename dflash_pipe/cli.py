@@ -20,7 +20,6 @@ _STARTED = time.time()
 console = Console(stderr=True, soft_wrap=True)
 
 
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="dflash-pipe")
 def main() -> None:
@@ -40,33 +39,77 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--target-model", type=click.Path(path_type=Path), help="HF model directory of the target (default: the built-in demo target).")
-@click.option("--data", "data_path", type=click.Path(path_type=Path), help="JSONL training data: messages, ShareGPT or input_ids+loss_mask (default with the demo: bundled samples).")
-@click.option("--run-dir", type=click.Path(path_type=Path), help="Where config, metrics, logs and checkpoints go (default: runs/<time>).")
-@click.option("--resume", "resume_dir", type=click.Path(path_type=Path), help="Continue the run in this directory from its latest checkpoint, with its saved config.")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True, help="auto: CUDA if a GPU is visible, else CPU.")
+@click.option(
+    "--target-model",
+    type=click.Path(path_type=Path),
+    help="HF model directory of the target (default: the built-in demo target).",
+)
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(path_type=Path),
+    help="JSONL training data: messages, ShareGPT or input_ids+loss_mask (default with the demo: bundled samples).",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(path_type=Path),
+    help="Where config, metrics, logs and checkpoints go (default: runs/<time>).",
+)
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(path_type=Path),
+    help="Continue the run in this directory from its latest checkpoint, with its saved config.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cuda", "cpu"]),
+    default="auto",
+    show_default=True,
+    help="auto: CUDA if a GPU is visible, else CPU.",
+)
 @click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4 or 0,1.")
 @click.option("--drafter-gpus", help="GPUs of the drafter workers (one process each), e.g. 5-7.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Number of drafter workers on CPU.")
 @click.option("--epochs", type=int, help="Epochs over the data (recipe: 6; demo: 1).")
 @click.option("--max-steps", type=int, help="Stop after this many optimizer steps.")
 @click.option("--lr", type=float, help="Peak learning rate (recipe: 6e-4).")
-@click.option("--token-budget", type=int, help="Max tokens per batch (default 4096: one 3072-token sample with 512 anchors, or several short ones; demo 2048).")
+@click.option(
+    "--token-budget",
+    type=int,
+    help="Max tokens per batch (default 4096: one 3072-token sample with 512 anchors, or several short ones; demo 2048).",
+)
 @click.option("--max-length", type=int, help="Longer samples are truncated (default 3072; demo 512).")
-@click.option("--skip-bad-lines", is_flag=True, help="Skip and count malformed data lines instead of stopping.")
+@click.option(
+    "--skip-bad-lines", is_flag=True, help="Skip and count malformed data lines instead of stopping."
+)
 @click.option("--draft-layers", type=int, help="Drafter depth (default 5).")
 @click.option("--block-size", type=int, help="Draft block size (default 16).")
 @click.option("--mask-token-id", type=int, help="Mask token (default: a reserved token of the tokenizer).")
 @click.option("--max-anchors", type=int, help="Sampled blocks per sequence (recipe: 512; demo: 32).")
-@click.option("--target-layer-ids", help="Comma-separated target layers to read (default: the even-spread rule).")
-@click.option("--attention", "attention_backend", type=click.Choice(["auto", "flex", "sdpa"]), help="Drafter attention backend (auto: flex on CUDA, SDPA on CPU).")
-@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter's flex attention (auto: on CUDA).")
+@click.option(
+    "--target-layer-ids", help="Comma-separated target layers to read (default: the even-spread rule)."
+)
+@click.option(
+    "--attention",
+    "attention_backend",
+    type=click.Choice(["auto", "flex", "sdpa"]),
+    help="Drafter attention backend (auto: flex on CUDA, SDPA on CPU).",
+)
+@click.option(
+    "--compile",
+    "compile_mode",
+    type=click.Choice(["auto", "on", "off"]),
+    help="torch.compile the drafter's flex attention (auto: on CUDA).",
+)
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints (default 500).")
 @click.option("--eval-every", type=int, help="Steps between tau evaluations (default: only at the end).")
 @click.option("--eval-samples", type=int, help="Held-out samples for tau (default 16).")
 @click.option("--seed", type=int, help="Seed of data order and anchor sampling.")
 @click.option("--bind", help="Producer address (default tcp://127.0.0.1:0, a free loopback port).")
-@click.option("--live/--plain", default=None, help="Live dashboard or plain log lines (default: live on a terminal).")
+@click.option(
+    "--live/--plain", default=None, help="Live dashboard or plain log lines (default: live on a terminal)."
+)
 def launch(**opts) -> None:
     """Start a training run: the producer here, one drafter worker per drafter GPU.
 
@@ -108,13 +151,30 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
 
 
 @main.command()
-@click.option("--connect", required=True, help="The producer's address, as `launch` printed it (tcp://HOST:PORT).")
+@click.option(
+    "--connect", required=True, help="The producer's address, as `launch` printed it (tcp://HOST:PORT)."
+)
 @click.option("--device", help="Device of this worker: cpu or cuda:N.")
 @click.option("--gpus", help="Start one worker per GPU, e.g. 6 or 6,7.")
 @click.option("--name", help="Worker name in logs and the dashboard (default: HOST-DEVICE).")
-@click.option("--compile-cache", type=click.Path(path_type=Path), help="torch.compile cache dir to share with the run.")
-@click.option("--join-timeout", type=float, default=900.0, show_default=True, help="Seconds to wait for the producer's WELCOME.")
-def worker(connect: str, device: str | None, gpus: str | None, name: str | None, compile_cache: Path | None, join_timeout: float) -> None:
+@click.option(
+    "--compile-cache", type=click.Path(path_type=Path), help="torch.compile cache dir to share with the run."
+)
+@click.option(
+    "--join-timeout",
+    type=float,
+    default=900.0,
+    show_default=True,
+    help="Seconds to wait for the producer's WELCOME.",
+)
+def worker(
+    connect: str,
+    device: str | None,
+    gpus: str | None,
+    name: str | None,
+    compile_cache: Path | None,
+    join_timeout: float,
+) -> None:
     """Run drafter worker(s) that connect to a producer.
 
     \b
@@ -138,16 +198,37 @@ def worker(connect: str, device: str | None, gpus: str | None, name: str | None,
     host = socket.gethostname()
     if len(devices) > 1:
         procs = [
-            subprocess.Popen([sys.executable, "-m", "dflash_pipe", "worker", "--connect", connect, "--device", d,
-                              "--name", f"{name or host}-{d}", "--join-timeout", str(join_timeout)]
-                             + (["--compile-cache", str(compile_cache)] if compile_cache else []))
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dflash_pipe",
+                    "worker",
+                    "--connect",
+                    connect,
+                    "--device",
+                    d,
+                    "--name",
+                    f"{name or host}-{d}",
+                    "--join-timeout",
+                    str(join_timeout),
+                ]
+                + (["--compile-cache", str(compile_cache)] if compile_cache else [])
+            )
             for d in devices
         ]
         sys.exit(max(p.wait() for p in procs))
     from dflash_pipe.train.worker import run_worker
 
-    sys.exit(run_worker(connect, device=devices[0], name=name or f"{host}-{devices[0]}",
-                        join_timeout_s=join_timeout, started_at=_STARTED))
+    sys.exit(
+        run_worker(
+            connect,
+            device=devices[0],
+            name=name or f"{host}-{devices[0]}",
+            join_timeout_s=join_timeout,
+            started_at=_STARTED,
+        )
+    )
 
 
 @main.command()
@@ -177,14 +258,41 @@ def export(checkpoint: Path, out_dir: Path) -> None:
 
 
 @main.command("eval")
-@click.option("--target-model", type=click.Path(exists=True, path_type=Path), required=True, help="HF model directory of the target.")
-@click.option("--drafter", "drafter_dir", type=click.Path(exists=True, path_type=Path), required=True, help="Exported drafter directory (see `export`).")
-@click.option("--data", "data_path", type=click.Path(exists=True, path_type=Path), required=True, help="JSONL samples to evaluate on.")
+@click.option(
+    "--target-model",
+    type=click.Path(exists=True, path_type=Path),
+    required=True,
+    help="HF model directory of the target.",
+)
+@click.option(
+    "--drafter",
+    "drafter_dir",
+    type=click.Path(exists=True, path_type=Path),
+    required=True,
+    help="Exported drafter directory (see `export`).",
+)
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(exists=True, path_type=Path),
+    required=True,
+    help="JSONL samples to evaluate on.",
+)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda:N.")
-@click.option("--max-samples", type=int, default=256, show_default=True, help="Evaluate at most this many samples.")
+@click.option(
+    "--max-samples", type=int, default=256, show_default=True, help="Evaluate at most this many samples."
+)
 @click.option("--num-anchors", type=int, default=64, show_default=True, help="Sampled blocks per sequence.")
 @click.option("--max-length", type=int, default=3072, show_default=True)
-def eval_cmd(target_model: Path, drafter_dir: Path, data_path: Path, device: str, max_samples: int, num_anchors: int, max_length: int) -> None:
+def eval_cmd(
+    target_model: Path,
+    drafter_dir: Path,
+    data_path: Path,
+    device: str,
+    max_samples: int,
+    num_anchors: int,
+    max_length: int,
+) -> None:
     """Simulated acceptance length (tau) of a drafter against its target.
 
     Greedy and teacher-forced: at sampled anchors, count how many consecutive draft tokens equal the
@@ -195,11 +303,18 @@ def eval_cmd(target_model: Path, drafter_dir: Path, data_path: Path, device: str
     from transformers import AutoTokenizer
 
     from dflash_pipe.data import DataConfig, load_samples
-    from dflash_pipe.drafter import evaluate_acceptance, load_exported, load_frozen_target_parts, render_acceptance_table
+    from dflash_pipe.drafter import (
+        evaluate_acceptance,
+        load_exported,
+        load_frozen_target_parts,
+        render_acceptance_table,
+    )
     from dflash_pipe.drafter.export import config_from_export
     from dflash_pipe.target import TargetCore
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     import json
 
@@ -210,8 +325,9 @@ def eval_cmd(target_model: Path, drafter_dir: Path, data_path: Path, device: str
     embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=dev)
     drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(dev)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-        result = evaluate_acceptance(target, drafter, data.samples[:max_samples], num_anchors=num_anchors,
-                                     progress=console.is_terminal)
+        result = evaluate_acceptance(
+            target, drafter, data.samples[:max_samples], num_anchors=num_anchors, progress=console.is_terminal
+        )
     Console().print(render_acceptance_table(result))
 
 

@@ -34,7 +34,9 @@ class DrafterOptions:
         if self.block_size < 2:
             raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}.")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
-            raise ValueError(f"drafter.attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}.")
+            raise ValueError(
+                f"drafter.attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}."
+            )
         if self.max_anchors < 1:
             raise ValueError(f"drafter.max_anchors must be >= 1, got {self.max_anchors}.")
 

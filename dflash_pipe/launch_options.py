@@ -12,7 +12,14 @@ from dflash_pipe.data import DataConfig, demo_data_path
 from dflash_pipe.layout import LayoutConfig, parse_gpu_spec
 from dflash_pipe.train.config import TrainConfig
 
-DEMO_DEFAULTS: dict[str, Any] = {"draft_layers": 3, "max_anchors": 32, "epochs": 1, "token_budget": 2048, "max_length": 512, "checkpoint_every": 100}
+DEMO_DEFAULTS: dict[str, Any] = {
+    "draft_layers": 3,
+    "max_anchors": 32,
+    "epochs": 1,
+    "token_budget": 2048,
+    "max_length": 512,
+    "checkpoint_every": 100,
+}
 RESUME_OVERRIDES = {"max_steps", "device", "target_gpus", "drafter_gpus", "workers", "live", "epochs"}
 """Flags that may change on --resume; everything else comes from the run's saved config."""
 
@@ -34,14 +41,35 @@ def build_run_config(opts: dict[str, Any]) -> tuple[RunConfig, bool]:
     cfg = RunConfig(
         run_dir=run_dir,
         target_model=opts.get("target_model"),
-        data=DataConfig(path=Path(data_path), **_pick(opts, token_budget="token_budget", max_length="max_length",
-                                                       skip_bad_lines="skip_bad_lines")),
-        drafter=DrafterOptions(**_pick(opts, num_layers="draft_layers", block_size="block_size",
-                                       mask_token_id="mask_token_id", max_anchors="max_anchors", attention_backend="attention_backend",
-                                       target_layer_ids="target_layer_ids")),
-        train=TrainConfig(**_pick(opts, epochs="epochs", max_steps="max_steps", lr="lr", seed="seed",
-                                  compile="compile_mode", checkpoint_every="checkpoint_every",
-                                  eval_every="eval_every")),
+        data=DataConfig(
+            path=Path(data_path),
+            **_pick(
+                opts, token_budget="token_budget", max_length="max_length", skip_bad_lines="skip_bad_lines"
+            ),
+        ),
+        drafter=DrafterOptions(
+            **_pick(
+                opts,
+                num_layers="draft_layers",
+                block_size="block_size",
+                mask_token_id="mask_token_id",
+                max_anchors="max_anchors",
+                attention_backend="attention_backend",
+                target_layer_ids="target_layer_ids",
+            )
+        ),
+        train=TrainConfig(
+            **_pick(
+                opts,
+                epochs="epochs",
+                max_steps="max_steps",
+                lr="lr",
+                seed="seed",
+                compile="compile_mode",
+                checkpoint_every="checkpoint_every",
+                eval_every="eval_every",
+            )
+        ),
         wire=WireConfig(**_pick(opts, bind="bind")),
         layout=_layout(opts),
         **_pick(opts, eval_samples="eval_samples"),

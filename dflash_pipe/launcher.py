@@ -7,6 +7,7 @@ goes to RUN_DIR/logs/; any worker dying stops the run with its name, exit status
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -59,10 +60,21 @@ class WorkerPool:
             if device == "cpu":
                 env["OMP_NUM_THREADS"] = str(max(1, cpus // (len(devices) + 1)))
             log_path = logs / f"{name}.log"
-            log = open(log_path, "ab")
-            cmd = [sys.executable, "-m", "dflash_pipe", "worker", "--connect", self.address, "--device", device]
+            log = open(log_path, "ab")  # noqa: SIM115 -- held open for the child; closed in stop()
+            cmd = [
+                sys.executable,
+                "-m",
+                "dflash_pipe",
+                "worker",
+                "--connect",
+                self.address,
+                "--device",
+                device,
+            ]
             cmd += ["--name", name]
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             self.workers.append(WorkerProcess(name, device, proc, log_path, log))
 
     def failure(self) -> str | None:
@@ -76,10 +88,8 @@ class WorkerPool:
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM (a worker's drain signal), then SIGKILL whatever is left. Safe to call twice."""

@@ -123,11 +123,18 @@ class ProducerProc:
     def start_targets(self) -> None:
         """One TargetCore per target device, each fed by its own thread."""
         for device in self.cfg.layout.target_devices():
-            core = TargetCore(self.ctx.target_path, self.ctx.drafter.target_layer_ids, device, self.ctx.target_dtype)
+            core = TargetCore(
+                self.ctx.target_path, self.ctx.drafter.target_layer_ids, device, self.ctx.target_dtype
+            )
             self._cores.append(core)
         for core in self._cores:
             thread = TargetThread(
-                core, self.ctx.train_samples, self._plans, self._ready, self.target_rate, name=str(core.device)
+                core,
+                self.ctx.train_samples,
+                self._plans,
+                self._ready,
+                self.target_rate,
+                name=str(core.device),
             )
             thread.start()
             self._threads.append(thread)
@@ -241,7 +248,10 @@ class ProducerProc:
 
     def _hello(self, peer_id: bytes, msg: m.Hello) -> Peer | None:
         if msg.protocol_version != m.PROTOCOL_VERSION:
-            self._send(peer_id, m.Reject(reason=f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}"))
+            self._send(
+                peer_id,
+                m.Reject(reason=f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}"),
+            )
             return None
         if len(self.peers) >= self.expected_workers:
             self._send(
@@ -284,7 +294,9 @@ class ProducerProc:
             if not isinstance(msg, m.Hello):
                 self._send(peer_id, m.Reject(reason="say HELLO first"))
             else:
-                self._send(peer_id, m.Reject(reason="the run has already started with its full drafter group"))
+                self._send(
+                    peer_id, m.Reject(reason="the run has already started with its full drafter group")
+                )
             return
         peer.last_heard = time.monotonic()
         if isinstance(msg, m.Ready):
@@ -304,7 +316,9 @@ class ProducerProc:
             self._last_checkpoint = msg.path
         elif isinstance(msg, m.Error):
             peer.left = True
-            raise RunAborted(f"worker {peer.name} ({peer.device}, pid {peer.pid}) failed: {msg.message}\n{msg.traceback}")
+            raise RunAborted(
+                f"worker {peer.name} ({peer.device}, pid {peer.pid}) failed: {msg.message}\n{msg.traceback}"
+            )
         elif isinstance(msg, m.Bye):
             self._bye_reason = self._bye_reason or msg.reason
             peer.left = True
@@ -353,7 +367,9 @@ class ProducerProc:
 
     def _refill(self) -> None:
         """Keeps up to ``ready_batches`` computed or in computation, so the target never waits on us."""
-        while self._in_target + self.scheduler.ready_count() < self.cfg.wire.ready_batches + len(self._threads):
+        while self._in_target + self.scheduler.ready_count() < self.cfg.wire.ready_batches + len(
+            self._threads
+        ):
             if self._done_sent:
                 return
             plan = self.scheduler.next_plan()

@@ -101,7 +101,9 @@ def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(step=int(data["step"]), ledger=data["ledger"], extra=data.get("extra", {}))
 
 
-def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> TrainerState:
+def load_checkpoint(
+    path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> TrainerState:
     path = Path(path)
     weights = load_file(str(path / DRAFTER_WEIGHTS))
     own = dict(model.named_parameters())
@@ -140,7 +142,9 @@ def _restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     if "python" in state:
         pos = state["python_pos"]
-        random.setstate((state["python_version"], tuple(state["python"].tolist()), None if pos == -1 else pos))
+        random.setstate(
+            (state["python_version"], tuple(state["python"].tolist()), None if pos == -1 else pos)
+        )
 
 
 def _write_json(path: Path, data: Any) -> None:

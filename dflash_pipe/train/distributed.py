@@ -28,7 +28,9 @@ class StepVote:
 
 
 class DrafterGroup:
-    def __init__(self, rendezvous: str, *, rank: int, world_size: int, device: torch.device, timeout_s: float):
+    def __init__(
+        self, rendezvous: str, *, rank: int, world_size: int, device: torch.device, timeout_s: float
+    ):
         url = urlparse(rendezvous)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"Rendezvous address {rendezvous!r} must look like tcp://HOST:PORT.")

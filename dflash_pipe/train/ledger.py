@@ -69,7 +69,8 @@ class Ledger:
             "epochs": self.epochs,
             "duplicates": self.duplicates,
             "bitmaps": {
-                str(e): base64.b64encode(np.packbits(b).tobytes()).decode("ascii") for e, b in self._bits.items()
+                str(e): base64.b64encode(np.packbits(b).tobytes()).decode("ascii")
+                for e, b in self._bits.items()
             },
         }
 

@@ -159,7 +159,13 @@ def evaluate(s: WorkerSession) -> dict[str, Any]:
     with autocast:
         for b in s.eval_batches:
             c = acceptance(
-                s.model, b.input_ids, b.features, b.loss_mask, b.target_next, num_anchors=64, generator=generator
+                s.model,
+                b.input_ids,
+                b.features,
+                b.loss_mask,
+                b.target_next,
+                num_anchors=64,
+                generator=generator,
             )
             counts = c if counts is None else counts + c
     s.model.train(was_training)
@@ -179,7 +185,9 @@ def _collect(s: WorkerSession, pending: deque, *, wait: bool) -> str | None:
         elif isinstance(msg, m.Done):
             done = msg.reason or "producer finished"
         elif isinstance(msg, (m.Error, m.Reject)):
-            raise ProducerRefusedError(f"the producer reported: {getattr(msg, 'message', None) or msg.reason}")
+            raise ProducerRefusedError(
+                f"the producer reported: {getattr(msg, 'message', None) or msg.reason}"
+            )
         deadline = time.monotonic()
 
 

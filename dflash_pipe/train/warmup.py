@@ -18,7 +18,12 @@ from filelock import FileLock
 
 
 def warm_up(
-    model: torch.nn.Module, *, drafter_config: dict[str, Any], cache_dir: Path, device: torch.device, seq_len: int
+    model: torch.nn.Module,
+    *,
+    drafter_config: dict[str, Any],
+    cache_dir: Path,
+    device: torch.device,
+    seq_len: int,
 ) -> dict[str, float]:
     """Runs synthetic steps so every compiled variant exists before real batches arrive."""
     cache_dir.mkdir(parents=True, exist_ok=True)

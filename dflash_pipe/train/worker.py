@@ -76,7 +76,9 @@ def run_worker(
             warm = warm_up(
                 model,
                 drafter_config=welcome.drafter,
-                cache_dir=Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", Path(welcome.run_dir) / "compile-cache")),
+                cache_dir=Path(
+                    os.environ.get("TORCHINDUCTOR_CACHE_DIR", Path(welcome.run_dir) / "compile-cache")
+                ),
                 device=dev,
                 seq_len=min(1024, drafter_cfg.max_position_embeddings),
             )
@@ -177,7 +179,9 @@ def _install_signal_handlers(stop: threading.Event) -> None:
 def _die_if_stuck(reason: str) -> None:
     """Called from the link thread when the producer is gone: the training thread may be blocked in a
     collective that will never finish, so leave the process with a clear message instead of hanging."""
-    print(f"dflash-pipe worker: {reason}; exiting. Restart with `dflash-pipe launch --resume RUN_DIR`.",
-          file=sys.stderr)
+    print(
+        f"dflash-pipe worker: {reason}; exiting. Restart with `dflash-pipe launch --resume RUN_DIR`.",
+        file=sys.stderr,
+    )
     sys.stderr.flush()
     os._exit(3)

@@ -28,10 +28,28 @@ ROOT = Path(__file__).resolve().parents[2]
 class LiveRun:
     def __init__(self, run_dir: Path, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--plain", "--device", "cpu", "--workers", "2",
-               "--run-dir", str(run_dir), "--token-budget", "1024", "--max-length", "256", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dflash_pipe",
+            "launch",
+            "--plain",
+            "--device",
+            "cpu",
+            "--workers",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--token-budget",
+            "1024",
+            "--max-length",
+            "256",
+            *args,
+        ]
         self.run_dir = run_dir
-        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

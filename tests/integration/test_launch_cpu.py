@@ -66,8 +66,19 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     out = cli("export", str(run_dir), str(exported))
     assert out.returncode == 0, out.stderr
     assert (exported / "config.json").exists() and (exported / "model.safetensors").exists()
-    out = cli("eval", "--target-model", str(default_cache_dir()), "--drafter", str(exported), "--data",
-              str(demo_data_path()), "--max-samples", "8", "--device", "cpu")
+    out = cli(
+        "eval",
+        "--target-model",
+        str(default_cache_dir()),
+        "--drafter",
+        str(exported),
+        "--data",
+        str(demo_data_path()),
+        "--max-samples",
+        "8",
+        "--device",
+        "cpu",
+    )
     assert out.returncode == 0, out.stderr
     tau = float(re.search(r"tau = ([0-9.]+)", out.stdout).group(1))
     assert tau > 1.0

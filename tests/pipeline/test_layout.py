@@ -13,8 +13,14 @@ def test_parses_ranges_and_lists(spec, ids):
 
 @pytest.mark.parametrize(
     ("spec", "why"),
-    [("", "empty"), ("a", "not a GPU id"), ("3-1", "backwards"), ("0,0", "more than once"), ("1,", "empty"),
-     ("-1", "not a GPU id")],
+    [
+        ("", "empty"),
+        ("a", "not a GPU id"),
+        ("3-1", "backwards"),
+        ("0,0", "more than once"),
+        ("1,", "empty"),
+        ("-1", "not a GPU id"),
+    ],
 )
 def test_rejects_bad_specs_with_the_flag_name(spec, why):
     with pytest.raises(ValueError, match=why) as err:

@@ -55,7 +55,9 @@ def test_ack_from_wrong_worker_or_unknown_batch_is_counted_not_applied():
 
 
 def test_resume_skips_trained_samples_of_the_start_epoch():
-    s = BatchScheduler(plan_epoch=plan_two_per_batch, epochs=2, start_epoch=1, trained_in_start_epoch={0, 1, 2})
+    s = BatchScheduler(
+        plan_epoch=plan_two_per_batch, epochs=2, start_epoch=1, trained_in_start_epoch={0, 1, 2}
+    )
     plans = drain_plans(s)
     assert all(p.epoch == 1 for p in plans)
     assert sorted(i for p in plans for i in p.sample_ids) == [3, 4, 5]

@@ -27,8 +27,15 @@ def test_round_trip_restores_weights_optimizer_ledger_and_rng(tmp_path):
     model, opt = make()
     ledger = Ledger(10, 2)
     ledger.mark(0, [1, 2, 3])
-    path = ck.save_checkpoint(tmp_path, step=7, model=model, drafter_config={"a": 1}, optimizer=opt,
-                              ledger=ledger.to_dict(), extra={"world_size": 2})
+    path = ck.save_checkpoint(
+        tmp_path,
+        step=7,
+        model=model,
+        drafter_config={"a": 1},
+        optimizer=opt,
+        ledger=ledger.to_dict(),
+        extra={"world_size": 2},
+    )
     assert path.name == "step-00000007" and ck.latest_checkpoint(tmp_path) == path
     assert "frozen.weight" not in json.dumps(list(ck.trainable_state(model)))
     expected_rand = torch.rand(3)
@@ -59,7 +66,9 @@ def test_a_failed_save_leaves_the_previous_latest_intact(tmp_path, monkeypatch):
 def test_keeps_only_the_last_checkpoints(tmp_path):
     model, opt = make()
     for step in range(1, 6):
-        ck.save_checkpoint(tmp_path, step=step, model=model, drafter_config={}, optimizer=opt, ledger={}, keep_last=2)
+        ck.save_checkpoint(
+            tmp_path, step=step, model=model, drafter_config={}, optimizer=opt, ledger={}, keep_last=2
+        )
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert names == ["step-00000004", "step-00000005"]
 

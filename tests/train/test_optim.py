@@ -17,7 +17,8 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("lr", 0), ("warmup_ratio", 1.0), ("epochs", 0), ("grad_clip", -1), ("compile", "yes")]
+    ("field", "value"),
+    [("lr", 0), ("warmup_ratio", 1.0), ("epochs", 0), ("grad_clip", -1), ("compile", "yes")],
 )
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"train.{field}"):

@@ -100,7 +100,13 @@ def test_golden_frame_layout(batch_factory):
     header = header_of(frames)
     assert list(header) == ["v", "k", "f", "t"]
     assert header["v"] == 1 and header["k"] == Kind.BATCH == 5
-    assert header["f"] == {"batch_id": 7, "epoch": 2, "sample_ids": [100, 101], "lengths": [300, 300], "for_eval": False}
+    assert header["f"] == {
+        "batch_id": 7,
+        "epoch": 2,
+        "sample_ids": [100, 101],
+        "lengths": [300, 300],
+        "for_eval": False,
+    }
     (n0, d0, s0, l0), (n1, d1, s1, l1), (n2, d2, s2, l2) = header["t"]
     assert (n0, d0, s0, l0) == ("input_ids", "int64", [600], 1)
     assert (n1, d1, s1) == ("loss_mask", "bool", [600]) and isinstance(l1, bytes) and len(l1) == 600
