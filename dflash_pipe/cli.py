@@ -108,6 +108,11 @@ def main() -> None:
 @click.option("--seed", type=int, help="Seed of data order and anchor sampling.")
 @click.option("--bind", help="Producer address (default tcp://127.0.0.1:0, a free loopback port).")
 @click.option(
+    "--peer-timeout",
+    type=float,
+    help="Seconds of silence after which a worker or the producer is declared dead (default 120).",
+)
+@click.option(
     "--live/--plain", default=None, help="Live dashboard or plain log lines (default: live on a terminal)."
 )
 def launch(**opts) -> None:

@@ -20,7 +20,16 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "max_length": 512,
     "checkpoint_every": 100,
 }
-RESUME_OVERRIDES = {"max_steps", "device", "target_gpus", "drafter_gpus", "workers", "live", "epochs"}
+RESUME_OVERRIDES = {
+    "peer_timeout",
+    "max_steps",
+    "device",
+    "target_gpus",
+    "drafter_gpus",
+    "workers",
+    "live",
+    "epochs",
+}
 """Flags that may change on --resume; everything else comes from the run's saved config."""
 
 
@@ -70,7 +79,7 @@ def build_run_config(opts: dict[str, Any]) -> tuple[RunConfig, bool]:
                 eval_every="eval_every",
             )
         ),
-        wire=WireConfig(**_pick(opts, bind="bind")),
+        wire=WireConfig(**_pick(opts, bind="bind", peer_timeout_s="peer_timeout")),
         layout=_layout(opts),
         **_pick(opts, eval_samples="eval_samples"),
     )
@@ -89,6 +98,9 @@ def _resume_config(opts: dict[str, Any]) -> RunConfig:
     if opts.get("max_steps") is not None:
         cfg.train.max_steps = opts["max_steps"]
         cfg.train.__post_init__()
+    if opts.get("peer_timeout") is not None:
+        cfg.wire.peer_timeout_s = opts["peer_timeout"]
+        cfg.wire.__post_init__()
     if opts.get("epochs") is not None:
         cfg.train.epochs = opts["epochs"]
         cfg.train.__post_init__()

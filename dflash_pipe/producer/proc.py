@@ -31,6 +31,8 @@ from dflash_pipe.wire.transport import ProducerEndpoint
 _TICK_S = 0.02
 _SHOW_EVERY_S = 0.5
 _EVAL_BATCH_SAMPLES = 4
+REQUIRED_CAPABILITIES = ("frames",)
+"""What a worker must support: payloads as raw tensor frames on the socket."""
 
 
 class RunAborted(RuntimeError):
@@ -251,6 +253,12 @@ class ProducerProc:
             self._send(
                 peer_id,
                 m.Reject(reason=f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}"),
+            )
+            return None
+        missing = sorted(set(REQUIRED_CAPABILITIES) - set(msg.capabilities))
+        if missing:
+            self._send(
+                peer_id, m.Reject(reason=f"worker lacks capabilities {missing}; upgrade dflash-pipe there")
             )
             return None
         if len(self.peers) >= self.expected_workers:

@@ -16,10 +16,26 @@ class DeviceBatch:
     tokens: int
 
 
-def unpack(tensors: dict[str, torch.Tensor], lengths: list[int], device: torch.device) -> DeviceBatch:
+def unpack(
+    tensors: dict[str, torch.Tensor],
+    lengths: list[int],
+    device: torch.device,
+    *,
+    feature_size: int | None = None,
+) -> DeviceBatch:
     """Copies the packed wire tensors to ``device`` once, then pads there (right padding)."""
     total = sum(lengths)
+    missing = sorted({"input_ids", "loss_mask", "features"} - set(tensors))
+    if missing:
+        raise ValueError(
+            f"BATCH lacks tensors {missing}; producer and worker run different dflash-pipe versions?"
+        )
     feats = tensors["features"]
+    if feats.dim() != 2 or (feature_size is not None and feats.shape[1] != feature_size):
+        raise ValueError(
+            f"BATCH features have shape {tuple(feats.shape)}, but this drafter expects [T, {feature_size}] "
+            "(layers x target hidden size from WELCOME)."
+        )
     if feats.shape[0] != total or tensors["input_ids"].shape[0] != total:
         raise ValueError(f"BATCH tensors hold {feats.shape[0]} tokens but lengths sum to {total}.")
     non_blocking = device.type == "cuda"

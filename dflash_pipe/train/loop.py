@@ -47,6 +47,8 @@ class WorkerSession:
     started_at: float = field(default_factory=time.time)
     eval_batches: list[DeviceBatch] = field(default_factory=list)
     block_size: int = 16
+    feature_size: int | None = None
+    """k*H: the width every BATCH's features must have."""
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -86,7 +88,7 @@ def run_training(s: WorkerSession, stop_requested: Callable[[], bool]) -> LoopRe
 
         totals = torch.zeros(3 + 2 * s.block_size, dtype=torch.float64)
         if batch is not None:
-            inputs = unpack(batch.tensors, batch.lengths, s.device)
+            inputs = unpack(batch.tensors, batch.lengths, s.device, feature_size=s.feature_size)
             generator.manual_seed(_step_seed(s.train.seed, s.step, s.rank))
             with autocast:
                 out = s.model(inputs.input_ids, inputs.features, inputs.loss_mask, generator=generator)

@@ -96,6 +96,7 @@ def run_worker(
             step=step,
             started_at=started_at,
             block_size=drafter_cfg.block_size,
+            feature_size=drafter_cfg.feature_size,
         )
         if warm:
             link.send(m.Metrics(step=step, values=warm))
@@ -156,7 +157,7 @@ def _receive_eval_set(s: WorkerSession, welcome: m.Welcome) -> None:
     while len(s.eval_batches) < welcome.eval_batches:
         msg = s.link.get(timeout_s=1.0)
         if isinstance(msg, m.Batch) and msg.for_eval:
-            s.eval_batches.append(unpack(msg.tensors, msg.lengths, s.device))
+            s.eval_batches.append(unpack(msg.tensors, msg.lengths, s.device, feature_size=s.feature_size))
         elif msg is not None:
             raise HandshakeError(f"expected the eval set from the producer, got {type(msg).__name__}")
         if time.monotonic() > deadline:

@@ -146,3 +146,22 @@ def test_a_killed_worker_stops_the_run_with_a_message_naming_it(tmp_path: Path):
     time.sleep(1)
     with pytest.raises(AssertionError):
         worker_pid(address, "worker0")
+
+
+def test_workers_exit_with_a_message_when_the_producer_is_killed(tmp_path: Path):
+    run = LiveRun(tmp_path / "run", "--max-steps", "100000", "--peer-timeout", "6")
+    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
+    run.wait_for_steps()
+    pids = [worker_pid(address, f"worker{i}") for i in range(2)]
+    run.proc.kill()
+    run.finish()
+    deadline = time.monotonic() + 40
+    while any(
+        Path(f"/proc/{pid}").exists() and b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        for pid in pids
+    ):
+        assert time.monotonic() < deadline, "workers outlived their producer"
+        time.sleep(0.5)
+    for i in range(2):
+        log = (tmp_path / "run" / "logs" / f"worker{i}.log").read_text()
+        assert "silent" in log and "--resume" in log, log
