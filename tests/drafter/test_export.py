@@ -16,6 +16,7 @@ from dflash_pipe.drafter import (
     load_exported,
     load_frozen_target_parts,
 )
+from tests.tiny_models import tiny_qwen3_config
 
 from .conftest import tiny_config, tiny_drafter
 
@@ -101,16 +102,7 @@ def test_export_checkpoint_without_target(tmp_path) -> None:
 
 
 def _tiny_target(tmp_path, tied: bool, shard: str | None = None):
-    tc = Qwen3Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=2,
-        vocab_size=60,
-        tie_word_embeddings=tied,
-    )
+    tc = tiny_qwen3_config(tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(tc)
     path = tmp_path / ("tied" if tied else "untied")

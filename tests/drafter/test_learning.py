@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from rich.console import Console
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from dflash_pipe.drafter import (
     AcceptanceCounts,
@@ -20,6 +20,7 @@ from dflash_pipe.drafter import (
     evaluate_acceptance,
     render_acceptance_table,
 )
+from tests.tiny_models import tiny_qwen3_config
 
 VOCAB, PROMPT, GEN = 48, 4, 28
 
@@ -57,11 +58,9 @@ class TinyTarget:
 
 def _setup(num_samples: int = 24):
     torch.manual_seed(0)
-    tc = Qwen3Config(
+    tc = tiny_qwen3_config(
         hidden_size=48,
         intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=12,
         num_hidden_layers=4,
         vocab_size=VOCAB,

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
+
+from tests.tiny_models import tiny_qwen3_config
 
 # Make the repo importable when the package is not installed (plain `pytest tests/target`).
 _ROOT = Path(__file__).resolve().parents[2]
@@ -25,17 +27,7 @@ def _save(model: torch.nn.Module, path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_qwen3_config(vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS, tie_word_embeddings=True)
     torch.manual_seed(0)
     return _save(Qwen3ForCausalLM(cfg), tmp_path_factory.mktemp("qwen3"))
 
