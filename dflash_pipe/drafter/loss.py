@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CE_CHUNK = 4096  # rows of the LM head evaluated at once
 
@@ -78,25 +77,59 @@ def _ce_chunk(hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor
     return (ce * weights).sum(), correct
 
 
+class _FrozenHeadCE(torch.autograd.Function):
+    """Weighted CE through a frozen LM head, one chunk of rows at a time.
+
+    The head is frozen, so the only gradient needed is d(loss)/d(hidden) = ((softmax - onehot) * w) @ W.
+    The forward computes it chunk by chunk while that chunk's logits are live and keeps only the [R, H]
+    result: two matmuls per chunk instead of the three of a checkpointed recompute, and never more than
+    one chunk of [r, V] logits in memory.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor, chunk: int):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad = torch.empty_like(hidden)
+        correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            sl = slice(start, start + chunk)
+            logits = F.linear(hidden[sl].to(lm_weight.dtype), lm_weight).float()  # [r, V]
+            lse = torch.logsumexp(logits, dim=-1)  # [r]
+            picked = logits.gather(1, labels[sl, None]).squeeze(1)  # [r]
+            total += ((lse - picked) * weights[sl]).sum()
+            correct[sl] = logits.argmax(dim=-1) == labels[sl]
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            probs.scatter_add_(1, labels[sl, None], probs.new_full((probs.shape[0], 1), -1.0))
+            probs.mul_(weights[sl, None])
+            grad[sl] = (probs.to(lm_weight.dtype) @ lm_weight).to(hidden.dtype)  # [r, H]
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, _grad_correct: Tensor | None):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None
+
+
 def chunked_lm_head_ce(
     hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor, *, chunk: int = DEFAULT_CE_CHUNK
 ) -> tuple[Tensor, Tensor]:
     """Weighted CE sum and per-row correctness without ever holding all [R, V] logits.
 
-    hidden [R, H], lm_weight [V, H] (frozen), labels [R], weights [R]. Each chunk runs under a
-    non-reentrant checkpoint: the forward keeps only its inputs and the backward recomputes that chunk's
-    logits, so peak memory is one chunk of logits (non-reentrant is also safe with threads).
+    hidden [R, H], lm_weight [V, H] (frozen), labels [R], weights [R]. With gradients, a custom autograd
+    function computes d(loss)/d(hidden) during the forward (see ``_FrozenHeadCE``); it keeps no autograd
+    state across threads, so it is also safe in threaded mode.
     """
+    if lm_weight.requires_grad:
+        raise ValueError("chunked_lm_head_ce expects the target's LM head frozen (requires_grad=False).")
+    if hidden.requires_grad and torch.is_grad_enabled():
+        return _FrozenHeadCE.apply(hidden, lm_weight, labels, weights, chunk)
     total = hidden.new_zeros((), dtype=torch.float32)
     correct = []
     for start in range(0, hidden.shape[0], chunk):
         sl = slice(start, start + chunk)
-        if hidden.requires_grad and torch.is_grad_enabled():
-            part, ok = checkpoint(
-                _ce_chunk, hidden[sl], lm_weight, labels[sl], weights[sl], use_reentrant=False
-            )
-        else:
-            part, ok = _ce_chunk(hidden[sl], lm_weight, labels[sl], weights[sl])
+        part, ok = _ce_chunk(hidden[sl], lm_weight, labels[sl], weights[sl])
         total = total + part
         correct.append(ok)
     ok_all = torch.cat(correct) if correct else labels.new_zeros((0,), dtype=torch.bool)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -103,3 +104,26 @@ def test_frozen_target_parts() -> None:
     trainable = {id(p) for p in model.trainable_parameters()}
     assert id(model.embed_tokens.weight) not in trainable and id(model.lm_head.weight) not in trainable
     assert not any("embed" in k or "lm_head" in k for k in model.state_dict())
+
+
+def test_chunked_ce_gradient_scales_with_the_upstream_gradient() -> None:
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(21, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(13, 8, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 13, (21,), generator=g)
+    weights = torch.rand(21, generator=g, dtype=torch.float64)
+    weights[::3] = 0.0  # unscored rows get no gradient
+    loss, _ = chunked_lm_head_ce(h, w, labels, weights, chunk=5)
+    (gh,) = torch.autograd.grad(loss * -2.5, h)
+    ref = (F.cross_entropy(h @ w.T, labels, reduction="none") * weights).sum() * -2.5
+    (gref,) = torch.autograd.grad(ref, h)
+    assert torch.allclose(gh, gref, atol=1e-10)
+    assert torch.all(gh[::3] == 0)
+
+
+def test_chunked_ce_refuses_a_trainable_head() -> None:
+    h = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="frozen"):
+        chunked_lm_head_ce(
+            h, torch.randn(5, 8, requires_grad=True), torch.zeros(4, dtype=torch.long), torch.ones(4)
+        )
