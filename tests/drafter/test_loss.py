@@ -117,7 +117,7 @@ def test_chunked_ce_gradient_scales_with_the_upstream_gradient() -> None:
     (gh,) = torch.autograd.grad(loss * -2.5, h)
     ref = (F.cross_entropy(h @ w.T, labels, reduction="none") * weights).sum() * -2.5
     (gref,) = torch.autograd.grad(ref, h)
-    assert torch.allclose(gh, gref, atol=1e-10)
+    assert torch.allclose(gh, gref, atol=1e-5)  # logits are computed in fp32 by design
     assert torch.all(gh[::3] == 0)
 
 
