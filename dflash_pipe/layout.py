@@ -41,6 +41,8 @@ class LayoutConfig:
     """CUDA devices of the drafter workers (one worker process per GPU)."""
     cpu_workers: int = 2
     """Number of drafter workers when device is cpu."""
+    target_parallel: Literal["auto", "replicas", "split"] = "auto"
+    """One target replica per GPU (fits), one replica split by layers over all target GPUs, or auto."""
 
     def __post_init__(self) -> None:
         self.target_gpus = tuple(self.target_gpus)
@@ -49,6 +51,10 @@ class LayoutConfig:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}.")
         if self.device == "cuda" and (not self.target_gpus or not self.drafter_gpus):
             raise ValueError("On CUDA both --target-gpus and --drafter-gpus are needed (e.g. 0-4 and 5-7).")
+        if self.target_parallel not in ("auto", "replicas", "split"):
+            raise ValueError(
+                f"--target-parallel must be auto, replicas or split, got {self.target_parallel!r}."
+            )
         if self.cpu_workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.cpu_workers}.")
 

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
+from dflash_pipe.target.placement import spread
 
 
 class _StopForward(Exception):
@@ -76,16 +77,23 @@ class TargetCore:
         self,
         model_path: str | Path,
         layer_ids: Sequence[int],
-        device: torch.device | str,
+        device: torch.device | str | Sequence[torch.device | str],
         dtype: torch.dtype,
     ) -> None:
-        self.device = torch.device(device)
+        """``device``: one device, or several to split the layers across (a target too big for one GPU)."""
+        devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
+        self.device = devices[0]
+        self.devices = devices
         self.dtype = dtype
         # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
         model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, attn_implementation="sdpa")
-        model.to(self.device).eval().requires_grad_(False)
+        model.eval().requires_grad_(False)
         self.model: nn.Module = model
         self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models
+        if len(devices) > 1:
+            spread(model, self.layers, devices)
+        else:
+            model.to(self.device)
         self.config = model.config
         text_config = self.config.get_text_config()
         self.hidden_size: int = int(text_config.hidden_size)
@@ -123,7 +131,9 @@ class TargetCore:
         def make_hook(layer_id: int):
             def hook(_module: nn.Module, _args: object, output: object) -> None:
                 j = slots[layer_id]
-                out[:, j * hidden : (j + 1) * hidden] = layout.pack(_layer_output(output))  # [T, H]
+                out[:, j * hidden : (j + 1) * hidden] = layout.pack(
+                    _layer_output(output).to(out.device)
+                )  # [T, H]
                 if layer_id == stop_after:
                     raise _StopForward
 
@@ -144,7 +154,7 @@ class TargetCore:
             last_hidden = getattr(result, "last_hidden_state", None)
             if last_hidden is None:
                 last_hidden = result[0]
-            out[:, j * hidden : (j + 1) * hidden] = layout.pack(last_hidden)  # [T, H]
+            out[:, j * hidden : (j + 1) * hidden] = layout.pack(last_hidden.to(out.device))  # [T, H]
         elif result is not None:
             raise RuntimeError(
                 f"{type(self.model).__name__} finished its forward without running decoder layer "
@@ -163,7 +173,7 @@ class TargetCore:
         logits = self.model(
             input_ids=layout.input_ids, attention_mask=layout.attention_mask, use_cache=False
         ).logits  # [B, S, V]
-        return layout.pack(logits.argmax(dim=-1))  # [T]
+        return layout.pack(logits.argmax(dim=-1).to(self.device))  # [T]
 
 
 def _validate_layer_ids(layer_ids: Sequence[int], num_layers: int, model_path: str | Path) -> tuple[int, ...]:
