@@ -44,6 +44,8 @@ class SchedulerStats:
     sent: int = 0
     acked: int = 0
     redelivered: int = 0
+    released_samples: int = 0
+    """Samples in batches taken back from lost or leaving workers: the most that can be trained twice."""
     unknown_acks: int = 0
     acked_tokens: int = 0
     acked_samples: int = 0
@@ -118,7 +120,9 @@ class BatchScheduler:
         """A worker is gone: its leased batches go back to the front of the queue, in order."""
         lost = sorted((bid for bid, lease in self._leases.items() if lease.worker == worker), reverse=True)
         for batch_id in lost:
-            self._ready.appendleft(self._leases.pop(batch_id).batch)
+            batch = self._leases.pop(batch_id).batch
+            self.stats.released_samples += len(batch.plan.sample_ids)
+            self._ready.appendleft(batch)
         self.stats.redelivered += len(lost)
         return len(lost)
 

@@ -1,21 +1,50 @@
-"""The drafters' data-parallel group: agreeing on each step, sharing sample ids, summing gradients.
+"""The drafters' elastic data-parallel group: rendezvous per generation, step votes, sums of gradients.
 
-Workers receive batches at different moments, so every step starts with a tiny collective vote: who has a
-batch, and does anyone want to stop. A rank without a batch still joins the gradient sum with zeros.
-Gradients are summed (not averaged) and divided by the global CE weight, so the update equals one big
-batch of all ranks' samples, whatever the split.
+Membership comes from torch.distributed.elastic's dynamic rendezvous (``DynamicRendezvousHandler`` on a
+``C10dRendezvousBackend``), kept in the producer's TCPStore, used in-process without the elastic agent:
+each *generation* of the group is one rendezvous round with its own process group. A worker that wants
+in waits in the round's wait list; the members see it in their step vote and all move to the next round
+at the same step boundary. A dead member makes a collective fail (gloo raises at once when the peer's
+socket closes, or after the collective timeout), which we raise as ``GroupBrokenError``; the survivors
+then move to the next round, where the rendezvous drops the dead node once its keep-alive expires.
+
+Workers receive batches at different moments, so every step starts with a tiny vote: who has a batch,
+who wants to stop, who leaves, whether someone waits to join. Gradients are summed (not averaged) and
+divided by the global CE weight, so the update equals one big batch of all ranks' samples, whatever the
+split or the world size.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
 
 _BUCKET_ELEMENTS = 32 * 1024 * 1024
+_MAX_NODES = 4096
+LAST_CALL_S = 1.0
+"""After the first member of a round arrives, how long the rendezvous waits for the others."""
+KEEP_ALIVE_S = 1
+KEEP_ALIVE_MISSES = 3
+"""A node whose rendezvous keep-alive is this many intervals old is dropped: about 3 s after a SIGKILL."""
+
+
+class GroupBrokenError(RuntimeError):
+    """A collective failed: a member died or vanished mid-step. Re-form the group and go on."""
+
+
+class RendezvousLostError(RuntimeError):
+    """The rendezvous store (it lives in the producer) stopped answering: the producer is gone."""
 
 
 @dataclass(slots=True)
@@ -23,41 +52,93 @@ class StepVote:
     active: int
     """How many ranks have a batch this step."""
     stop: bool
+    """Someone wants the whole run to stop (DONE from the producer, max_steps)."""
     counts: list[int]
     """Per rank: how many sample ids it will share this step."""
+    leaving: list[bool]
+    """Per rank: it leaves the group after this vote (Ctrl-C on that worker)."""
+    waiting: int
+    """Workers waiting in the rendezvous to join."""
+
+    @property
+    def regroup(self) -> bool:
+        return any(self.leaving) or self.waiting > 0
 
 
 class DrafterGroup:
     def __init__(
-        self, rendezvous: str, *, rank: int, world_size: int, device: torch.device, timeout_s: float
-    ):
+        self,
+        rendezvous: str,
+        *,
+        run_id: str,
+        device: torch.device,
+        timeout_s: float,
+        join_timeout_s: float,
+    ) -> None:
         url = urlparse(rendezvous)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"Rendezvous address {rendezvous!r} must look like tcp://HOST:PORT.")
-        self.rank = rank
-        self.world_size = world_size
+        # Rank 0 would otherwise start a second TCPStore server each round, for the elastic agent we do not run.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=timeout)
+        self.rank = -1
+        self.world_size = 0
+        self.generation = 0
+        """How many groups this worker has formed (1 = the first)."""
+        self._timeout = timedelta(seconds=timeout_s)
+        self._comm_device = device if self.backend == "nccl" else torch.device("cpu")
+        store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=self._timeout)
+        self._handler: DynamicRendezvousHandler | None = DynamicRendezvousHandler.from_backend(
+            run_id=f"drafters-{run_id}",
+            store=store,
+            backend=C10dRendezvousBackend(store, f"drafters-{run_id}"),
+            min_nodes=1,
+            max_nodes=_MAX_NODES,
+            timeout=RendezvousTimeout(
+                join=timedelta(seconds=join_timeout_s), last_call=timedelta(seconds=LAST_CALL_S)
+            ),
+            keep_alive_interval=KEEP_ALIVE_S,
+            keep_alive_max_attempt=KEEP_ALIVE_MISSES,
+        )
+
+    def form(self) -> None:
+        """Leaves the current process group (if any), joins the next rendezvous round, builds its group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        with _rendezvous():
+            info = self._handler.next_rendezvous()
         dist.init_process_group(
             self.backend,
-            store=dist.PrefixStore("drafters", store),
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
+            store=info.store,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=self._timeout,
+            device_id=self.device if self.device.type == "cuda" else None,
         )
-        self._comm_device = device if self.backend == "nccl" else torch.device("cpu")
+        self.rank, self.world_size = info.rank, info.world_size
+        self.generation += 1
 
-    def vote(self, *, has_batch: bool, stop: bool, num_ids: int) -> StepVote:
-        mine = torch.tensor([int(has_batch), int(stop), num_ids], dtype=torch.int64, device=self._comm_device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine)
-        table = torch.stack(everyone).cpu()
+    def vote(self, *, has_batch: bool, stop: bool, leave: bool, num_ids: int) -> StepVote:
+        with _rendezvous():
+            waiting = self._handler.num_nodes_waiting()
+        row = [int(has_batch), int(stop), num_ids, int(leave), waiting]
+        table = self.all_gather_ints(row)
         return StepVote(
-            active=int(table[:, 0].sum()), stop=bool(table[:, 1].any()), counts=table[:, 2].tolist()
+            active=int(table[:, 0].sum()),
+            stop=bool(table[:, 1].any()),
+            counts=table[:, 2].tolist(),
+            leaving=[bool(x) for x in table[:, 3].tolist()],
+            waiting=int(table[:, 4].max()),
         )
+
+    def all_gather_ints(self, row: list[int]) -> torch.Tensor:
+        """Every rank's row of small ints -> [world_size, len(row)] int64 on CPU."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self._comm_device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with _collective("vote"):
+            dist.all_gather(everyone, mine)
+        return torch.stack(everyone).cpu()
 
     def gather_ids(self, pairs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """pairs: [n, 2] int64 (epoch, sample id) of this rank -> [sum(counts), 2] of all ranks."""
@@ -65,19 +146,25 @@ class DrafterGroup:
         padded = torch.zeros(width, 2, dtype=torch.int64, device=self._comm_device)
         padded[: pairs.shape[0]] = pairs.to(self._comm_device)
         everyone = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(everyone, padded)
+        with _collective("sample ids"):
+            dist.all_gather(everyone, padded)
         return torch.cat([t[:n] for t, n in zip(everyone, counts, strict=True)]).cpu()
-
-    def sum_scalar(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t)
-        return float(t.item())
 
     def sum_vector(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over ranks of a small float64 vector (loss, weights, accuracy counts)."""
         t = values.to(self._comm_device)
-        dist.all_reduce(t)
+        with _collective("totals"):
+            dist.all_reduce(t)
         return t.cpu()
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
+        """In place, from rank ``src`` to every rank (state handed to workers that join)."""
+        with _collective("state hand-over"):
+            for t in tensors:
+                buf = t.to(self._comm_device)
+                dist.broadcast(buf, src)
+                if buf is not t:
+                    t.copy_(buf)
 
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """In-place sum of every rank's gradients, in flat buckets (missing grads count as zeros)."""
@@ -94,21 +181,55 @@ class DrafterGroup:
                 size = 0
             buckets[-1].append(p)
             size += p.numel()
-        pending = []
-        for bucket in buckets:
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
-        for bucket, flat, work in pending:
-            work.wait()
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
+        with _collective("gradients"):
+            pending = []
+            for bucket in buckets:
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
+            for bucket, flat, work in pending:
+                work.wait()
+                offset = 0
+                for p in bucket:
+                    n = p.numel()
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                    offset += n
 
     def barrier(self) -> None:
-        dist.barrier()
+        with _collective("barrier"):
+            dist.barrier()
 
     def close(self) -> None:
+        """Leaves the process group; dropping the handler stops its keep-alives, so the rendezvous
+        drops this node within a few seconds (never ``shutdown()``: that closes the rendezvous for all)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._handler = None
+
+
+class _collective:
+    """Turns a failed collective (a member died, or the collective timed out) into GroupBrokenError."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
+        if isinstance(exc, RuntimeError) and not isinstance(exc, GroupBrokenError):
+            raise GroupBrokenError(
+                f"{self.what} collective failed: {str(exc).splitlines()[0][:200]}"
+            ) from exc
+        return False
+
+
+class _rendezvous:
+    """Turns a lost connection to the rendezvous store into RendezvousLostError."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
+        if isinstance(exc, RendezvousConnectionError):
+            raise RendezvousLostError(f"the drafters' rendezvous store stopped answering: {exc}") from exc
+        return False

@@ -11,9 +11,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.errors import TransportError
 from dflash_pipe.wire.transport import WorkerEndpoint
 
 
@@ -29,6 +31,7 @@ class ProducerLink:
         heartbeat_s: float = 2.0,
         peer_timeout_s: float = 120.0,
         on_lost: Callable[[str], None] | None = None,
+        keys: Path | None = None,
     ) -> None:
         self.address = address
         self.heartbeat_s = heartbeat_s
@@ -38,7 +41,7 @@ class ProducerLink:
         self._outbox: queue.Queue[tuple[Any, threading.Event | None]] = queue.Queue()
         self._stop = threading.Event()
         self.lost_reason: str | None = None
-        self._endpoint = WorkerEndpoint(address)
+        self._endpoint = WorkerEndpoint(address, keys=keys)
         self._thread = threading.Thread(target=self._run, name="producer-link", daemon=True)
         self._thread.start()
 
@@ -77,12 +80,18 @@ class ProducerLink:
                     break
                 try:
                     self._endpoint.send(msg)
+                except TransportError as exc:  # refused CURVE keys, or a producer that stopped reading
+                    self._lose(str(exc))
+                    return
                 finally:
                     if done is not None:
                         done.set()
                 last_sent = time.monotonic()
             try:
                 msg = self._endpoint.recv(timeout_s=0.02)
+            except TransportError as exc:  # e.g. the producer refused this worker's CURVE key
+                self._lose(str(exc))
+                return
             except Exception as exc:  # a malformed message from the producer is fatal for this link
                 self._lose(f"undecodable message from the producer at {self.address}: {exc}")
                 return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -16,7 +17,8 @@ from dflash_pipe.drafter import acceptance
 from dflash_pipe.train.batches import DeviceBatch, unpack
 from dflash_pipe.train.checkpoint import save_checkpoint
 from dflash_pipe.train.config import TrainConfig
-from dflash_pipe.train.distributed import DrafterGroup
+from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, StepVote
+from dflash_pipe.train.handover import hand_over
 from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink
 from dflash_pipe.train.optim import lr_at, set_lr
@@ -42,13 +44,17 @@ class WorkerSession:
     drafter_config: dict[str, Any]
     run_dir: Path
     device: torch.device
-    rank: int
     step: int = 0
     started_at: float = field(default_factory=time.time)
     eval_batches: list[DeviceBatch] = field(default_factory=list)
     block_size: int = 16
     feature_size: int | None = None
     """k*H: the width every BATCH's features must have."""
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current group generation (rank 0 reports and checkpoints)."""
+        return self.group.rank
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -60,61 +66,52 @@ class LoopResult:
     steps: int
     stop_reason: str
     last_checkpoint: Path | None
+    left: bool = False
+    """This worker left; the others train on (no final checkpoint from it)."""
 
 
-def run_training(s: WorkerSession, stop_requested: Callable[[], bool]) -> LoopResult:
+def run_training(s: WorkerSession, leave_requested: Callable[[], bool]) -> LoopResult:
+    """Trains in lockstep until the run stops, this worker leaves, or the producer is lost (raises).
+
+    Membership changes happen only at a step boundary: a vote that shows a leaver or a waiting joiner, or
+    a collective that failed because a member died, sends every member to the next group generation."""
     pending: deque[m.Batch] = deque()
     done_reason: str | None = None
     last_checkpoint: Path | None = None
     first_step_done = False
     generator = torch.Generator(device=s.device)
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if s.device.type == "cuda" else contextlib.nullcontext()
-    )
     while True:
         done_reason = _collect(s, pending, wait=not pending and done_reason is None) or done_reason
-        stop_reason = done_reason or ("interrupted" if stop_requested() else None)
+        stop_reason = done_reason
         if s.train.max_steps is not None and s.step >= s.train.max_steps:
             stop_reason = stop_reason or f"reached max_steps={s.train.max_steps}"
-        batch = pending.popleft() if pending and stop_reason is None else None
+        leave = leave_requested()
+        batch = pending.popleft() if pending and stop_reason is None and not leave else None
         pairs = _id_pairs(batch)
-        vote = s.group.vote(has_batch=batch is not None, stop=stop_reason is not None, num_ids=len(pairs))
-        if vote.stop:
+        try:
+            vote = s.group.vote(
+                has_batch=batch is not None, stop=stop_reason is not None, leave=leave, num_ids=len(pairs)
+            )
+            everyone_leaves = all(vote.leaving) and vote.waiting == 0
+            if (vote.stop or everyone_leaves or vote.regroup) and batch is not None:
+                pending.appendleft(batch)
+            if vote.stop or everyone_leaves:
+                reason = stop_reason or ("interrupted" if leave else "stopped by another worker")
+                return LoopResult(s.step, reason, last_checkpoint)
+            if vote.leaving[s.group.rank]:
+                return LoopResult(s.step, "left the group (interrupted)", last_checkpoint, left=True)
+            if vote.regroup:
+                regroup(s, "a worker joins" if vote.waiting else "a worker leaves")
+                continue
+            if vote.active == 0:
+                continue
+            totals, weight, grad_norm = _train_step(s, batch, pairs, vote, generator)
+        except GroupBrokenError as exc:
             if batch is not None:
                 pending.appendleft(batch)
-            return LoopResult(s.step, stop_reason or "stopped by another worker", last_checkpoint)
-        if vote.active == 0:
+            s.optimizer.zero_grad(set_to_none=False)
+            regroup(s, str(exc))
             continue
-
-        totals = torch.zeros(3 + 2 * s.block_size, dtype=torch.float64)
-        if batch is not None:
-            inputs = unpack(batch.tensors, batch.lengths, s.device, feature_size=s.feature_size)
-            generator.manual_seed(_step_seed(s.train.seed, s.step, s.rank))
-            with autocast:
-                out = s.model(inputs.input_ids, inputs.features, inputs.loss_mask, generator=generator)
-            out.loss_sum.backward()
-            totals[0] = float(out.weight_sum)
-            totals[1] = float(out.loss_sum.detach())
-            totals[2] = inputs.tokens
-            totals[3 : 3 + s.block_size] = out.slot_correct.detach().double().cpu()
-            totals[3 + s.block_size :] = out.slot_total.detach().double().cpu()
-        trained = s.group.gather_ids(pairs, vote.counts)
-        totals = s.group.sum_vector(totals)
-        s.group.sum_gradients(s.params)
-        weight = float(totals[0])
-        grad_norm = 0.0
-        if weight > 0:
-            for p in s.params:
-                p.grad.div_(weight)
-            if s.train.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(s.params, s.train.grad_clip))
-            lr = lr_at(s.ledger.progress(), s.train)
-            set_lr(s.optimizer, lr)
-            s.optimizer.step()
-        s.optimizer.zero_grad(set_to_none=False)
-        s.step += 1
-        for epoch in trained[:, 0].unique().tolist():
-            s.ledger.mark(int(epoch), trained[trained[:, 0] == epoch, 1].tolist())
         if batch is not None:
             s.link.send(m.Ack(batch_ids=[batch.batch_id], step=s.step))
             s.link.send(m.Ready(credits=1))
@@ -127,6 +124,76 @@ def run_training(s: WorkerSession, stop_requested: Callable[[], bool]) -> LoopRe
             s.link.send(m.Metrics(step=s.step, values=evaluate(s)))
         if s.step % s.train.checkpoint_every == 0:
             last_checkpoint = checkpoint(s)
+
+
+def _train_step(
+    s: WorkerSession, batch: m.Batch | None, pairs: torch.Tensor, vote: StepVote, generator: torch.Generator
+) -> tuple[torch.Tensor, float, float]:
+    """Forward/backward of this rank's batch, the group's sums, one optimizer step. The weights move only
+    after every collective of the step succeeded, so a failed step leaves them untouched."""
+    totals = torch.zeros(3 + 2 * s.block_size, dtype=torch.float64)
+    if batch is not None:
+        inputs = unpack(batch.tensors, batch.lengths, s.device, feature_size=s.feature_size)
+        generator.manual_seed(_step_seed(s.train.seed, s.step, s.rank))
+        with _autocast(s.device):
+            out = s.model(inputs.input_ids, inputs.features, inputs.loss_mask, generator=generator)
+        out.loss_sum.backward()
+        totals[0] = float(out.weight_sum)
+        totals[1] = float(out.loss_sum.detach())
+        totals[2] = inputs.tokens
+        totals[3 : 3 + s.block_size] = out.slot_correct.detach().double().cpu()
+        totals[3 + s.block_size :] = out.slot_total.detach().double().cpu()
+    trained = s.group.gather_ids(pairs, vote.counts)
+    totals = s.group.sum_vector(totals)
+    s.group.sum_gradients(s.params)
+    weight = float(totals[0])
+    grad_norm = 0.0
+    if weight > 0:
+        for p in s.params:
+            p.grad.div_(weight)
+        if s.train.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(s.params, s.train.grad_clip))
+        set_lr(s.optimizer, lr_at(s.ledger.progress(), s.train))
+        s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=False)
+    s.step += 1
+    for epoch in trained[:, 0].unique().tolist():
+        s.ledger.mark(int(epoch), trained[trained[:, 0] == epoch, 1].tolist())
+    return totals, weight, grad_norm
+
+
+def regroup(s: WorkerSession, why: str) -> None:
+    """Moves to the next group generation and takes the most advanced member's state (see handover)."""
+    started = time.monotonic()
+    while True:
+        try:
+            s.group.form()
+            s.step, s.ledger, source = hand_over(
+                s.group, params=s.params, optimizer=s.optimizer, step=s.step, ledger=s.ledger
+            )
+            break
+        except GroupBrokenError as exc:  # someone died during the hand-over itself: next round
+            why = str(exc)
+    if s.rank == 0:
+        values = {
+            "world_size": s.group.world_size,
+            "generation": s.group.generation,
+            "regroup_s": time.monotonic() - started,
+            "state_from_rank": source,
+        }
+        s.link.send(m.Metrics(step=s.step, values=values))
+    print(
+        f"dflash-pipe worker: group generation {s.group.generation}: rank {s.rank} of {s.group.world_size} "
+        f"at step {s.step} ({why}; {time.monotonic() - started:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def checkpoint(s: WorkerSession) -> Path | None:
@@ -155,10 +222,7 @@ def evaluate(s: WorkerSession) -> dict[str, Any]:
     s.model.eval()
     generator = torch.Generator(device=s.device).manual_seed(s.train.seed + 17)
     counts = None
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if s.device.type == "cuda" else contextlib.nullcontext()
-    )
-    with autocast:
+    with _autocast(s.device):
         for b in s.eval_batches:
             c = acceptance(
                 s.model,

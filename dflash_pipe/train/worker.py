@@ -6,6 +6,7 @@ goes wrong is reported to the producer as an ERROR message before the process ex
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -21,10 +22,10 @@ from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, load_frozen_target
 from dflash_pipe.train.batches import unpack
 from dflash_pipe.train.checkpoint import load_checkpoint
 from dflash_pipe.train.config import TrainConfig
-from dflash_pipe.train.distributed import DrafterGroup
+from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, RendezvousLostError
 from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink
-from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, run_training
+from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
@@ -36,16 +37,86 @@ class HandshakeError(RuntimeError):
     """The producer refused this worker or never answered."""
 
 
+class _ProducerLost(Exception):
+    """This session's producer went away; the worker may reconnect to the same address."""
+
+    def __init__(self, reason: str, *, welcomed: bool) -> None:
+        super().__init__(reason)
+        self.welcomed = welcomed
+
+
 def run_worker(
-    connect: str, *, device: str, name: str, join_timeout_s: float = 900.0, started_at: float | None = None
+    connect: str,
+    *,
+    device: str,
+    name: str,
+    join_timeout_s: float = 900.0,
+    started_at: float | None = None,
+    keys: Path | None = None,
+    reconnect_timeout_s: float = 300.0,
 ) -> int:
+    """Serves one producer; if it dies, keeps trying the same address for ``reconnect_timeout_s`` and
+    joins the resumed run (``dflash-pipe launch --resume``) from its latest checkpoint."""
     started_at = started_at or time.time()
-    stop = threading.Event()
-    _install_signal_handlers(stop)
-    link = ProducerLink(connect, on_lost=_die_if_stuck)
-    group: DrafterGroup | None = None
+    leave = threading.Event()
+    _install_signal_handlers(leave)
+    deadline: float | None = None
+    while True:
+        timeout_s = join_timeout_s if deadline is None else max(1.0, deadline - time.monotonic())
+        try:
+            return _serve(
+                connect,
+                device=device,
+                name=name,
+                timeout_s=timeout_s,
+                started_at=started_at,
+                keys=keys,
+                leave=leave,
+            )
+        except _ProducerLost as lost:
+            if leave.is_set() or reconnect_timeout_s <= 0:
+                print(f"dflash-pipe worker {name}: {lost}; exiting.", file=sys.stderr, flush=True)
+                return 3
+            if deadline is not None and not lost.welcomed and time.monotonic() >= deadline:
+                print(
+                    f"dflash-pipe worker {name}: no producer came back at {connect} within "
+                    f"{reconnect_timeout_s:.0f} s (--reconnect-timeout); giving up. Resume the run with "
+                    "`dflash-pipe launch --resume RUN_DIR`, then attach workers again.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 3
+            if lost.welcomed or deadline is None:
+                deadline = time.monotonic() + reconnect_timeout_s
+            print(
+                f"dflash-pipe worker {name}: {lost}. Reconnecting to {connect} for up to "
+                f"{reconnect_timeout_s:.0f} s (--reconnect-timeout); restart the producer with "
+                "`dflash-pipe launch --resume RUN_DIR`.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _serve(
+    connect: str,
+    *,
+    device: str,
+    name: str,
+    timeout_s: float,
+    started_at: float,
+    keys: Path | None,
+    leave: threading.Event,
+) -> int:
+    """One session with one producer: handshake, build, join the group, train, leave cleanly."""
     try:
-        welcome = _handshake(link, name=name, device=device, timeout_s=join_timeout_s)
+        link = ProducerLink(connect, keys=keys)
+    except ValueError as exc:  # bad address or key directory: one line naming the fix
+        print(f"dflash-pipe worker: {exc}", file=sys.stderr)
+        return 2
+    group: DrafterGroup | None = None
+    welcome: m.Welcome | None = None
+    try:
+        welcome = _handshake(link, name=name, device=device, timeout_s=timeout_s)
         link.heartbeat_s = welcome.heartbeat_s
         link.peer_timeout_s = welcome.peer_timeout_s
         dev = torch.device(device)
@@ -59,16 +130,9 @@ def run_worker(
         model = DFlashDrafter(drafter_cfg, embed, head, compile_attention=compile_on).to(dev)
         model.train()
         optimizer = build_optimizer(model.trainable_parameters(), train_cfg)
-        group = DrafterGroup(
-            welcome.rendezvous,
-            rank=welcome.rank,
-            world_size=welcome.world_size,
-            device=dev,
-            timeout_s=welcome.peer_timeout_s,
-        )
         ledger = Ledger(welcome.num_samples, train_cfg.epochs)
         step = 0
-        if welcome.resume_from:
+        if welcome.resume_from and Path(welcome.resume_from).exists():
             state = load_checkpoint(Path(welcome.resume_from), model=model, optimizer=optimizer)
             step, ledger = state.step, Ledger.from_dict(state.ledger)
         warm = {}
@@ -82,6 +146,14 @@ def run_worker(
                 device=dev,
                 seq_len=min(1024, drafter_cfg.max_position_embeddings),
             )
+        # Join the group only once warm: members never wait in a collective for someone compiling.
+        group = DrafterGroup(
+            welcome.rendezvous,
+            run_id=welcome.run_id,
+            device=dev,
+            timeout_s=welcome.peer_timeout_s,
+            join_timeout_s=timeout_s,
+        )
         session = WorkerSession(
             link=link,
             group=group,
@@ -92,7 +164,6 @@ def run_worker(
             drafter_config=welcome.drafter,
             run_dir=Path(welcome.run_dir),
             device=dev,
-            rank=welcome.rank,
             step=step,
             started_at=started_at,
             block_size=drafter_cfg.block_size,
@@ -101,19 +172,27 @@ def run_worker(
         if warm:
             link.send(m.Metrics(step=step, values=warm))
         _receive_eval_set(session, welcome)
+        regroup(session, "joining")
         link.send(m.Ready(credits=welcome.credits))
-        result = run_training(session, stop.is_set)
+        result = run_training(session, leave.is_set)
+        if result.left:
+            link.send_and_flush(m.Bye(reason=f"{name} left (interrupted)"))
+            return 0
         if result.last_checkpoint is None or session.step % train_cfg.checkpoint_every:
             checkpoint(session)
         if session.rank == 0:
             link.send(m.Metrics(step=session.step, values={**evaluate(session), "final": 1.0}))
-        group.barrier()
+        with contextlib.suppress(GroupBrokenError):  # a member dying now changes nothing: we stop
+            group.barrier()
         link.send_and_flush(m.Bye(reason=result.stop_reason))
         return 0
     except BaseException as exc:  # report every failure to the producer, then exit non-zero
+        if link.lost_reason is not None or isinstance(exc, RendezvousLostError):
+            reason = link.lost_reason or f"the producer at {connect} is gone ({exc})"
+            raise _ProducerLost(reason, welcomed=welcome is not None) from None
         message = f"{type(exc).__name__}: {exc}"
         link.send_and_flush(m.Error(source=name, message=message, traceback=traceback.format_exc()))
-        print(f"dflash-pipe worker {name}: {message}", file=sys.stderr)
+        print(f"dflash-pipe worker {name}: {message}", file=sys.stderr, flush=True)
         if not isinstance(exc, (HandshakeError, KeyboardInterrupt)):
             traceback.print_exc()
         return 2 if isinstance(exc, HandshakeError) else 1
@@ -150,8 +229,8 @@ def _handshake(link: ProducerLink, *, name: str, device: str, timeout_s: float) 
 
 
 def _receive_eval_set(s: WorkerSession, welcome: m.Welcome) -> None:
-    """Rank 0 gets the held-out eval batches right after WELCOME, before any training batch."""
-    if s.rank != 0 or welcome.eval_batches == 0:
+    """Every worker gets the held-out eval batches right after WELCOME (any of them may become rank 0)."""
+    if welcome.eval_batches == 0:
         return
     deadline = time.monotonic() + welcome.peer_timeout_s
     while len(s.eval_batches) < welcome.eval_batches:
@@ -165,7 +244,8 @@ def _receive_eval_set(s: WorkerSession, welcome: m.Welcome) -> None:
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:
-    """Ctrl-C / SIGTERM: finish the current step, checkpoint, leave. A second one exits at once."""
+    """Ctrl-C / SIGTERM: finish the current step, return the leases, leave the group (the others train on;
+    the last worker to leave writes a checkpoint). A second one exits at once."""
 
     def handler(signum: int, _frame: object) -> None:
         if stop.is_set():
@@ -175,14 +255,3 @@ def _install_signal_handlers(stop: threading.Event) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
-
-
-def _die_if_stuck(reason: str) -> None:
-    """Called from the link thread when the producer is gone: the training thread may be blocked in a
-    collective that will never finish, so leave the process with a clear message instead of hanging."""
-    print(
-        f"dflash-pipe worker: {reason}; exiting. Restart with `dflash-pipe launch --resume RUN_DIR`.",
-        file=sys.stderr,
-    )
-    sys.stderr.flush()
-    os._exit(3)

@@ -1,5 +1,5 @@
-"""A live CPU run under stress: bad handshakes are refused, Ctrl-C drains, a killed worker stops the run
-with a message naming it (never a hang)."""
+"""A live CPU run under stress: bad handshakes are refused, a late worker is welcomed, Ctrl-C drains, workers
+outlive a killed producer and wait to reconnect (never a hang). Worker faults: test_elastic_cpu.py."""
 
 from __future__ import annotations
 
@@ -112,15 +112,15 @@ def test_bad_handshakes_are_refused_and_ctrl_c_drains_to_a_checkpoint(tmp_path: 
     assert reply["k"] == m.Kind.REJECT and "99" in reply["f"]["reason"]
     raw.close(linger=0)
 
-    # A well-formed worker arriving when the group is full is refused with the reason.
+    # A well-formed worker arriving mid-run is welcomed (the group is elastic); vanishing is not fatal.
     late = WorkerEndpoint(address)
-    late.send(m.Hello(worker_name="late", host="test", pid=1, device="cpu"))
+    late.send(m.Hello(worker_name="late", host="test", pid=1, device="cpu", capabilities=["frames"]))
     answer = None
     deadline = time.monotonic() + 10
     while answer is None or isinstance(answer, m.Heartbeat):
         assert time.monotonic() < deadline
         answer = late.recv(timeout_s=1.0)
-    assert isinstance(answer, m.Reject) and "full" in answer.reason
+    assert isinstance(answer, m.Welcome), answer
     late.close()
 
     # The run is unharmed; Ctrl-C now drains it to a checkpoint and a clean exit.
@@ -132,36 +132,25 @@ def test_bad_handshakes_are_refused_and_ctrl_c_drains_to_a_checkpoint(tmp_path: 
     assert ckpt is not None and read_trainer_state(ckpt).step >= 1
 
 
-def test_a_killed_worker_stops_the_run_with_a_message_naming_it(tmp_path: Path):
-    run = LiveRun(tmp_path / "run", "--max-steps", "100000")
-    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
-    run.wait_for_steps()
-    t0 = time.monotonic()
-    os.kill(worker_pid(address, "worker1"), signal.SIGKILL)
-    rc, out = run.finish(timeout=90)
-    assert rc == 1, out
-    assert "worker1" in out and "SIGKILL" in out and "--resume" in out
-    assert time.monotonic() - t0 < 60
-    # The surviving worker does not linger.
-    time.sleep(1)
-    with pytest.raises(AssertionError):
-        worker_pid(address, "worker0")
-
-
-def test_workers_exit_with_a_message_when_the_producer_is_killed(tmp_path: Path):
+def test_workers_wait_to_reconnect_when_the_producer_is_killed(tmp_path: Path):
     run = LiveRun(tmp_path / "run", "--max-steps", "100000", "--peer-timeout", "6")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
     run.wait_for_steps()
     pids = [worker_pid(address, f"worker{i}") for i in range(2)]
     run.proc.kill()
     run.finish()
-    deadline = time.monotonic() + 40
-    while any(
-        Path(f"/proc/{pid}").exists() and b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        for pid in pids
-    ):
-        assert time.monotonic() < deadline, "workers outlived their producer"
-        time.sleep(0.5)
-    for i in range(2):
-        log = (tmp_path / "run" / "logs" / f"worker{i}.log").read_text()
-        assert "silent" in log and "--resume" in log, log
+    logs = [tmp_path / "run" / "logs" / f"worker{i}.log" for i in range(2)]
+    try:
+        deadline = time.monotonic() + 40
+        while not all("Reconnecting" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline, "workers did not notice their producer died"
+            time.sleep(0.5)
+        for log in logs:
+            assert "--resume" in log.read_text(), log.read_text()
+        assert all(Path(f"/proc/{pid}").exists() for pid in pids), (
+            "workers should wait for a resumed producer"
+        )
+    finally:
+        for pid in pids:
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)

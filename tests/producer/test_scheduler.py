@@ -61,3 +61,13 @@ def test_resume_skips_trained_samples_of_the_start_epoch():
     plans = drain_plans(s)
     assert all(p.epoch == 1 for p in plans)
     assert sorted(i for p in plans for i in p.sample_ids) == [3, 4, 5]
+
+
+def test_released_samples_bound_the_duplicates_of_a_lost_worker():
+    s = BatchScheduler(plan_epoch=plan_two_per_batch, epochs=1)
+    drain_plans(s)
+    s.lease_next(b"dead", 0.0)
+    s.lease_next(b"dead", 0.0)
+    kept = s.lease_next(b"alive", 0.0)
+    assert s.release(b"dead") == 2
+    assert s.stats.released_samples == 4 and s.leases_of(b"alive") == [kept.plan.batch_id]
