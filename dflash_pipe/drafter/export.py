@@ -168,6 +168,11 @@ def load_exported(export_dir: str | Path, *, embed_tokens: nn.Embedding, lm_head
     cfg = config_from_export(json.loads((root / CONFIG_NAME).read_text()))
     state = load_file(str(root / WEIGHTS_NAME))
     validate_state(state, cfg, root / WEIGHTS_NAME)
+    if embed_tokens.weight.shape[1] != cfg.hidden_size:
+        raise ValueError(
+            f"{root}: the drafter was trained for hidden size {cfg.hidden_size}, but this target's is "
+            f"{embed_tokens.weight.shape[1]}. Evaluate it with the target model it was trained on"
+        )
     if embed_tokens.weight.shape[0] != cfg.vocab_size:
         raise ValueError(
             f"{root}: embedding has {embed_tokens.weight.shape[0]} rows but the drafter expects vocab_size={cfg.vocab_size}"

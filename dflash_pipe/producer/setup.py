@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -9,17 +10,25 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipe.config import RunConfig
+from dflash_pipe.config import DrafterOptions, RunConfig
 from dflash_pipe.data import LoadedData, Sample, load_samples
 from dflash_pipe.drafter import DrafterConfig
-from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.train.checkpoint import DRAFTER_CONFIG, latest_checkpoint, read_trainer_state
 from dflash_pipe.train.ledger import Ledger
 
 CONFIG_FILE = "config.json"
 
 
-class RunDirError(ValueError):
+class SetupError(ValueError):
+    """A user input does not fit the run (flags vs the target, run dir vs the config); one line + the fix."""
+
+
+class RunDirError(SetupError):
     """The run directory does not fit what was asked (fresh run over an old one, resume of nothing)."""
+
+
+class OptionsError(SetupError):
+    """A drafter option does not fit the target model (layer ids, mask token)."""
 
 
 @dataclass(slots=True)
@@ -62,6 +71,7 @@ def prepare_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -
     # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the ledger.
     eval_samples = data.samples[len(data.samples) - n_eval :]
     opts = cfg.drafter
+    check_options_fit_target(opts, target_config, target_path)
     drafter = DrafterConfig.from_target(
         target_config,
         tokenizer=tokenizer,
@@ -77,6 +87,7 @@ def prepare_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -
     if resume:
         resume_from = latest_checkpoint(run_dir)
         if resume_from is not None:
+            check_checkpoint_fits(resume_from, drafter, run_dir)
             state = read_trainer_state(resume_from)
             ledger = Ledger.from_dict(state.ledger)
             resume_step = state.step
@@ -100,6 +111,69 @@ def prepare_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -
         resume_from=resume_from,
         resume_step=resume_step,
     )
+
+
+RESUME_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_target_layers",
+)
+"""Drafter fields a checkpoint must share with the resumed run (shapes and the meaning of the features)."""
+
+
+def check_options_fit_target(opts: DrafterOptions, target_config: object, target_path: Path) -> None:
+    """--target-layer-ids and --mask-token-id checked against the target, with errors naming the flag."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers, vocab = int(tc.num_hidden_layers), int(tc.vocab_size)
+    ids = opts.target_layer_ids
+    if ids is not None:
+        bad = [i for i in ids if not 0 <= i < layers]
+        if bad:
+            raise OptionsError(
+                f"--target-layer-ids {','.join(map(str, ids))}: layer(s) {bad} do not exist; the target at "
+                f"{target_path} has {layers} layers (ids 0-{layers - 1}). Pick ids in that range, or leave the "
+                "flag out for the even-spread default"
+            )
+        if list(ids) != sorted(set(ids)):
+            raise OptionsError(
+                f"--target-layer-ids {','.join(map(str, ids))}: give each layer once, in increasing order "
+                f"(e.g. {','.join(map(str, sorted(set(ids))))})"
+            )
+    if opts.mask_token_id is not None and not 0 <= opts.mask_token_id < vocab:
+        raise OptionsError(
+            f"--mask-token-id {opts.mask_token_id}: the target at {target_path} has a vocabulary of {vocab} "
+            f"(ids 0-{vocab - 1}). Pass a reserved, unused token id below {vocab}, or leave the flag out to use "
+            "the tokenizer's mask token"
+        )
+
+
+def check_checkpoint_fits(checkpoint: Path, drafter: DrafterConfig, run_dir: Path) -> None:
+    """A checkpoint from another target or drafter shape is refused, naming the first differing field."""
+    path = Path(checkpoint) / DRAFTER_CONFIG
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RunDirError(
+            f"--resume {run_dir}: cannot read {path} ({e}). The checkpoint is damaged; resume from an older "
+            "one by pointing checkpoints/latest at it, or start a new --run-dir"
+        ) from None
+    now = drafter.to_dict()
+    for name in RESUME_FIELDS:
+        if name in saved and saved[name] != now[name]:
+            raise RunDirError(
+                f"--resume {run_dir}: the checkpoint's drafter has {name}={saved[name]!r} but this run's "
+                f"target and drafter settings give {now[name]!r}; the target model, its config or a drafter "
+                "option changed since the checkpoint. Resume with the original target and options, or "
+                "start a new --run-dir"
+            )
 
 
 def _check_run_dir(run_dir: Path, *, resume: bool) -> None:

@@ -1,7 +1,8 @@
 """Wire: the producer <-> worker protocol (ROUTER/DEALER, msgpack header + raw tensor frames).
 
 ``messages`` holds the message types and the protocol version, ``codec`` turns them into frames and back,
-``transport`` is the only module that imports zmq.
+``transport`` owns the sockets and ``auth`` the CURVE key files (the only two modules that import zmq).
+Non-loopback addresses need keys (``dflash-pipe keys generate DIR``); see docs/security.md.
 """
 
 from dflash_pipe.wire.codec import (

@@ -47,6 +47,8 @@ DEFAULT_MAX_TENSOR_BYTES = 8 << 30
 MAX_HEADER_BYTES = 16 << 20
 """Cap on the header frame (sample ids, configs, tracebacks fit easily)."""
 MAX_RANK = 8
+MAX_TENSORS = 64
+"""Cap on the tensors (and so the raw frames) of one message; a BATCH carries 3-4."""
 
 _NAMES = (
     "float32",
@@ -108,6 +110,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     table: list[list[Any]] = []
     frames: list[bytes | memoryview] = [b""]  # header goes in slot 0 once the table is complete
     if has_tensors(cls):
+        if len(msg.tensors) > MAX_TENSORS:
+            raise ProtocolError(f"{cls.__name__}: {len(msg.tensors)} tensors, over the cap of {MAX_TENSORS}")
         for name, tensor in msg.tensors.items():
             if tensor.dim() > MAX_RANK:
                 raise ProtocolError(f"tensor {name!r}: rank {tensor.dim()} exceeds {MAX_RANK}")
@@ -131,11 +135,11 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(f"msgpack extension type {code} is not allowed in a wire header")
 
 
-def _unpack_header(buf: memoryview) -> Any:
+def _unpack_header(buf: memoryview, max_header_bytes: int) -> Any:
     if buf.nbytes == 0:
         raise ProtocolError("empty header frame")
-    if buf.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header frame of {buf.nbytes} bytes exceeds the {MAX_HEADER_BYTES}-byte cap")
+    if buf.nbytes > max_header_bytes:
+        raise ProtocolError(f"header frame of {buf.nbytes} bytes exceeds the {max_header_bytes}-byte cap")
     try:
         return msgpack.unpackb(
             buf,
@@ -143,7 +147,7 @@ def _unpack_header(buf: memoryview) -> Any:
             strict_map_key=True,
             use_list=True,
             ext_hook=_reject_ext,
-            max_str_len=MAX_HEADER_BYTES,
+            max_str_len=max_header_bytes,
             max_bin_len=INLINE_MAX_BYTES,
             max_array_len=1 << 22,
             max_map_len=1 << 16,
@@ -196,15 +200,24 @@ def _to_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: list[int]) ->
     return tensor.view(dtype).reshape(shape)
 
 
-def decode(frames: Sequence[Any], *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Message:
+def decode(
+    frames: Sequence[Any],
+    *,
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+) -> Message:
     """Parse and validate a frame set; raises `ProtocolError` (or `ProtocolVersionError`) if malformed.
 
     Tensors are views of the frame buffers where possible: keep `frames` immutable while you use them.
     """
     if not isinstance(frames, (list, tuple)) or not frames:
         raise ProtocolError("a message needs at least one frame (the header)")
+    if len(frames) > 1 + MAX_TENSORS:
+        raise ProtocolError(
+            f"{len(frames)} frames: a message has a header and at most {MAX_TENSORS} tensor frames"
+        )
     views = [_as_bytes_view(f, i) for i, f in enumerate(frames)]
-    header = _unpack_header(views[0])
+    header = _unpack_header(views[0], max_header_bytes)
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.get("v")
@@ -233,6 +246,8 @@ def decode(frames: Sequence[Any], *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_
         raise ProtocolError(f"{kind}: header 't' (tensor table) must be a list")
     if table and not has_tensors(cls):
         raise ProtocolError(f"{kind} carries no tensors, but the header lists {len(table)}")
+    if len(table) > MAX_TENSORS:
+        raise ProtocolError(f"{kind}: {len(table)} tensors in the table, over the cap of {MAX_TENSORS}")
 
     # Validate the whole table against the frames before building any tensor.
     entries = [_check_entry(e, i) for i, e in enumerate(table)]

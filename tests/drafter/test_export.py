@@ -136,3 +136,12 @@ def test_config_from_target_matches_parts(tmp_path) -> None:
     cfg = DrafterConfig.from_target(model.config, num_layers=1, block_size=4, mask_token_id=59)
     embed, head = load_frozen_target_parts(path, dtype=torch.float32, device="cpu")
     assert embed.weight.shape == (cfg.vocab_size, cfg.hidden_size) and cfg.target_layer_ids == (1,)
+
+
+def test_load_rejects_a_target_of_another_hidden_size(tmp_path) -> None:
+    model = tiny_drafter()
+    export_drafter(model, tmp_path)
+    hidden = model.embed_tokens.weight.shape[1]
+    embed = torch.nn.Embedding(model.embed_tokens.weight.shape[0], hidden * 2)
+    with pytest.raises(ValueError, match=f"hidden size {hidden}, but this target's is {hidden * 2}"):
+        load_exported(tmp_path, embed_tokens=embed, lm_head=model.lm_head)

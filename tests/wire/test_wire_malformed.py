@@ -134,3 +134,13 @@ def test_declared_size_over_cap_rejected_before_allocation(batch_frames, monkeyp
 
 def test_decode_accepts_the_configured_cap_exactly(batch_frames):
     assert decode(batch_frames, max_tensor_bytes=82_200).tensors["input_ids"].dtype == torch.int64
+
+
+def test_frame_count_and_tensor_table_are_capped(batch_frames):
+    rejects([*batch_frames, *([b"x"] * codec.MAX_TENSORS)], "at most 64 tensor frames")
+    table = [[f"t{i}", "uint8", [1], b"\x00"] for i in range(codec.MAX_TENSORS + 1)]
+    rejects(repack(batch_frames[:1], lambda h: h.update(t=table)), "over the cap of 64")
+
+
+def test_header_cap_is_configurable(batch_frames):
+    rejects(batch_frames, "header frame of .* exceeds the 16-byte cap", max_header_bytes=16)

@@ -26,6 +26,7 @@ from dflash_pipe.wire import (
     decode,
     encode,
 )
+from dflash_pipe.wire.auth import generate_keys
 
 T = 5.0  # generous receive timeout; every exchange below completes in milliseconds
 
@@ -178,13 +179,14 @@ def test_slow_reader_raises_send_timeout(batch_factory):
 
 
 @pytest.mark.parametrize("address", ["tcp://0.0.0.0:0", "tcp://*:0", "tcp://10.1.2.3:5555", "tcp://eth0:0"])
-def test_public_bind_refused(address):
-    with pytest.raises(ValueError, match="allow_public=True"):
+def test_public_bind_without_keys_refused_naming_the_fix(address):
+    with pytest.raises(ValueError, match=r"dflash-pipe keys generate DIR.*--keys DIR"):
         ProducerEndpoint(address)
 
 
-def test_public_bind_allowed_when_asked():
-    with ProducerEndpoint("tcp://0.0.0.0:0", allow_public=True) as producer:
+def test_public_bind_allowed_with_keys(tmp_path):
+    generate_keys(tmp_path / "keys")
+    with ProducerEndpoint("tcp://0.0.0.0:0", keys=tmp_path / "keys") as producer:
         assert producer.address.startswith("tcp://0.0.0.0:")
 
 
@@ -199,3 +201,41 @@ def test_closed_endpoint_raises():
     producer.close()
     with pytest.raises(ConnectionError, match="closed"):
         producer.recv(0.0)
+
+
+def test_reject_never_blocks_on_a_peer_that_does_not_read(address, caplog):
+    producer = ProducerEndpoint(address, hwm=1, send_timeout_s=10.0)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    try:
+        raw.connect(producer.address)
+        raw.send_multipart([b"\xc1"])
+        with pytest.raises(BadMessage) as info:
+            producer.recv(T)
+        t0 = time.monotonic()
+        queued = [producer.reject(info.value.peer, "x" * 100_000) for _ in range(500)]
+        assert time.monotonic() - t0 < 2.0  # a blocking send would wait send_timeout_s per message
+        assert queued[0] and not all(queued)  # the queue filled up and the rest were dropped
+        assert 1 <= caplog.text.count("REJECT to peer") <= 10  # logged, rate limited
+    finally:
+        raw.close(0)
+        ctx.term()
+        producer.close(linger_s=0)
+
+
+def test_producer_refuses_frames_over_the_inbound_cap(address):
+    producer = ProducerEndpoint(address, max_frame_bytes=1 << 16)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    try:
+        raw.connect(producer.address)
+        raw.send_multipart([b"\x00" * (1 << 17)])  # libzmq drops the connection; Python never sees it
+        assert producer.recv(0.5) is None
+        small = WorkerEndpoint(producer.address)
+        small.send(Heartbeat(time=4.0))
+        assert producer.recv(T)[1] == Heartbeat(time=4.0)
+        small.close(linger_s=0)
+    finally:
+        raw.close(0)
+        ctx.term()
+        producer.close(linger_s=0)

@@ -1,0 +1,68 @@
+"""prepare_run refuses inputs that do not fit the target or the run dir, with one line naming the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_pipe.config import DrafterOptions, RunConfig
+from dflash_pipe.data import DataConfig, demo_data_path
+from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.producer.setup import OptionsError, RunDirError, prepare_run
+from dflash_pipe.train.checkpoint import DRAFTER_CONFIG, TRAINER_STATE, latest_checkpoint
+
+
+def config(run_dir: Path, **drafter) -> RunConfig:
+    return RunConfig(
+        run_dir=run_dir,
+        data=DataConfig(path=demo_data_path(), max_length=64),
+        drafter=DrafterOptions(num_layers=1, **drafter),
+        layout=LayoutConfig(device="cpu"),
+    )
+
+
+def one_line(exc: BaseException, *needles: str) -> None:
+    text = str(exc)
+    assert "\n" not in text, text
+    for needle in needles:
+        assert needle in text, text
+
+
+def test_target_layer_ids_beyond_the_target(tmp_path: Path):
+    with pytest.raises(OptionsError) as info:
+        prepare_run(config(tmp_path / "r", target_layer_ids=(1, 99)), resume=False, progress=False)
+    one_line(info.value, "--target-layer-ids 1,99", "[99] do not exist", "layers (ids 0-")
+
+
+def test_target_layer_ids_unsorted(tmp_path: Path):
+    with pytest.raises(OptionsError) as info:
+        prepare_run(config(tmp_path / "r", target_layer_ids=(2, 1)), resume=False, progress=False)
+    one_line(info.value, "increasing order", "1,2")
+
+
+def test_mask_token_beyond_the_vocabulary(tmp_path: Path):
+    with pytest.raises(OptionsError) as info:
+        prepare_run(config(tmp_path / "r", mask_token_id=10**9), resume=False, progress=False)
+    one_line(info.value, "--mask-token-id 1000000000", "vocabulary of")
+
+
+def test_resume_with_a_checkpoint_of_another_drafter_names_the_field(tmp_path: Path):
+    run_dir = tmp_path / "r"
+    ctx = prepare_run(config(run_dir), resume=False, progress=False)
+    step = run_dir / "checkpoints" / "step-00000001"
+    step.mkdir(parents=True)
+    other = {**ctx.drafter.to_dict(), "hidden_size": ctx.drafter.hidden_size * 2}
+    (step / DRAFTER_CONFIG).write_text(json.dumps(other))
+    (step / TRAINER_STATE).write_text(json.dumps({"step": 1, "ledger": {}}))
+    (run_dir / "checkpoints" / "latest").write_text("step-00000001\n")
+    assert latest_checkpoint(run_dir) == step
+    with pytest.raises(RunDirError) as info:
+        prepare_run(RunConfig.load(run_dir / "config.json"), resume=True, progress=False)
+    one_line(info.value, f"--resume {run_dir}", "hidden_size=", "new --run-dir")
+
+
+def test_resume_of_a_dir_without_a_run(tmp_path: Path):
+    with pytest.raises(RunDirError, match="no config.json there"):
+        prepare_run(config(tmp_path / "empty"), resume=True, progress=False)
