@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from dflash_pipe import __version__
@@ -35,6 +36,14 @@ def main() -> None:
     A real run on one 8-GPU node:
       dflash-pipe launch --target-model /models/Qwen3-8B --data chat.jsonl \\
           --target-gpus 0-4 --drafter-gpus 5-7 --run-dir runs/qwen3-8b
+    From a recipe (flags override the file; see launch/):
+      dflash-pipe launch --config launch/node-8gpu.yaml --dry-run
+    Curves and summary of a run, finished or running:
+      dflash-pipe report runs/qwen3-8b
+
+    \b
+    Every command takes --config FILE (YAML, TOML or JSON). Shell completion (bash; zsh/fish alike):
+      eval "$(_DFLASH_PIPE_COMPLETE=bash_source dflash-pipe)"
     """
 
 
@@ -70,6 +79,12 @@ def main() -> None:
 )
 @click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4 or 0,1.")
 @click.option("--drafter-gpus", help="GPUs of the drafter workers (one process each), e.g. 5-7.")
+@click.option(
+    "--target-parallel",
+    type=click.Choice(["auto", "replicas", "split"]),
+    help="One target replica per GPU, or one replica split by layers across the target GPUs "
+    "(auto: replicas when the weights fit one GPU).",
+)
 @click.option("--workers", type=int, default=2, show_default=True, help="Number of drafter workers on CPU.")
 @click.option("--epochs", type=int, help="Epochs over the data (recipe: 6; demo: 1).")
 @click.option("--max-steps", type=int, help="Stop after this many optimizer steps.")
@@ -108,12 +123,35 @@ def main() -> None:
 @click.option("--seed", type=int, help="Seed of data order and anchor sampling.")
 @click.option("--bind", help="Producer address (default tcp://127.0.0.1:0, a free loopback port).")
 @click.option(
+    "--keys",
+    type=click.Path(path_type=Path),
+    help="CURVE key directory (`dflash-pipe keys generate DIR`); needed when --bind is not loopback.",
+)
+@click.option(
     "--peer-timeout",
     type=float,
     help="Seconds of silence after which a worker or the producer is declared dead (default 120).",
 )
 @click.option(
+    "--log",
+    multiple=True,
+    metavar="SINK",
+    help="Metrics sinks besides metrics.jsonl: tensorboard, wandb; repeat or comma-separate for several.",
+)
+@click.option(
     "--live/--plain", default=None, help="Live dashboard or plain log lines (default: live on a terminal)."
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Run config file (YAML, TOML or JSON; the shape of a run's config.json). Flags override it.",
+)
+@click.option("--print-config", is_flag=True, help="Print the resolved config (YAML) and exit.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (config, devices, workers, run dir) and exit; loads nothing, needs no GPU.",
 )
 def launch(**opts) -> None:
     """Start a training run: the producer here, one drafter worker per drafter GPU.
@@ -125,27 +163,60 @@ def launch(**opts) -> None:
           --target-gpus 0-4 --drafter-gpus 5-7 --run-dir runs/q8b
       dflash-pipe launch --target-gpus 0 --drafter-gpus 0 ...   # one GPU for both (warns)
       dflash-pipe launch --resume runs/q8b                 # continue after Ctrl-C or a crash
+      dflash-pipe launch --config launch/node-8gpu.yaml --max-steps 100   # a recipe; flags win
+      dflash-pipe launch --config run.yaml --dry-run       # the plan, nothing started
+      dflash-pipe launch --log tensorboard,wandb ...       # metrics.jsonl plus mirrors
     Ctrl-C drains: workers finish their step, a checkpoint is written, everyone exits.
     """
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.launch_options import build_run_config, config_text, load_run_file, plan_text
 
+    ctx = click.get_current_context()
+    typed = {
+        k: v
+        for k, v in opts.items()
+        if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    }
     try:
-        cfg, resume = build_run_config(opts)
+        file_values = load_run_file(opts["config_file"]) if opts["config_file"] else None
+        cfg, resume = build_run_config(typed, file_values)
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
+    if opts["print_config"]:
+        click.echo(config_text(cfg), nl=False)
+        return
+    if opts["dry_run"]:
+        click.echo(plan_text(cfg, resume=resume))
+        return
+    _check_machine(cfg)
     _run_launch(cfg, resume=resume, live=opts["live"])
+
+
+def _check_machine(cfg) -> None:
+    """What a dry run leaves out: GPU ids against this machine, metrics sinks installed."""
+    from dflash_pipe.telemetry import sink_problem
+
+    problems = [p for kind in cfg.log if (p := sink_problem(kind))]
+    if problems:
+        raise click.UsageError("; ".join(problems))
+    if cfg.layout.device == "cuda":
+        import torch
+
+        try:
+            cfg.layout.validate_against(torch.cuda.device_count())
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
 
 
 def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from dflash_pipe.data import DataError
     from dflash_pipe.launcher import launch as run
     from dflash_pipe.producer.proc import RunAborted
-    from dflash_pipe.producer.setup import RunDirError
+    from dflash_pipe.producer.setup import SetupError
     from dflash_pipe.report import print_summary
 
     try:
         summary = run(cfg, resume=resume, console=console, live=live)
-    except (DataError, RunDirError, FileNotFoundError) as exc:
+    except (DataError, SetupError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/] {exc}")
         sys.exit(2)
     except RunAborted as exc:
@@ -172,6 +243,18 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     show_default=True,
     help="Seconds to wait for the producer's WELCOME.",
 )
+@click.option(
+    "--keys",
+    type=click.Path(path_type=Path),
+    help="The producer's CURVE key directory (needs client.key_secret and server.key).",
+)
+@click.option(
+    "--reconnect-timeout",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="If the producer dies, seconds to keep trying the same address (for `launch --resume`); 0 exits.",
+)
 def worker(
     connect: str,
     device: str | None,
@@ -179,6 +262,8 @@ def worker(
     name: str | None,
     compile_cache: Path | None,
     join_timeout: float,
+    keys: Path | None,
+    reconnect_timeout: float,
 ) -> None:
     """Run drafter worker(s) that connect to a producer.
 
@@ -217,8 +302,11 @@ def worker(
                     f"{name or host}-{d}",
                     "--join-timeout",
                     str(join_timeout),
+                    "--reconnect-timeout",
+                    str(reconnect_timeout),
                 ]
                 + (["--compile-cache", str(compile_cache)] if compile_cache else [])
+                + (["--keys", str(keys)] if keys else [])
             )
             for d in devices
         ]
@@ -232,8 +320,36 @@ def worker(
             name=name or f"{host}-{devices[0]}",
             join_timeout_s=join_timeout,
             started_at=_STARTED,
+            keys=keys,
+            reconnect_timeout_s=reconnect_timeout,
         )
     )
+
+
+@main.group()
+def keys() -> None:
+    """CURVE keys that authenticate workers to a producer on a non-loopback address."""
+
+
+@keys.command("generate")
+@click.argument("directory", type=click.Path(path_type=Path))
+def keys_generate(directory: Path) -> None:
+    """Write a server and a client key pair into DIRECTORY (files 0600, directory 0700).
+
+    \b
+    Then: dflash-pipe launch --bind tcp://0.0.0.0:5555 --keys DIRECTORY ...
+          dflash-pipe worker --connect tcp://HOST:5555 --keys DIRECTORY ...
+    Worker hosts need DIRECTORY/client.key_secret and DIRECTORY/server.key; only the producer host needs
+    DIRECTORY/server.key_secret. See docs/security.md.
+    """
+    from dflash_pipe.wire.auth import KeyFileError, generate_keys
+
+    try:
+        files = generate_keys(directory)
+    except (KeyFileError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for path in files:
+        console.print(f"wrote {path}")
 
 
 @main.command()
@@ -301,7 +417,10 @@ def eval_cmd(
     """Simulated acceptance length (tau) of a drafter against its target.
 
     Greedy and teacher-forced: at sampled anchors, count how many consecutive draft tokens equal the
-    target's own greedy predictions, plus one. Example:
+    target's own greedy predictions, plus one.
+
+    \b
+    Example:
       dflash-pipe eval --target-model /models/Qwen3-8B --drafter out/qwen3-8b-dflash --data eval.jsonl
     """
     import torch
@@ -323,18 +442,79 @@ def eval_cmd(
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     import json
 
-    cfg = config_from_export(json.loads((drafter_dir / "config.json").read_text()))
-    tokenizer = AutoTokenizer.from_pretrained(str(target_model))
-    data = load_samples(DataConfig(path=data_path, max_length=max_length), tokenizer)
-    target = TargetCore(target_model, cfg.target_layer_ids, dev, dtype)
-    embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=dev)
-    drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(dev)
+    try:  # a drafter that does not fit the target, or bad data: one line naming the input, no traceback
+        cfg = config_from_export(json.loads((drafter_dir / "config.json").read_text()))
+        tokenizer = AutoTokenizer.from_pretrained(str(target_model))
+        data = load_samples(DataConfig(path=data_path, max_length=max_length), tokenizer)
+        target = TargetCore(target_model, cfg.target_layer_ids, dev, dtype)
+        embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=dev)
+        drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(dev)
+    except (ValueError, OSError) as exc:  # DataError is a ValueError
+        raise click.ClickException(str(exc)) from None
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
         result = evaluate_acceptance(
             target, drafter, data.samples[:max_samples], num_anchors=num_anchors, progress=console.is_terminal
         )
     Console().print(render_acceptance_table(result))
 
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the PNGs go (default: RUN_DIR/report/).",
+)
+def report(run_dir: Path, out_dir: Path | None) -> None:
+    """Curves (loss, accuracy, tau, throughput) as PNGs and a summary table of a run, finished or running.
+
+    \b
+    Reads RUN_DIR/metrics.jsonl (a line still being written is skipped). Examples:
+      dflash-pipe report runs/q8b                      # PNGs in runs/q8b/report/
+      dflash-pipe report runs/q8b --out /tmp/q8b-plots
+    """
+    from dflash_pipe.report import report as run_report
+
+    try:
+        run_report(run_dir, out_dir, Console())
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _load_option_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
+    """Eager: the file's values become this command's defaults, so typed flags still win."""
+    from dflash_pipe.config_file import ConfigFileError, load_file, option_defaults
+
+    if value is None:
+        return
+    try:
+        defaults = option_defaults(load_file(value), ctx.command.params, source=str(value))
+    except ConfigFileError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+
+
+def _add_config_options(group: click.Group) -> None:
+    """Every command takes --config; `launch` has its own (a run config), the others a flat option file."""
+    for command in group.commands.values():
+        if isinstance(command, click.Group):
+            _add_config_options(command)
+        elif not any(p.name == "config_file" for p in command.params):
+            command.params.append(
+                click.Option(
+                    ["--config", "config_file"],
+                    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                    is_eager=True,
+                    expose_value=False,
+                    callback=_load_option_file,
+                    help="YAML, TOML or JSON file of this command's options (keys: option names); "
+                    "flags override it.",
+                )
+            )
+
+
+_add_config_options(main)
 
 if __name__ == "__main__":
     main()

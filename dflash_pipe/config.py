@@ -44,7 +44,9 @@ class DrafterOptions:
 @dataclass(kw_only=True, slots=True)
 class WireConfig:
     bind: str = "tcp://127.0.0.1:0"
-    """Producer address; port 0 picks a free one. Loopback unless you know what you expose."""
+    """Producer address; port 0 picks a free one. Anything but loopback or ipc:// needs `keys`."""
+    keys: Path | None = None
+    """CURVE key directory (`dflash-pipe keys generate DIR`): workers must hold its client key to connect."""
     ready_batches: int = 4
     """Batches of features the producer keeps computed ahead of demand (host memory bound)."""
     worker_credits: int = 2
@@ -56,6 +58,11 @@ class WireConfig:
     """How long the producer waits for all launched workers to say HELLO."""
 
     def __post_init__(self) -> None:
+        from dflash_pipe.wire.transport import require_keys_for
+
+        if self.keys is not None:
+            self.keys = Path(self.keys)
+        require_keys_for(self.bind, self.keys)
         if self.ready_batches < 1 or self.worker_credits < 1:
             raise ValueError("wire.ready_batches and wire.worker_credits must be >= 1.")
         if not 0 < self.heartbeat_s < self.peer_timeout_s:
@@ -79,8 +86,16 @@ class RunConfig:
     """Held-out samples used for the acceptance (tau) evaluation; 0 disables it."""
     compile_cache: Path | None = None
     """Shared torch.compile cache dir; None means RUN_DIR/compile-cache."""
+    log: tuple[str, ...] = ("jsonl",)
+    """Metrics sinks: jsonl (always written), tensorboard (RUN_DIR/tensorboard/), wandb; several at once."""
 
     def __post_init__(self) -> None:
+        from dflash_pipe.telemetry.metrics import SINK_KINDS
+
+        self.log = tuple(dict.fromkeys(["jsonl", *self.log]))
+        bad = [k for k in self.log if k not in SINK_KINDS]
+        if bad:
+            raise ValueError(f"log: unknown metrics sink(s) {bad}; choose from {', '.join(SINK_KINDS)}.")
         self.run_dir = Path(self.run_dir)
         if self.target_model is not None:
             self.target_model = Path(self.target_model)

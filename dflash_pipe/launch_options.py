@@ -1,147 +1,292 @@
-"""From ``dflash-pipe launch`` flags to one validated RunConfig (fresh run or resume)."""
+"""From ``dflash-pipe launch`` flags and an optional config file to one validated RunConfig, and its plan.
+
+Precedence, lowest first: the dataclass defaults, the demo's defaults (only without --target-model), the
+config file, the flags the user typed. The flags that map onto config fields are listed in `FLAG_FIELDS`
+(the configuration reference shows them next to each field).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-from dflash_pipe.config import DrafterOptions, RunConfig, WireConfig
-from dflash_pipe.data import DataConfig, demo_data_path
+from dflash_pipe.config import RunConfig
+from dflash_pipe.config_file import ConfigFileError, check_run_file, dump, load_file
+from dflash_pipe.data import demo_data_path
 from dflash_pipe.layout import LayoutConfig, parse_gpu_spec
-from dflash_pipe.train.config import TrainConfig
+
+FLAG_FIELDS: dict[str, str] = {
+    "run_dir": "run_dir",
+    "target_model": "target_model",
+    "data_path": "data.path",
+    "token_budget": "data.token_budget",
+    "max_length": "data.max_length",
+    "skip_bad_lines": "data.skip_bad_lines",
+    "draft_layers": "drafter.num_layers",
+    "block_size": "drafter.block_size",
+    "mask_token_id": "drafter.mask_token_id",
+    "max_anchors": "drafter.max_anchors",
+    "target_layer_ids": "drafter.target_layer_ids",
+    "attention_backend": "drafter.attention_backend",
+    "epochs": "train.epochs",
+    "max_steps": "train.max_steps",
+    "lr": "train.lr",
+    "seed": "train.seed",
+    "compile_mode": "train.compile",
+    "checkpoint_every": "train.checkpoint_every",
+    "eval_every": "train.eval_every",
+    "bind": "wire.bind",
+    "keys": "wire.keys",
+    "peer_timeout": "wire.peer_timeout_s",
+    "eval_samples": "eval_samples",
+    "log": "log",
+    "device": "layout.device",
+    "target_gpus": "layout.target_gpus",
+    "drafter_gpus": "layout.drafter_gpus",
+    "workers": "layout.cpu_workers",
+    "target_parallel": "layout.target_parallel",
+}
+"""launch option (click parameter name) -> the RunConfig field it sets."""
+_LAYOUT_FLAGS = ("device", "target_gpus", "drafter_gpus", "workers")
 
 DEMO_DEFAULTS: dict[str, Any] = {
-    "draft_layers": 3,
-    "max_anchors": 32,
-    "epochs": 1,
-    "token_budget": 2048,
-    "max_length": 512,
-    "checkpoint_every": 100,
+    "drafter.num_layers": 3,
+    "drafter.max_anchors": 32,
+    "train.epochs": 1,
+    "data.token_budget": 2048,
+    "data.max_length": 512,
+    "train.checkpoint_every": 100,
 }
+"""Without --target-model (the built-in demo): a small drafter, one short epoch."""
 RESUME_OVERRIDES = {
+    "keys",
     "peer_timeout",
     "max_steps",
     "device",
     "target_gpus",
     "drafter_gpus",
     "workers",
+    "target_parallel",
     "live",
     "epochs",
+    "log",
 }
 """Flags that may change on --resume; everything else comes from the run's saved config."""
 
 
-def build_run_config(opts: dict[str, Any]) -> tuple[RunConfig, bool]:
-    if opts.get("resume_dir"):
-        return _resume_config(opts), True
-    demo = opts.get("target_model") is None
+def load_run_file(path: str | Path) -> dict[str, Any]:
+    """A launch config file, checked against RunConfig (unknown keys and bad values name the key)."""
+    data = load_file(path)
+    layout = data.get("layout")
+    if isinstance(layout, dict):
+        for key in ("target_gpus", "drafter_gpus"):
+            if isinstance(layout.get(key), str):  # "0-4" as on the command line
+                try:
+                    layout[key] = parse_gpu_spec(layout[key], flag=f"layout.{key}")
+                except ValueError as exc:
+                    raise ConfigFileError(f"{path}: {exc}") from None
+    return check_run_file(data, source=str(path), hints=FLAG_FIELDS)
+
+
+def build_run_config(
+    opts: dict[str, Any], file_values: dict[str, Any] | None = None
+) -> tuple[RunConfig, bool]:
+    """``opts``: the flags the user gave (None or absent = not given); ``file_values``: `load_run_file`."""
+    given = {
+        k: v for k, v in opts.items() if v not in (None, False, ()) and not (k == "device" and v == "auto")
+    }
+    if given.get("resume_dir"):
+        if file_values:
+            raise ValueError(
+                "--config and --resume do not mix: --resume continues with the run's saved config.json "
+                "(only --max-steps, --epochs, --peer-timeout, --log and the device flags may change)."
+            )
+        return _resume_config(given), True
+    values: dict[str, Any] = {}
+    file_values = file_values or {}
+    demo = "target_model" not in given and file_values.get("target_model") is None
     if demo:
-        for key, value in DEMO_DEFAULTS.items():
-            if opts.get(key) is None:
-                opts[key] = value
-    data_path = opts.get("data_path")
-    if data_path is None:
+        for path, value in DEMO_DEFAULTS.items():
+            _set(values, path, value)
+    for key, value in file_values.items():
+        if isinstance(value, dict):
+            values.setdefault(key, {}).update(value)
+        else:
+            values[key] = value
+    for option, value in given.items():
+        path = FLAG_FIELDS.get(option)
+        if path is None or path.startswith("layout."):
+            continue  # layout flags: _layout()
+        _set(values, path, _flag_value(option, value))
+    data = values.setdefault("data", {})
+    if data.get("path") is None:
         if not demo:
-            raise ValueError("--data is needed with --target-model (a JSONL file of conversations).")
-        data_path = demo_data_path()
-    run_dir = opts.get("run_dir") or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    cfg = RunConfig(
-        run_dir=run_dir,
-        target_model=opts.get("target_model"),
-        data=DataConfig(
-            path=Path(data_path),
-            **_pick(
-                opts, token_budget="token_budget", max_length="max_length", skip_bad_lines="skip_bad_lines"
-            ),
-        ),
-        drafter=DrafterOptions(
-            **_pick(
-                opts,
-                num_layers="draft_layers",
-                block_size="block_size",
-                mask_token_id="mask_token_id",
-                max_anchors="max_anchors",
-                attention_backend="attention_backend",
-                target_layer_ids="target_layer_ids",
+            raise ValueError(
+                "--data (or data.path in the config file) is needed with --target-model: "
+                "a JSONL file of conversations."
             )
-        ),
-        train=TrainConfig(
-            **_pick(
-                opts,
-                epochs="epochs",
-                max_steps="max_steps",
-                lr="lr",
-                seed="seed",
-                compile="compile_mode",
-                checkpoint_every="checkpoint_every",
-                eval_every="eval_every",
-            )
-        ),
-        wire=WireConfig(**_pick(opts, bind="bind", peer_timeout_s="peer_timeout")),
-        layout=_layout(opts),
-        **_pick(opts, eval_samples="eval_samples"),
-    )
-    return cfg, False
+        data["path"] = demo_data_path()
+    values.setdefault("run_dir", Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    values["layout"] = _layout_dict(_layout(values.get("layout", {}), given))
+    return RunConfig.from_dict(values), False
 
 
-def _resume_config(opts: dict[str, Any]) -> RunConfig:
+def _resume_config(given: dict[str, Any]) -> RunConfig:
     from dflash_pipe.producer.setup import load_run_config
 
-    given = {k for k, v in opts.items() if v not in (None, False, "auto", 2) and k != "resume_dir"}
-    fixed = sorted(given - RESUME_OVERRIDES - {"run_dir"})
+    fixed = sorted(set(given) - RESUME_OVERRIDES - {"run_dir", "resume_dir"})
     if fixed:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
         raise ValueError(f"--resume uses the run's saved config; {flags} cannot change on resume.")
-    cfg = load_run_config(Path(opts["resume_dir"]))
-    if opts.get("max_steps") is not None:
-        cfg.train.max_steps = opts["max_steps"]
+    cfg = load_run_config(Path(given["resume_dir"]))
+    if "max_steps" in given:
+        cfg.train.max_steps = given["max_steps"]
         cfg.train.__post_init__()
-    if opts.get("peer_timeout") is not None:
-        cfg.wire.peer_timeout_s = opts["peer_timeout"]
+    if "peer_timeout" in given:
+        cfg.wire.peer_timeout_s = given["peer_timeout"]
         cfg.wire.__post_init__()
-    if opts.get("epochs") is not None:
-        cfg.train.epochs = opts["epochs"]
+    if "keys" in given:
+        cfg.wire.keys = given["keys"]
+        cfg.wire.__post_init__()
+    if "epochs" in given:
+        cfg.train.epochs = given["epochs"]
         cfg.train.__post_init__()
-    if any(opts.get(k) not in (None, "auto") for k in ("device", "target_gpus", "drafter_gpus")):
-        cfg.layout = _layout(opts)
+    if "log" in given:
+        cfg.log = _flag_value("log", given["log"])
+        cfg.__post_init__()
+    if any(FLAG_FIELDS.get(k, "").startswith("layout.") for k in given):
+        saved = {} if "device" in given else _layout_dict(cfg.layout)
+        cfg.layout = _layout(saved, given)
     return cfg
 
 
-def _layout(opts: dict[str, Any]) -> LayoutConfig:
-    device = opts.get("device") or "auto"
-    if device == "auto":
+def _layout(saved: dict[str, Any], given: dict[str, Any]) -> LayoutConfig:
+    """The file's layout section with the device flags on top; unset device = CUDA if a GPU is visible."""
+    lay = dict(saved)
+    if "device" in given:
+        lay["device"] = given["device"]
+    if "target_gpus" in given:
+        lay["target_gpus"] = parse_gpu_spec(given["target_gpus"], flag="--target-gpus")
+    if "drafter_gpus" in given:
+        lay["drafter_gpus"] = parse_gpu_spec(given["drafter_gpus"], flag="--drafter-gpus")
+    if "workers" in given:
+        lay["cpu_workers"] = given["workers"]
+    for option, path in FLAG_FIELDS.items():  # any other layout flag sets its field as is
+        if path.startswith("layout.") and option not in _LAYOUT_FLAGS and option in given:
+            lay[path.removeprefix("layout.")] = given[option]
+    if lay.get("device") in (None, "auto"):
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return LayoutConfig(device="cpu", cpu_workers=opts.get("workers") or 2)
-    target, drafter = opts.get("target_gpus"), opts.get("drafter_gpus")
-    if target is None and drafter is None:
+        lay["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if lay["device"] == "cuda" and not lay.get("target_gpus") and not lay.get("drafter_gpus"):
         import torch
 
         n = torch.cuda.device_count()
-        target, drafter = ("0", "0") if n == 1 else ("0", f"1-{n - 1}")
+        if n == 0:
+            raise ValueError("--device cuda but no GPU is visible; give --target-gpus and --drafter-gpus.")
+        lay["target_gpus"], lay["drafter_gpus"] = ((0,), (0,)) if n == 1 else ((0,), tuple(range(1, n)))
         if n == 1:
             warnings.warn("One GPU: the target and the drafter worker share it.", stacklevel=2)
-    if target is None or drafter is None:
+    if lay["device"] == "cuda" and (not lay.get("target_gpus") or not lay.get("drafter_gpus")):
         raise ValueError("Give both --target-gpus and --drafter-gpus (e.g. 0-4 and 5-7).")
-    return LayoutConfig(
-        device="cuda",
-        target_gpus=parse_gpu_spec(target, flag="--target-gpus"),
-        drafter_gpus=parse_gpu_spec(drafter, flag="--drafter-gpus"),
+    return LayoutConfig(**lay)
+
+
+def _layout_dict(layout: LayoutConfig) -> dict[str, Any]:
+    return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
+
+
+def _flag_value(option: str, value: Any) -> Any:
+    if option == "target_layer_ids":
+        return tuple(int(x) for x in str(value).split(","))
+    if option == "log":
+        items = [value] if isinstance(value, str) else list(value)
+        return tuple(k.strip() for item in items for k in str(item).split(",") if k.strip())
+    return value
+
+
+def _set(values: dict[str, Any], path: str, value: Any) -> None:
+    *sections, key = path.split(".")
+    for section in sections:
+        values = values.setdefault(section, {})
+    values[key] = value
+
+
+# --- --print-config and --dry-run -------------------------------------------------------------------------
+
+
+def config_text(cfg: RunConfig) -> str:
+    """The resolved config as YAML: valid input for ``launch --config``."""
+    return dump(cfg.to_dict())
+
+
+def plan_text(cfg: RunConfig, *, resume: bool) -> str:
+    """What ``launch`` would do with this config; touches no GPU, model or socket."""
+    from dflash_pipe.telemetry.metrics import sink_problem
+
+    lines = ["dflash-pipe launch --dry-run: the plan (nothing was started).", ""]
+
+    def row(label: str, text: str) -> None:
+        lines.append(f"{label:<14} {text}")
+
+    if cfg.target_model is None:
+        from dflash_pipe.target import default_cache_dir
+
+        cache = default_cache_dir()
+        state = "cached" if (cache / "config.json").exists() else "built and trained (~45 s) on first use"
+        row("target", f"built-in demo target at {cache} ({state})")
+    else:
+        found = (cfg.target_model / "config.json").exists()
+        row("target", f"{cfg.target_model}" + ("" if found else "  [no config.json there on this machine]"))
+    data_found = cfg.data.path.exists()
+    row(
+        "data",
+        f"{cfg.data.path}"
+        + ("" if data_found else "  [not found on this machine]")
+        + f" (max length {cfg.data.max_length}, token budget {cfg.data.token_budget})",
     )
-
-
-def _pick(opts: dict[str, Any], **names: str) -> dict[str, Any]:
-    """Config field -> CLI option name, keeping only the options the user (or a default) set."""
-    out = {}
-    for field, option in names.items():
-        value = opts.get(option)
-        if value is None or value is False:
-            continue
-        if field == "target_layer_ids":
-            value = tuple(int(x) for x in str(value).split(","))
-        out[field] = value
-    return out
+    run_dir = cfg.run_dir
+    if resume:
+        row("run dir", f"{run_dir} (resume from its latest checkpoint)")
+    elif (run_dir / "config.json").exists() and (run_dir / "checkpoints").exists():
+        row("run dir", f"{run_dir}  [holds a run with checkpoints: launch would refuse; use --resume]")
+    else:
+        row("run dir", f"{run_dir} ({'exists' if run_dir.exists() else 'new'})")
+    lay = cfg.layout
+    if lay.device == "cpu":
+        row("device", f"cpu: the target in this process, {lay.cpu_workers} CPU drafter worker process(es)")
+    else:
+        targets = ", ".join(lay.target_devices())
+        row("target GPUs", f"{targets} ({len(lay.target_gpus)} replica thread(s) in the producer process)")
+        row("drafter GPUs", f"{', '.join(lay.worker_devices())} (one worker process each, NCCL)")
+        shared = sorted(set(lay.target_gpus) & set(lay.drafter_gpus))
+        if shared:
+            row("", f"GPUs {shared} are shared by the target and a drafter (allowed, with a warning)")
+        row("", "GPU ids were not checked against this machine (dry run); a real launch checks them")
+    keys = getattr(cfg.wire, "keys", None)
+    row(
+        "producer",
+        f"this process, bound to {cfg.wire.bind}"
+        + (f" with CURVE keys from {keys}" if keys else "")
+        + f", heartbeat {cfg.wire.heartbeat_s} s, peer timeout {cfg.wire.peer_timeout_s} s",
+    )
+    row("workers", f"{lay.num_workers} process(es), output in {run_dir / 'logs'}/workerN.log:")
+    for i, device in enumerate(lay.worker_devices()):
+        cmd = ["python", "-m", "dflash_pipe", "worker", "--connect", "<producer address>", "--device", device]
+        lines.append(" " * 15 + shlex.join([*cmd, "--name", f"worker{i}"]))
+    row("compile cache", f"{cfg.cache_dir} (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)")
+    sinks = []
+    for kind in dict.fromkeys(["jsonl", *cfg.log]):
+        problem = sink_problem(kind)
+        sinks.append(kind + (f" [{problem}]" if problem else ""))
+    row("metrics", f"{run_dir / 'metrics.jsonl'}; sinks: {', '.join(sinks)}")
+    stop = f"{cfg.train.epochs} epoch(s)" + (
+        f" or {cfg.train.max_steps} steps, whichever comes first" if cfg.train.max_steps else ""
+    )
+    row("stops after", stop + f"; checkpoint every {cfg.train.checkpoint_every} steps and at the end")
+    lines += ["", "resolved config (valid input for --config):", "", config_text(cfg)]
+    return "\n".join(lines)

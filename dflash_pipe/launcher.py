@@ -2,7 +2,8 @@
 
 Workers run ``python -m dflash_pipe worker`` (the same command users run to attach), in their own process
 session so a terminal Ctrl-C reaches only the producer, which drains them in order. Each worker's output
-goes to RUN_DIR/logs/; any worker dying stops the run with its name, exit status and last log lines.
+goes to RUN_DIR/logs/; a worker dying is reported (name, exit status, last log lines) and the run goes on
+with the others. Workers that outlived a killed producer are adopted by ``launch --resume``, not doubled.
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ class WorkerProcess:
     proc: subprocess.Popen
     log_path: Path
     log: IO[bytes]
+    reported: bool = False
+
+
+@dataclass(slots=True)
+class AdoptedWorker:
+    """A worker started by a previous (killed) producer of this run; it reconnects by itself."""
+
+    name: str
+    device: str
+    pid: int
+    reported: bool = False
+
+    def running(self) -> bool:
+        return _is_worker_process(self.pid)
 
 
 class WorkerPool:
@@ -47,14 +62,20 @@ class WorkerPool:
         self.cfg = cfg
         self.address = address
         self.workers: list[WorkerProcess] = []
+        self.adopted: list[AdoptedWorker] = []
 
-    def start(self) -> None:
+    def start(self, previous: list[dict] | None = None) -> None:
+        """One worker per drafter device, except those a previous producer started that still run."""
         logs = self.cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         devices = self.cfg.layout.worker_devices()
         cpus = os.cpu_count() or 1
+        running = {w["name"]: w for w in previous or [] if _is_worker_process(int(w["pid"]), self.address)}
         for i, device in enumerate(devices):
             name = f"worker{i}"
+            if name in running:
+                self.adopted.append(AdoptedWorker(name, device, int(running[name]["pid"])))
+                continue
             env = {**os.environ, **SAFE_GPU_ENV, "PYTHONUNBUFFERED": "1"}
             env.update(compile_cache_env(self.cfg.cache_dir, workers_on_host=len(devices)))
             if device == "cpu":
@@ -72,18 +93,35 @@ class WorkerPool:
                 device,
             ]
             cmd += ["--name", name]
+            if self.cfg.wire.keys is not None:
+                cmd += ["--keys", str(self.cfg.wire.keys)]
             proc = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
             self.workers.append(WorkerProcess(name, device, proc, log_path, log))
 
-    def failure(self) -> str | None:
-        """A description of the first worker that exited with an error, or None while all are fine."""
+    def records(self) -> list[dict]:
+        """For RUN_DIR/producer.json: which worker processes serve this run."""
+        own = [{"name": w.name, "device": w.device, "pid": w.proc.pid} for w in self.workers]
+        return own + [{"name": w.name, "device": w.device, "pid": w.pid} for w in self.adopted]
+
+    def newly_failed(self) -> list[tuple[str, str]]:
+        """(name, what happened) for each worker that exited with an error since the last call."""
+        failed = []
         for w in self.workers:
             rc = w.proc.poll()
-            if rc not in (None, 0):
-                return f"{w.name} ({w.device}, pid {w.proc.pid}) exited with {_describe(rc)}.\n{_tail(w.log_path)}"
-        return None
+            if rc not in (None, 0) and not w.reported:
+                w.reported = True
+                why = f"exited with {_describe(rc)}.\n{_tail(w.log_path)}"
+                failed.append((w.name, why))
+        for a in self.adopted:
+            if not a.reported and not a.running():
+                a.reported = True
+                failed.append((a.name, "exited (started by the previous producer; exit status unknown)"))
+        return failed
+
+    def alive(self) -> int:
+        return sum(w.proc.poll() is None for w in self.workers) + sum(a.running() for a in self.adopted)
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -103,8 +141,28 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
+        for a in self.adopted:  # not our children: signal by pid, poll for the exit
+            if a.running():
+                os.kill(a.pid, signal.SIGTERM)
+        while any(a.running() for a in self.adopted) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for a in self.adopted:
+            if a.running():
+                os.kill(a.pid, signal.SIGKILL)
         for w in self.workers:
             w.log.close()
+
+
+def _is_worker_process(pid: int, address: str | None = None) -> bool:
+    """Whether ``pid`` is a running ``dflash_pipe worker`` (connected to ``address`` when given)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    if state == "Z" or b"dflash_pipe" not in argv or b"worker" not in argv:
+        return False
+    return address is None or address.encode() in argv
 
 
 def _describe(rc: int) -> str:
@@ -139,7 +197,10 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     for key, value in SAFE_GPU_ENV.items():
         os.environ.setdefault(key, value)
     hf_logging.disable_progress_bar()
+    from dflash_pipe.producer.record import read_record, write_record
+
     ctx = prepare_run(cfg, resume=resume, progress=live)
+    previous = read_record(cfg.run_dir).get("workers", []) if resume else []
     producer = ProducerProc(ctx, expected_workers=cfg.layout.num_workers, console=console, live=live)
     pool = WorkerPool(cfg, producer.address)
     console.print(
@@ -149,8 +210,12 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
         + (f", resuming from {ctx.resume_from.name}" if ctx.resume_from else "")
     )
     try:
-        pool.start()
-        summary = producer.serve(watch=pool.failure)
+        pool.start(previous)
+        write_record(cfg.run_dir, workers=pool.records())
+        if pool.adopted:
+            names = ", ".join(f"{a.name} (pid {a.pid})" for a in pool.adopted)
+            console.print(f"adopting worker(s) still running from the previous producer: {names}")
+        summary = producer.serve(watch=pool)
         pool.wait(timeout_s=60)
         return summary
     except RunAborted:

@@ -11,18 +11,19 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, build_batch
+from dflash_pipe.producer.record import bind_address, write_record
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.target import TargetCore
+from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_bytes
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, make_logger
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.errors import BadMessage, PeerGoneError
@@ -36,7 +37,19 @@ REQUIRED_CAPABILITIES = ("frames",)
 
 
 class RunAborted(RuntimeError):
-    """A worker or a target replica failed; the run stopped (resume from the last checkpoint)."""
+    """Every worker is gone, or a target replica failed; the run stopped (resume from the last checkpoint)."""
+
+
+class WorkerWatch(Protocol):
+    """What the launcher tells the producer about the worker processes it started."""
+
+    def newly_failed(self) -> list[tuple[str, str]]:
+        """(worker name, what happened) for each launched worker that died since the last call."""
+        ...
+
+    def alive(self) -> int:
+        """Launched workers still running (some may not have said HELLO yet)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -80,8 +93,11 @@ class ProducerProc:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.expected_workers = expected_workers
-        self.endpoint = ProducerEndpoint(self.cfg.wire.bind)
+        self.endpoint = ProducerEndpoint(
+            bind_address(self.cfg.run_dir, self.cfg.wire.bind), keys=self.cfg.wire.keys
+        )
         self.address = self.endpoint.address
+        write_record(self.cfg.run_dir, address=self.address)
         self._store = _start_rendezvous_store(self.address)
         self.rendezvous = f"tcp://{_host_of(self.address)}:{self._store.port}"
         self.peers: dict[bytes, Peer] = {}
@@ -91,7 +107,12 @@ class ProducerProc:
             start_epoch=min(ctx.ledger.current_epoch(), self.cfg.train.epochs),
             trained_in_start_epoch=ctx.ledger.trained(ctx.ledger.current_epoch()),
         )
-        self.metrics = make_logger(self.cfg.run_dir, ("jsonl",), config=self.cfg.to_dict())
+        self.metrics = make_logger(
+            self.cfg.run_dir,
+            self.cfg.log,
+            config=self.cfg.to_dict(),
+            gpu_devices=[*self.cfg.layout.target_devices(), *self.cfg.layout.worker_devices()],
+        )
         self.dashboard = Dashboard("dflash-pipe", self.cfg.train.max_steps, live=live, console=console)
         self.target_rate = RateMeter()
         self.wire_rate = RateMeter()
@@ -113,6 +134,9 @@ class ProducerProc:
         self._last_beat = 0.0
         self._bye_reason: str | None = None
         self._first_ack: tuple[float, int] | None = None
+        self._eval_batches: list[m.Batch] = []
+        self._lost: list[str] = []
+        """One line per worker that died or vanished (the run went on without it)."""
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -123,12 +147,21 @@ class ProducerProc:
         )
 
     def start_targets(self) -> None:
-        """One TargetCore per target device, each fed by its own thread."""
-        for device in self.cfg.layout.target_devices():
+        """One TargetCore per replica (a GPU, or a group of GPUs for a split target), each fed by its own
+        thread."""
+        devices = self.cfg.layout.target_devices()
+        groups = plan_replicas(
+            devices,
+            weights=weight_bytes(self.ctx.target_path, self.ctx.target_dtype),
+            memory=cuda_memory,
+            mode=self.cfg.layout.target_parallel,
+        )
+        for group in groups:
             core = TargetCore(
-                self.ctx.target_path, self.ctx.drafter.target_layer_ids, device, self.ctx.target_dtype
+                self.ctx.target_path, self.ctx.drafter.target_layer_ids, group, self.ctx.target_dtype
             )
             self._cores.append(core)
+        self._note(f"target: {len(groups)} replica(s) on {', '.join('+'.join(g) for g in groups)}")
         for core in self._cores:
             thread = TargetThread(
                 core,
@@ -141,7 +174,7 @@ class ProducerProc:
             thread.start()
             self._threads.append(thread)
 
-    def _eval_batches(self) -> list[m.Batch]:
+    def _build_eval_batches(self) -> list[m.Batch]:
         samples = self.ctx.eval_samples
         out = []
         for start in range(0, len(samples), _EVAL_BATCH_SAMPLES):
@@ -152,14 +185,16 @@ class ProducerProc:
 
     # --- serving -----------------------------------------------------------------------------------------
 
-    def serve(self, watch: Callable[[], str | None] | None = None) -> ProducerSummary:
-        """Runs until training finishes, Ctrl-C drains it, or a peer fails (RunAborted)."""
+    def serve(self, watch: WorkerWatch | None = None) -> ProducerSummary:
+        """Runs until training finishes, Ctrl-C drains it, or every worker is gone (RunAborted).
+
+        Workers may join at any time (``dflash-pipe worker --connect``) and leave or die at any time: a lost
+        worker's leases go back to the queue and the others train on."""
         started = self._started = time.monotonic()
         previous = _install_sigint(self._stop_requested)
         try:
             self.start_targets()
-            eval_batches = self._eval_batches() if self.ctx.eval_samples else []
-            self._join(eval_batches, watch)
+            self._eval_batches = self._build_eval_batches() if self.ctx.eval_samples else []
             stop_reason = self._run(watch)
         finally:
             _restore_sigint(previous)
@@ -181,43 +216,17 @@ class ProducerProc:
         elapsed = time.monotonic() - t0
         return (self.scheduler.stats.acked_tokens - tokens0) / elapsed if elapsed > 0 else 0.0
 
-    def _join(self, eval_batches: list[m.Batch], watch: Callable[[], str | None] | None) -> None:
-        """Waits for every launched worker's HELLO, then welcomes them all with ranks in arrival order."""
-        deadline = time.monotonic() + self.cfg.wire.join_timeout_s
-        joined: list[Peer] = []
-        while len(joined) < self.expected_workers:
-            if time.monotonic() > deadline:
-                raise RunAborted(
-                    f"only {len(joined)} of {self.expected_workers} workers said HELLO within "
-                    f"{self.cfg.wire.join_timeout_s:.0f} s; see RUN_DIR/logs for their output."
-                )
-            self._check(watch)
-            if self._stop_requested.is_set():
-                raise RunAborted("interrupted while waiting for workers")
-            got = self._recv()
-            if got is None:
-                self._heartbeat_all()
-                continue
-            peer_id, msg = got
-            if isinstance(msg, m.Hello):
-                peer = self._hello(peer_id, msg)
-                if peer is not None:
-                    joined.append(peer)
-            else:
-                self._handle(peer_id, msg)
-        for rank, peer in enumerate(joined):
-            peer.rank = rank
-            peer.state = "starting"
-            self.endpoint.send(peer.identity, self._welcome(peer, len(joined), len(eval_batches)))
-            if rank == 0:
-                for batch in eval_batches:
-                    self.endpoint.send(peer.identity, batch)
-
-    def _run(self, watch: Callable[[], str | None] | None) -> str:
+    def _run(self, watch: WorkerWatch | None) -> str:
         stop_reason = "finished"
         last_show = 0.0
+        join_deadline = time.monotonic() + self.cfg.wire.join_timeout_s
         while True:
             self._check(watch)
+            if not self.peers and time.monotonic() > join_deadline:
+                raise RunAborted(
+                    f"no worker said HELLO within {self.cfg.wire.join_timeout_s:.0f} s "
+                    "(wire.join_timeout_s); see RUN_DIR/logs for their output."
+                )
             if self._stop_requested.is_set() and not self._done_sent:
                 stop_reason = "interrupted (Ctrl-C): checkpoint written, resume with --resume"
                 self._send_done("interrupted by the user")
@@ -234,7 +243,13 @@ class ProducerProc:
             if now - last_show >= _SHOW_EVERY_S:
                 self._show()
                 last_show = now
-            if self.peers and all(p.left for p in self.peers.values()):
+            if all(p.left for p in self.peers.values()):
+                if self._lost and not self._done_sent:
+                    if watch is None or watch.alive() == 0:
+                        raise RunAborted("every worker is gone:\n" + "\n".join(self._lost))
+                    continue  # a launched worker is still starting up
+                if not self.peers:
+                    continue
                 if not self._done_sent and not self.scheduler.finished():
                     stop_reason = self._bye_reason or "every worker left"
                 return stop_reason
@@ -245,30 +260,33 @@ class ProducerProc:
         except BadMessage as exc:
             self._note(f"bad message from peer {exc.peer!r}: {exc}")
             if exc.peer is not None:
-                self._send(exc.peer, m.Reject(reason=str(exc)))
+                self.endpoint.reject(exc.peer, str(exc))  # never blocks: the peer may not be reading
             return None
 
     def _hello(self, peer_id: bytes, msg: m.Hello) -> Peer | None:
         if msg.protocol_version != m.PROTOCOL_VERSION:
-            self._send(
-                peer_id,
-                m.Reject(reason=f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}"),
+            self.endpoint.reject(
+                peer_id, f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}"
             )
             return None
         missing = sorted(set(REQUIRED_CAPABILITIES) - set(msg.capabilities))
         if missing:
-            self._send(
-                peer_id, m.Reject(reason=f"worker lacks capabilities {missing}; upgrade dflash-pipe there")
-            )
+            self.endpoint.reject(peer_id, f"worker lacks capabilities {missing}; upgrade dflash-pipe there")
             return None
-        if len(self.peers) >= self.expected_workers:
-            self._send(
-                peer_id,
-                m.Reject(reason=f"this run's drafter group is full ({self.expected_workers} workers)"),
-            )
+        if self._done_sent:
+            self.endpoint.reject(peer_id, "this run is finishing; attach to the next one")
             return None
         peer = Peer(identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid)
         self.peers[peer_id] = peer
+        # Ranks come from the drafters' rendezvous, not from here: WELCOME's rank/world_size are the
+        # arrival order, for logs. Every worker gets the eval set, since any of them may become rank 0.
+        peer.rank = sum(1 for p in self.peers.values() if not p.left) - 1
+        peer.state = "starting"
+        self.endpoint.send(peer.identity, self._welcome(peer, peer.rank + 1, len(self._eval_batches)))
+        for batch in self._eval_batches:
+            self.endpoint.send(peer.identity, batch)
+        if self._step > 0:
+            self._note(f"{peer.name} ({peer.device}) joins the run at step {self._step}")
         return peer
 
     def _welcome(self, peer: Peer, world_size: int, eval_batches: int) -> m.Welcome:
@@ -288,7 +306,8 @@ class ProducerProc:
             block_size=d.block_size,
             drafter=d.to_dict(),
             train=_train_dict(self.cfg),
-            resume_from=str(self.ctx.resume_from) if self.ctx.resume_from else None,
+            resume_from=self._last_checkpoint
+            or (str(self.ctx.resume_from) if self.ctx.resume_from else None),
             heartbeat_s=self.cfg.wire.heartbeat_s,
             peer_timeout_s=self.cfg.wire.peer_timeout_s,
             num_samples=len(self.ctx.train_samples),
@@ -298,13 +317,11 @@ class ProducerProc:
 
     def _handle(self, peer_id: bytes, msg: Any) -> None:
         peer = self.peers.get(peer_id)
-        if peer is None:
-            if not isinstance(msg, m.Hello):
-                self._send(peer_id, m.Reject(reason="say HELLO first"))
-            else:
-                self._send(
-                    peer_id, m.Reject(reason="the run has already started with its full drafter group")
-                )
+        if peer is None or peer.left:
+            if isinstance(msg, m.Hello):
+                self._hello(peer_id, msg)
+            elif not isinstance(msg, (m.Heartbeat, m.Bye, m.Error)):
+                self.endpoint.reject(peer_id, "say HELLO first")
             return
         peer.last_heard = time.monotonic()
         if isinstance(msg, m.Ready):
@@ -323,10 +340,7 @@ class ProducerProc:
         elif isinstance(msg, m.Checkpoint):
             self._last_checkpoint = msg.path
         elif isinstance(msg, m.Error):
-            peer.left = True
-            raise RunAborted(
-                f"worker {peer.name} ({peer.device}, pid {peer.pid}) failed: {msg.message}\n{msg.traceback}"
-            )
+            self._drop(peer, f"failed: {msg.message}\n{msg.traceback}")
         elif isinstance(msg, m.Bye):
             self._bye_reason = self._bye_reason or msg.reason
             peer.left = True
@@ -336,7 +350,9 @@ class ProducerProc:
             self._send(peer_id, m.Reject(reason="already joined"))
 
     def _metrics(self, peer: Peer, msg: m.Metrics) -> None:
-        values = dict(msg.values)
+        values, bad = _checked_metrics(msg.values)
+        if bad:
+            self._note(f"worker {peer.name} sent malformed metrics {bad}; ignored them")
         if "time_to_first_step_s" in values:
             peer.first_step_s = float(values["time_to_first_step_s"])
             values = {f"time_to_first_step_s/{peer.name}": peer.first_step_s}
@@ -410,13 +426,38 @@ class ProducerProc:
         except PeerGoneError:
             peer = self.peers.get(peer_id)
             if peer is not None and not peer.left:
-                raise RunAborted(f"worker {peer.name} ({peer.device}) disconnected") from None
+                self._drop(peer, "disconnected")
 
     # --- watching ----------------------------------------------------------------------------------------
 
-    def _check(self, watch: Callable[[], str | None] | None) -> None:
-        if watch is not None and (problem := watch()) is not None:
-            raise RunAborted(problem)
+    def _check(self, watch: WorkerWatch | None) -> None:
+        if watch is None:
+            return
+        for name, why in watch.newly_failed():
+            peer = next((p for p in self.peers.values() if p.name == name and not p.left), None)
+            if peer is not None:
+                self._drop(peer, why)
+            elif not any(p.name == name for p in self.peers.values()):  # died before its HELLO
+                self._lost.append(f"{name} {why}")
+                self._note(f"warning: {name} {why.splitlines()[0]}")
+
+    def _drop(self, peer: Peer, why: str) -> None:
+        """A worker died or vanished: its leases go back to the queue, the others train on."""
+        peer.left = True
+        peer.state = "lost"
+        released = self.scheduler.release(peer.identity)
+        line = f"worker {peer.name} ({peer.device}, pid {peer.pid}) {why}"
+        self._lost.append(line)
+        first = line.splitlines()[0]
+        self.metrics.log(
+            {
+                "workers_lost": float(len(self._lost)),
+                "released_samples": self.scheduler.stats.released_samples,
+            },
+            self._step,
+        )
+        self._note(f"warning: {first}; {released} leased batch(es) go to the others")
+        self.dashboard.console.print(f"[yellow]warning:[/] {first}; the run goes on without it")
 
     def _heartbeat_all(self) -> None:
         for peer in self.peers.values():
@@ -428,12 +469,13 @@ class ProducerProc:
         if now - self._last_beat >= self.cfg.wire.heartbeat_s:
             self._last_beat = now
             self._heartbeat_all()
-        for peer in self.peers.values():
+        for peer in list(self.peers.values()):
             silent = now - peer.last_heard
             if not peer.left and silent > self.cfg.wire.peer_timeout_s:
-                raise RunAborted(
-                    f"worker {peer.name} ({peer.device}, pid {peer.pid}) has been silent for {silent:.0f} s "
-                    f"(wire.peer_timeout_s = {self.cfg.wire.peer_timeout_s:.0f}); it is probably dead or hung."
+                self._drop(
+                    peer,
+                    f"has been silent for {silent:.0f} s (wire.peer_timeout_s = "
+                    f"{self.cfg.wire.peer_timeout_s:.0f}); it is probably dead or hung",
                 )
 
     def _note(self, text: str) -> None:
@@ -483,6 +525,27 @@ class ProducerProc:
 
 def _train_dict(cfg: Any) -> dict[str, Any]:
     return cfg.to_dict()["train"]
+
+
+LIST_METRICS = frozenset({"acc", "acceptance_per_slot"})
+"""Metrics that are per-slot lists; every other metric is one number."""
+
+
+def _checked_metrics(values: dict) -> tuple[dict, list[str]]:
+    """Keeps well-shaped metrics (numbers, or lists of numbers where a list is expected) and names the rest,
+    so a confused or buggy worker cannot take the producer down with a bad METRICS message."""
+
+    def number(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    good, bad = {}, []
+    for key, value in values.items():
+        ok = isinstance(value, list) and all(map(number, value)) if key in LIST_METRICS else number(value)
+        if ok:
+            good[key] = value
+        else:
+            bad.append(key)
+    return good, bad
 
 
 def _host_of(address: str) -> str:

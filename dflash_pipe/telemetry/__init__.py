@@ -1,6 +1,14 @@
 """Telemetry: metrics sinks, timing spans and the live dashboard (drawn only by the process owning the terminal)."""
 
-from dflash_pipe.telemetry.dashboard import Dashboard, RunState, WorkerRow, sparkline, summary_table
+from dflash_pipe.telemetry.dashboard import (
+    Dashboard,
+    RunState,
+    WorkerRow,
+    latest_per_step,
+    sparkline,
+    summary_table,
+)
+from dflash_pipe.telemetry.gpu import GpuMemoryProbe
 from dflash_pipe.telemetry.metrics import (
     JsonlSink,
     MetricsLogger,
@@ -9,11 +17,13 @@ from dflash_pipe.telemetry.metrics import (
     WandbSink,
     make_logger,
     read_metrics,
+    sink_problem,
 )
 from dflash_pipe.telemetry.spans import RateMeter, SpanStats, SpanSummary, span
 
 __all__ = [
     "Dashboard",
+    "GpuMemoryProbe",
     "JsonlSink",
     "MetricsLogger",
     "MetricsSink",
@@ -24,8 +34,10 @@ __all__ = [
     "TensorBoardSink",
     "WandbSink",
     "WorkerRow",
+    "latest_per_step",
     "make_logger",
     "read_metrics",
+    "sink_problem",
     "span",
     "sparkline",
     "summary_table",

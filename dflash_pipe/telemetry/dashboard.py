@@ -49,7 +49,7 @@ class RunState:
     leased: int = 0  # batches handed out and not yet acked
     workers: list[WorkerRow] = field(default_factory=list)
     loss: float | None = None
-    acc: list[float] = field(default_factory=list)  # per block slot; slot 0 is the anchor (not scored)
+    acc: list[float] = field(default_factory=list)  # per scored block slot 1..bs-1 (as train/loop.py logs it)
     tau: float | None = None  # acceptance length, when evaluated
     lr: float | None = None
     messages: list[str] = field(default_factory=list)  # recent warnings, oldest first
@@ -105,9 +105,9 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _mean_acc(acc: Sequence[float]) -> float | None:
-    """Mean over scored slots (1..); slot 0 is the anchor and always 0."""
-    scored = [a for a in (acc[1:] if len(acc) > 1 else acc) if math.isfinite(a)]
+def _mean_acc(acc: Sequence[float | None]) -> float | None:
+    """Mean over the logged slots: slots 1..bs-1 (the anchor slot 0 is not scored and not logged)."""
+    scored = [a for a in acc if a is not None and math.isfinite(a)]
     return sum(scored) / len(scored) if scored else None
 
 
@@ -255,7 +255,7 @@ class Dashboard:
         learning.add_column("value", justify="right")
         learning.add_column("", no_wrap=True)
         learning.add_row("loss", _fmt(state.loss, ".4f"), sparkline(self._loss_history))
-        scored = state.acc[1:] if len(state.acc) > 1 else state.acc
+        scored = state.acc
         mean_acc = _mean_acc(state.acc)
         learning.add_row(
             "acc (mean, by slot)", _fmt(mean_acc, ".3f"), " ".join(f"{a:.2f}" for a in scored[:8])
@@ -293,8 +293,9 @@ class Dashboard:
 
 
 # -- end-of-run summary -------------------------------------------------------------------------------------
-def _latest_per_step(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """A resumed run re-logs steps after its checkpoint: keep the last record of each step, sorted by step."""
+def latest_per_step(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One merged record per step, sorted by step; a resumed run re-logs steps after its checkpoint and the
+    later values win."""
     by_step: dict[int, dict[str, Any]] = {}
     for row in rows:
         step = row.get("step")
@@ -323,7 +324,7 @@ def summary_table(
     middle and end of the run (so the loss going down is visible), and wall time from the record times."""
     times = [r["time"] for r in rows if isinstance(r.get("time"), int | float)]
     wall = max(times) - min(times) if times else None  # includes any downtime between resumes
-    rows = _latest_per_step(rows)
+    rows = latest_per_step(rows)
     table = Table(title=title, title_justify="left")
     table.add_column("metric")
     for col in ("start", "middle", "end"):

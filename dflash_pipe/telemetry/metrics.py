@@ -12,9 +12,11 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
+
+from dflash_pipe.telemetry.gpu import GpuMemoryProbe
 
 MetricValue: TypeAlias = float | int | list[float]
 Metrics: TypeAlias = Mapping[str, float | int | Sequence[float]]
@@ -179,14 +181,20 @@ class WandbSink:
 
 
 class MetricsLogger:
-    """Fan-out to sinks. Values are validated once; thread-safe (IO threads may log); `close()` is idempotent."""
+    """Fan-out to sinks. Values are validated once; thread-safe (IO threads may log); `close()` is idempotent.
 
-    def __init__(self, sinks: Sequence[MetricsSink]) -> None:
+    ``extra`` (e.g. `GpuMemoryProbe.probe`) is called on every log and its values join the record.
+    """
+
+    def __init__(self, sinks: Sequence[MetricsSink], *, extra: Callable[[], Metrics] | None = None) -> None:
         self.sinks = list(sinks)
+        self._extra = extra
         self._lock = threading.Lock()
         self._closed = False
 
     def log(self, metrics: Metrics, step: int) -> None:
+        if self._extra is not None:
+            metrics = {**self._extra(), **metrics}
         clean = _normalize(metrics, step)
         with self._lock:
             if self._closed:
@@ -215,6 +223,15 @@ class MetricsLogger:
         self.close()
 
 
+def sink_problem(kind: str) -> str | None:
+    """Why the sink ``kind`` cannot be used here (unknown, package missing), or None when it can."""
+    try:
+        _check_available(kind)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _check_available(kind: str) -> None:
     """Fail before any sink is opened, so a bad kind never leaves half-created files behind."""
     if kind not in SINK_KINDS:
@@ -239,11 +256,13 @@ def make_logger(
     config: dict | None = None,
     *,
     wandb_project: str = "dflash-pipe",
+    gpu_devices: Sequence[str] = (),
 ) -> MetricsLogger:
     """Logger for a run dir: `<run_dir>/metrics.jsonl` always, plus `<run_dir>/tensorboard/` and/or W&B.
 
     JSONL is added even when `kinds` omits it: the end-of-run summary and `read_metrics` rely on it.
     `config` goes to W&B (the resolved run config); the W&B run is named after the run dir.
+    `gpu_devices` (``cuda:N``; others are ignored): their memory joins every record (see `GpuMemoryProbe`).
     """
     if isinstance(kinds, str):
         raise ValueError(
@@ -266,7 +285,8 @@ def make_logger(
         for sink in sinks:
             sink.close()
         raise
-    return MetricsLogger(sinks)
+    probe = GpuMemoryProbe(gpu_devices)
+    return MetricsLogger(sinks, extra=probe.probe if probe else None)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -45,7 +45,7 @@ def _state(step: int, loss: float, **kw) -> RunState:
             },
         ],
         loss=loss,
-        acc=[0.0, 0.8, 0.6, 0.4],
+        acc=[0.8, 0.6, 0.4],
         lr=6e-4,
         **kw,
     )
@@ -73,7 +73,7 @@ def test_plain_mode_rate_limited_and_final_line_on_close():
     lines = _lines(buf)
     assert len(lines) == 3 and "step 6/100" in lines[2]  # last state always printed on close
     line = lines[2]
-    assert "loss 4.4000" in line and "acc 0.600" in line  # mean of slots 1..3
+    assert "loss 4.4000" in line and "acc 0.600" in line  # mean of the logged slots 1..3
     assert "tok/s producer 12.3k wire 12.1k drafters 11.9k" in line
     assert "queue 3 leased 8" in line and "workers 1/2 training" in line
     assert "eta 3:08" in line
@@ -147,7 +147,7 @@ def test_summary_table_start_middle_end():
             "step": s,
             "time": 1000.0 + 10 * s,
             "loss": 5.0 - 0.5 * s,
-            "acc": [0.0, 0.1 * s, 0.05 * s],
+            "acc": [0.1 * s, 0.05 * s],
             "tokens_per_s": 1000.0 * s,
         }
         for s in range(1, 6)

@@ -1,0 +1,86 @@
+"""Every recipe in launch/ parses and validates: its config through `launch --dry-run`, its script as written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_pipe.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "launch"
+RUN_CONFIGS = sorted(
+    p for p in LAUNCH.rglob("*") if p.suffix in (".yaml", ".toml") and p.name != "worker.yaml"
+)
+SCRIPTS = sorted([*LAUNCH.rglob("*.sh"), *LAUNCH.rglob("*.sbatch")])
+LAUNCH_SCRIPTS = [p for p in SCRIPTS if p.name != "worker.sh"]
+
+
+def test_the_recipes_are_there():
+    names = {str(p.relative_to(LAUNCH)) for p in [*RUN_CONFIGS, *SCRIPTS]}
+    for name in (
+        "node-8gpu.yaml",
+        "one-gpu.yaml",
+        "cpu-demo.yaml",
+        "two-nodes/producer.yaml",
+        "slurm.sbatch",
+    ):
+        assert name in names, name
+    for script in SCRIPTS:  # each says when to use it
+        head = script.read_text().splitlines()[:6]
+        assert any(line.startswith("#") and "Use" in line for line in head), script
+
+
+@pytest.mark.parametrize("config", RUN_CONFIGS, ids=lambda p: str(p.relative_to(LAUNCH)))
+def test_config_validates_with_dry_run(config: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(
+        main,
+        ["launch", "--config", str(config), "--run-dir", str(run_dir), "--dry-run"],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "nothing was started" in out and f"run dir        {run_dir} (new)" in out
+    assert "resolved config" in out and "workers" in out
+    if "device: cuda" in config.read_text():
+        assert "GPU ids were not checked against this machine (dry run)" in out
+    assert not run_dir.exists()  # a dry run creates nothing
+
+
+def _env() -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)  # the venv's dflash-pipe
+    env = {k: v for k, v in os.environ.items() if k not in ("RUN_DIR", "TARGET_MODEL", "DATA", "RECIPE")}
+    return {**env, "PATH": bin_dir + os.pathsep + env.get("PATH", "")}
+
+
+@pytest.mark.parametrize("script", LAUNCH_SCRIPTS, ids=lambda p: str(p.relative_to(LAUNCH)))
+def test_script_runs_as_written_with_dry_run(script: Path, tmp_path: Path):
+    env = {**_env(), "RUN_DIR": str(tmp_path / "run"), "SLURM_SUBMIT_DIR": str(ROOT)}
+    out = subprocess.run(
+        ["bash", str(script), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "nothing was started" in out.stdout
+    assert str(tmp_path / "run") in out.stdout and not (tmp_path / "run").exists()
+
+
+def test_two_node_worker_recipe_parses(tmp_path: Path):
+    worker = main.commands["worker"]
+    ctx = worker.make_context(
+        "worker", ["--config", str(LAUNCH / "two-nodes" / "worker.yaml"), "--connect", "tcp://node-a:5555"]
+    )
+    assert ctx.params["gpus"] == "0-7" and ctx.params["connect"] == "tcp://node-a:5555"
+    out = subprocess.run(
+        ["bash", str(LAUNCH / "two-nodes" / "worker.sh")],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0 and "set PRODUCER_HOST" in out.stderr
