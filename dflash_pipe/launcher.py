@@ -194,6 +194,10 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.layout.num_workers + 1)))
     else:
         cfg.layout.validate_against(torch.cuda.device_count())
+        if shared := cfg.layout.shared_gpus():
+            console.print(
+                f"[yellow]note:[/] GPUs {shared} host both the target and a drafter worker; they share memory and compute."
+            )
     for key, value in SAFE_GPU_ENV.items():
         os.environ.setdefault(key, value)
     hf_logging.disable_progress_bar()

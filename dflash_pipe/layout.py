@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,7 +70,7 @@ class LayoutConfig:
         return ["cpu"] if self.device == "cpu" else [f"cuda:{i}" for i in self.target_gpus]
 
     def validate_against(self, device_count: int) -> None:
-        """Checks ids exist on this machine; warns when target and drafters share GPUs."""
+        """Checks the GPU ids exist on this machine."""
         if self.device == "cpu":
             return
         if device_count == 0:
@@ -83,9 +82,7 @@ class LayoutConfig:
                     f"{flag}: GPU ids {missing} do not exist; this machine has {device_count} "
                     f"(ids 0-{device_count - 1})."
                 )
-        shared = sorted(set(self.target_gpus) & set(self.drafter_gpus))
-        if shared:
-            warnings.warn(
-                f"GPUs {shared} host both the target and a drafter worker; they will share memory and compute.",
-                stacklevel=2,
-            )
+
+    def shared_gpus(self) -> list[int]:
+        """GPUs hosting both the target and a drafter worker (allowed: they share memory and compute)."""
+        return sorted(set(self.target_gpus) & set(self.drafter_gpus)) if self.device == "cuda" else []

@@ -197,9 +197,7 @@ class Dashboard:
         for msg in state.messages:
             if msg not in self._seen_messages:
                 self._seen_messages[msg] = None
-                self.console.print(
-                    f"[{self.title}] warning: {msg}", markup=False, highlight=False, soft_wrap=True
-                )
+                self.console.print(f"[{self.title}] {msg}", markup=False, highlight=False, soft_wrap=True)
         while len(self._seen_messages) > 1000:  # bounded memory on long runs
             del self._seen_messages[next(iter(self._seen_messages))]
 

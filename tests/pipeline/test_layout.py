@@ -28,12 +28,14 @@ def test_rejects_bad_specs_with_the_flag_name(spec, why):
     assert "--drafter-gpus" in str(err.value)
 
 
-def test_validates_ids_against_the_machine_and_warns_on_overlap():
+def test_validates_ids_against_the_machine_and_reports_overlap():
     layout = LayoutConfig(device="cuda", target_gpus=(0, 1), drafter_gpus=(1, 8))
     with pytest.raises(ValueError, match=r"\[8\] do not exist"):
         layout.validate_against(8)
-    with pytest.warns(UserWarning, match=r"GPUs \[1\]"):
-        LayoutConfig(device="cuda", target_gpus=(0, 1), drafter_gpus=(1,)).validate_against(2)
+    shared = LayoutConfig(device="cuda", target_gpus=(0, 1), drafter_gpus=(1,))
+    shared.validate_against(2)  # sharing is allowed
+    assert shared.shared_gpus() == [1]
+    assert LayoutConfig(device="cpu").shared_gpus() == []
     with pytest.raises(ValueError, match="--device cpu"):
         layout.validate_against(0)
 

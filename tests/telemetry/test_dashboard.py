@@ -81,7 +81,7 @@ def test_plain_mode_rate_limited_and_final_line_on_close():
     assert len(_lines(buf)) == 3
 
 
-def test_plain_mode_close_does_not_repeat_printed_line_and_prints_warnings_at_once():
+def test_plain_mode_close_does_not_repeat_printed_line_and_prints_messages_at_once():
     buf = io.StringIO()
     clock = FakeClock()
     with Dashboard("demo", None, live=False, console=Console(file=buf, width=200), clock=clock) as dash:
@@ -89,11 +89,11 @@ def test_plain_mode_close_does_not_repeat_printed_line_and_prints_warnings_at_on
         clock.t = 1.0
         dash.update(_state(1, 3.0, messages=["worker w2 left", "slow wire"]))
     lines = _lines(buf)
-    assert lines[0] == "[demo] warning: worker w2 left"
+    assert lines[0] == "[demo] worker w2 left"
     assert lines[1].startswith("[demo] step 1 ")  # total_steps None: no "/total"
-    assert lines[2] == "[demo] warning: slow wire"
+    assert lines[2] == "[demo] slow wire"
     assert len(lines) == 4  # the latest state (not printed yet) on close
-    assert sum("warning: worker w2 left" in ln for ln in lines) == 1
+    assert sum("worker w2 left" in ln for ln in lines) == 1
 
 
 def test_live_mode_renders_to_terminal_console():
