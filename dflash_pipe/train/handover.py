@@ -2,8 +2,8 @@
 
 After every rendezvous the most advanced member (highest step; lowest rank on a tie) broadcasts its state
 to all. A worker that just joined thereby starts from the group's weights, not its own; after a member
-died mid-step, a survivor that completed that step and one that did not end up identical again. Nothing is
-pickled: the ledger travels as JSON bytes in a uint8 tensor.
+died mid-step, a survivor that completed that step and one that did not end up identical again. No Python object
+serialisation crosses the group: the ledger travels as JSON bytes in a uint8 tensor.
 """
 
 from __future__ import annotations
