@@ -282,9 +282,12 @@ class ProducerProc:
         # arrival order, for logs. Every worker gets the eval set, since any of them may become rank 0.
         peer.rank = sum(1 for p in self.peers.values() if not p.left) - 1
         peer.state = "starting"
-        self.endpoint.send(peer.identity, self._welcome(peer, peer.rank + 1, len(self._eval_batches)))
+        # Through _send: a peer that hangs up right after its HELLO is dropped, never fatal.
+        self._send(peer.identity, self._welcome(peer, peer.rank + 1, len(self._eval_batches)))
         for batch in self._eval_batches:
-            self.endpoint.send(peer.identity, batch)
+            if peer.left:
+                break
+            self._send(peer.identity, batch)
         if self._step > 0:
             self._note(f"{peer.name} ({peer.device}) joins the run at step {self._step}")
         return peer

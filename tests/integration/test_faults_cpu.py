@@ -18,6 +18,7 @@ import zmq
 
 from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.codec import encode
 from dflash_pipe.wire.transport import WorkerEndpoint
 
 pytestmark = pytest.mark.slow
@@ -122,6 +123,20 @@ def test_bad_handshakes_are_refused_and_ctrl_c_drains_to_a_checkpoint(tmp_path: 
         answer = late.recv(timeout_s=1.0)
     assert isinstance(answer, m.Welcome), answer
     late.close()
+
+    # Peers that say HELLO and hang up at once (before WELCOME and the eval set reach them) are dropped.
+    for i in range(10):
+        rude = ctx.socket(zmq.DEALER)
+        rude.connect(address)
+        hello = m.Hello(worker_name=f"rude{i}", host="test", pid=2, device="cpu", capabilities=["frames"])
+        rude.send_multipart(encode(hello))
+        rude.close(linger=0)
+    metrics = run.run_dir / "metrics.jsonl"
+    steps_before = metrics.read_text().count('"loss"')
+    deadline = time.monotonic() + 60
+    while metrics.read_text().count('"loss"') <= steps_before:
+        assert run.proc.poll() is None and time.monotonic() < deadline, "".join(run.lines)
+        time.sleep(0.5)
 
     # The run is unharmed; Ctrl-C now drains it to a checkpoint and a clean exit.
     run.proc.send_signal(signal.SIGINT)
