@@ -42,7 +42,7 @@ class Kind(enum.IntEnum):
     REJECT = 0x03  # producer -> worker
     READY = 0x04  # worker -> producer
     BATCH = 0x05  # producer -> worker
-    IDLE = 0x06  # producer -> worker
+    # 0x06: unassigned (a worker without a batch simply waits for one; no message is needed)
     ACK = 0x07  # worker -> producer
     METRICS = 0x08  # worker rank 0 -> producer
     CHECKPOINT = 0x09  # worker rank 0 -> producer
@@ -373,12 +373,6 @@ class Batch(Message):
                 f"field 'Batch.tensors.input_ids': shape {tuple(ids.shape)} does not match "
                 f"sum(lengths) = {sum(self.lengths)} (packed [T] expected)"
             )
-
-
-@register(Kind.IDLE)
-@dataclass(kw_only=True, slots=True)
-class Idle(Message):
-    """Nothing to hand out right now (epoch tail); ask again later."""
 
 
 @register(Kind.ACK)

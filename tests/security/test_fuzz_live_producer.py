@@ -58,7 +58,6 @@ def _valid_frames() -> list[list[bytes]]:
         m.Error(source="fuzz", message="boom", traceback="tb"),
         m.Bye(reason="bye"),
         m.Done(reason="done"),
-        m.Idle(),
         m.Reject(reason="no"),
         batch,
     ]

@@ -37,7 +37,7 @@ def test_kind_bytes_are_pinned():
     # Golden: kind bytes are part of the protocol; changing one needs a PROTOCOL_VERSION bump.
     assert PROTOCOL_VERSION == 1
     assert {k.name: k.value for k in Kind} == {
-        "HELLO": 1, "WELCOME": 2, "REJECT": 3, "READY": 4, "BATCH": 5, "IDLE": 6, "ACK": 7,
+        "HELLO": 1, "WELCOME": 2, "REJECT": 3, "READY": 4, "BATCH": 5, "ACK": 7,
         "METRICS": 8, "CHECKPOINT": 9, "HEARTBEAT": 10, "ERROR": 11, "DONE": 12, "BYE": 13,
     }  # fmt: skip
 
@@ -54,7 +54,6 @@ def test_field_names_are_pinned():
         "REJECT": ["reason"],
         "READY": ["credits"],
         "BATCH": ["batch_id", "epoch", "sample_ids", "lengths", "tensors", "for_eval"],
-        "IDLE": [],
         "ACK": ["batch_ids", "step"],
         "METRICS": ["step", "values"],
         "CHECKPOINT": ["step", "path"],
