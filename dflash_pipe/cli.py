@@ -133,6 +133,11 @@ def main() -> None:
     help="Seconds of silence after which a worker or the producer is declared dead (default 120).",
 )
 @click.option(
+    "--reconnect-timeout",
+    type=float,
+    help="Seconds the launched workers keep retrying a lost producer, waiting for --resume (default 300).",
+)
+@click.option(
     "--log",
     multiple=True,
     metavar="SINK",

@@ -56,6 +56,8 @@ class WireConfig:
     """A peer silent this long is declared dead (covers a cold torch.compile)."""
     join_timeout_s: float = 600.0
     """How long the producer waits for all launched workers to say HELLO."""
+    reconnect_timeout_s: float = 300.0
+    """How long a launched worker keeps retrying the producer's address after losing it (for --resume)."""
 
     def __post_init__(self) -> None:
         from dflash_pipe.wire.transport import require_keys_for
@@ -65,6 +67,10 @@ class WireConfig:
         require_keys_for(self.bind, self.keys)
         if self.ready_batches < 1 or self.worker_credits < 1:
             raise ValueError("wire.ready_batches and wire.worker_credits must be >= 1.")
+        if self.reconnect_timeout_s < 0:
+            raise ValueError(
+                f"wire.reconnect_timeout_s must be >= 0 (0: exit at once), got {self.reconnect_timeout_s}."
+            )
         if not 0 < self.heartbeat_s < self.peer_timeout_s:
             raise ValueError(
                 f"wire.heartbeat_s ({self.heartbeat_s}) must be > 0 and below wire.peer_timeout_s "

@@ -42,6 +42,7 @@ FLAG_FIELDS: dict[str, str] = {
     "bind": "wire.bind",
     "keys": "wire.keys",
     "peer_timeout": "wire.peer_timeout_s",
+    "reconnect_timeout": "wire.reconnect_timeout_s",
     "eval_samples": "eval_samples",
     "log": "log",
     "device": "layout.device",
@@ -65,6 +66,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 RESUME_OVERRIDES = {
     "keys",
     "peer_timeout",
+    "reconnect_timeout",
     "max_steps",
     "device",
     "target_gpus",
@@ -148,6 +150,9 @@ def _resume_config(given: dict[str, Any]) -> RunConfig:
         cfg.train.__post_init__()
     if "peer_timeout" in given:
         cfg.wire.peer_timeout_s = given["peer_timeout"]
+        cfg.wire.__post_init__()
+    if "reconnect_timeout" in given:
+        cfg.wire.reconnect_timeout_s = given["reconnect_timeout"]
         cfg.wire.__post_init__()
     if "keys" in given:
         cfg.wire.keys = given["keys"]

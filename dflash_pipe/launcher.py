@@ -82,23 +82,19 @@ class WorkerPool:
                 env["OMP_NUM_THREADS"] = str(max(1, cpus // (len(devices) + 1)))
             log_path = logs / f"{name}.log"
             log = open(log_path, "ab")  # noqa: SIM115 -- held open for the child; closed in stop()
-            cmd = [
-                sys.executable,
-                "-m",
-                "dflash_pipe",
-                "worker",
-                "--connect",
-                self.address,
-                "--device",
-                device,
-            ]
-            cmd += ["--name", name]
-            if self.cfg.wire.keys is not None:
-                cmd += ["--keys", str(self.cfg.wire.keys)]
+            cmd = self.worker_command(name, device)
             proc = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
             self.workers.append(WorkerProcess(name, device, proc, log_path, log))
+
+    def worker_command(self, name: str, device: str) -> list[str]:
+        """The `dflash-pipe worker` command line of one launched worker (the same command users run)."""
+        cmd = [sys.executable, "-m", "dflash_pipe", "worker", "--connect", self.address, "--device", device]
+        cmd += ["--name", name, "--reconnect-timeout", str(self.cfg.wire.reconnect_timeout_s)]
+        if self.cfg.wire.keys is not None:
+            cmd += ["--keys", str(self.cfg.wire.keys)]
+        return cmd
 
     def records(self) -> list[dict]:
         """For RUN_DIR/producer.json: which worker processes serve this run."""

@@ -45,3 +45,18 @@ def test_resume_refuses_flags_that_cannot_change(tmp_path: Path):
         build_run_config({"resume_dir": tmp_path, "lr": 1e-3})
     resumed, resume = build_run_config({"resume_dir": tmp_path, "max_steps": 50})
     assert resume and resumed.train.max_steps == 50
+
+
+def test_reconnect_timeout_reaches_the_launched_workers(tmp_path: Path):
+    from dflash_pipe.launcher import WorkerPool
+
+    cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu", "reconnect_timeout": 42.0})
+    assert cfg.wire.reconnect_timeout_s == 42.0
+    cfg.save(tmp_path / "config.json")
+    resumed, _ = build_run_config({"resume_dir": tmp_path, "reconnect_timeout": 7.0})
+    assert resumed.wire.reconnect_timeout_s == 7.0
+    with pytest.raises(ValueError, match="reconnect_timeout_s"):
+        build_run_config({"run_dir": tmp_path / "x", "device": "cpu", "reconnect_timeout": -1.0})
+    cmd = WorkerPool(cfg, "tcp://127.0.0.1:5555").worker_command("worker0", "cpu")
+    assert cmd[cmd.index("--reconnect-timeout") + 1] == "42.0"
+    assert cmd[cmd.index("--connect") + 1] == "tcp://127.0.0.1:5555"
