@@ -145,24 +145,12 @@ def _resume_config(given: dict[str, Any]) -> RunConfig:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
         raise ValueError(f"--resume uses the run's saved config; {flags} cannot change on resume.")
     cfg = load_run_config(Path(given["resume_dir"]))
-    if "max_steps" in given:
-        cfg.train.max_steps = given["max_steps"]
-        cfg.train.__post_init__()
-    if "peer_timeout" in given:
-        cfg.wire.peer_timeout_s = given["peer_timeout"]
-        cfg.wire.__post_init__()
-    if "reconnect_timeout" in given:
-        cfg.wire.reconnect_timeout_s = given["reconnect_timeout"]
-        cfg.wire.__post_init__()
-    if "keys" in given:
-        cfg.wire.keys = given["keys"]
-        cfg.wire.__post_init__()
-    if "epochs" in given:
-        cfg.train.epochs = given["epochs"]
-        cfg.train.__post_init__()
-    if "log" in given:
-        cfg.log = _flag_value("log", given["log"])
-        cfg.__post_init__()
+    values = cfg.to_dict()
+    for option, value in given.items():  # the allowed overrides, set and validated like a fresh config
+        path = FLAG_FIELDS.get(option, "")
+        if path and not path.startswith("layout."):
+            _set(values, path, _flag_value(option, value))
+    cfg = RunConfig.from_dict(values)
     if any(FLAG_FIELDS.get(k, "").startswith("layout.") for k in given):
         saved = {} if "device" in given else _layout_dict(cfg.layout)
         cfg.layout = _layout(saved, given)
