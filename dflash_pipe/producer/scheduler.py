@@ -29,6 +29,8 @@ class ReadyBatch:
     plan: PlannedBatch
     payload: Any
     tokens: int
+    slot: Any = None
+    """The ``HostSlot`` the payload's bytes live in, if any: released when the batch is ACKed."""
 
 
 @dataclass(slots=True)
@@ -111,6 +113,8 @@ class BatchScheduler:
                 self.stats.unknown_acks += 1
                 continue
             del self._leases[batch_id]
+            if lease.batch.slot is not None:
+                lease.batch.slot.release()
             self._outstanding -= 1
             self.stats.acked += 1
             self.stats.acked_tokens += lease.batch.tokens
