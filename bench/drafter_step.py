@@ -35,6 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="flex,sdpa")
     p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke test)")
     p.add_argument("--skip-cold", action="store_true", help="skip the cold/warm compile subprocesses")
+    p.add_argument(
+        "--compile-parts",
+        default="attention",
+        choices=["attention", "pointwise", "layers"],
+        help="what torch.compile covers: attention only (the product default), + norms/MLP/RoPE, whole layers",
+    )
+    p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table per backend")
     p.add_argument("--first-step-only", default=None, help=argparse.SUPPRESS)  # child mode: backend name
     return p.parse_args(argv)
 
@@ -91,12 +98,30 @@ def build(sh: dict, args: argparse.Namespace, backend: str, device, dtype, seed:
     head = nn.Linear(sh["hidden"], sh["vocab"], bias=False, device=device, dtype=dtype)
     nn.init.normal_(head.weight, std=0.02)
     model = DFlashDrafter(cfg, embed, head).to(device=device, dtype=dtype)
+    compile_parts(model, args.compile_parts)
     g = torch.Generator().manual_seed(seed)
     b, s = args.batch, sh["context"]
     ids = torch.randint(0, sh["vocab"] - 1, (b, s), generator=g).to(device)
     feats = (torch.randn(b, s, cfg.feature_size, generator=g) * 0.5).to(device=device, dtype=dtype)
     loss_mask = torch.ones(b, s, dtype=torch.bool, device=device)
     return model, (ids, feats, loss_mask)
+
+
+def compile_parts(model, parts: str) -> None:
+    """Experiment: let Inductor fuse more than attention (module.compile is in place, public API)."""
+    if parts == "attention":
+        return
+    for layer in model.layers:
+        if parts == "layers":
+            layer.compile(dynamic=True)
+            continue
+        for mod in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            mod.compile(dynamic=True)
+        layer.self_attn.q_norm.compile(dynamic=True)
+        layer.self_attn.k_norm.compile(dynamic=True)
+    if parts == "pointwise":
+        model.norm.compile(dynamic=True)
+        model.hidden_norm.compile(dynamic=True)
 
 
 def sync(device) -> None:
@@ -228,6 +253,15 @@ def measure(args, sh, backend, device, dtype) -> dict:
         sync(device)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(model, opt, inputs, seed=999)
+            sync(device)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"profile_{backend}_{args.compile_parts}.txt").write_text(table)
     res = {
         "step_s_median": med,
         "step_s_all": times,
