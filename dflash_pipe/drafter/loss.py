@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,31 +78,62 @@ def _ce_chunk(hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor
     return (ce * weights).sum(), correct
 
 
+def _grad_terms(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's weighted CE sum, argmax hits and d(loss)/d(logits) = (softmax - onehot) * w.
+
+    logits [r, V] in the head dtype. Written functionally so Inductor fuses it into a couple of passes
+    over the logits (eager needs about ten full fp32 passes); see ``_fused_grad_terms``.
+    """
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)  # [r]
+    picked = lf.gather(1, labels[:, None]).squeeze(1)  # [r]
+    loss = ((lse - picked) * weights).sum()
+    correct = lf.argmax(dim=-1) == labels
+    cols = torch.arange(lf.shape[1], device=lf.device)
+    probs = torch.exp(lf - lse[:, None])
+    dlogits = torch.where(cols[None, :] == labels[:, None], probs - 1.0, probs) * weights[:, None]
+    return loss, correct, dlogits.to(logits.dtype)
+
+
+@functools.cache
+def _fused_grad_terms():
+    return torch.compile(_grad_terms, dynamic=True)
+
+
+def _eager_grad_terms(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Same as ``_grad_terms`` with the fp32 logits reused in place (eager peak memory: one fp32 copy)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)  # [r]
+    picked = lf.gather(1, labels[:, None]).squeeze(1)  # [r]
+    loss = ((lse - picked) * weights).sum()
+    correct = lf.argmax(dim=-1) == labels
+    probs = lf.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+    probs.scatter_add_(1, labels[:, None], probs.new_full((probs.shape[0], 1), -1.0))
+    probs.mul_(weights[:, None])
+    return loss, correct, probs.to(logits.dtype)
+
+
 class _FrozenHeadCE(torch.autograd.Function):
     """Weighted CE through a frozen LM head, one chunk of rows at a time.
 
     The head is frozen, so the only gradient needed is d(loss)/d(hidden) = ((softmax - onehot) * w) @ W.
     The forward computes it chunk by chunk while that chunk's logits are live and keeps only the [R, H]
     result: two matmuls per chunk instead of the three of a checkpointed recompute, and never more than
-    one chunk of [r, V] logits in memory.
+    one chunk of [r, V] logits in memory. On CUDA the softmax/CE terms run as one compiled (fused) kernel.
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor, chunk: int):
+        terms = _fused_grad_terms() if hidden.is_cuda else _eager_grad_terms
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
-            logits = F.linear(hidden[sl].to(lm_weight.dtype), lm_weight).float()  # [r, V]
-            lse = torch.logsumexp(logits, dim=-1)  # [r]
-            picked = logits.gather(1, labels[sl, None]).squeeze(1)  # [r]
-            total += ((lse - picked) * weights[sl]).sum()
-            correct[sl] = logits.argmax(dim=-1) == labels[sl]
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            probs.scatter_add_(1, labels[sl, None], probs.new_full((probs.shape[0], 1), -1.0))
-            probs.mul_(weights[sl, None])
-            grad[sl] = (probs.to(lm_weight.dtype) @ lm_weight).to(hidden.dtype)  # [r, H]
+            logits = F.linear(hidden[sl].to(lm_weight.dtype), lm_weight)  # [r, V]
+            part, correct[sl], dlogits = terms(logits, labels[sl], weights[sl])
+            total += part
+            grad[sl] = (dlogits @ lm_weight).to(hidden.dtype)  # [r, H]
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
         return total, correct
