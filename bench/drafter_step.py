@@ -37,9 +37,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-cold", action="store_true", help="skip the cold/warm compile subprocesses")
     p.add_argument(
         "--compile-parts",
-        default="attention",
+        default="layers",
         choices=["attention", "pointwise", "layers"],
-        help="what torch.compile covers: attention only (the product default), + norms/MLP/RoPE, whole layers",
+        help="what torch.compile covers: attention only, + norms/MLP, whole layers (the product default)",
+    )
+    p.add_argument(
+        "--vary-shapes",
+        type=int,
+        default=0,
+        help="then N steps at random context lengths and anchor counts: a recompile shows as a slow step",
     )
     p.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table per backend")
     p.add_argument("--first-step-only", default=None, help=argparse.SUPPRESS)  # child mode: backend name
@@ -97,7 +103,9 @@ def build(sh: dict, args: argparse.Namespace, backend: str, device, dtype, seed:
     embed = nn.Embedding(sh["vocab"], sh["hidden"], device=device, dtype=dtype)
     head = nn.Linear(sh["hidden"], sh["vocab"], bias=False, device=device, dtype=dtype)
     nn.init.normal_(head.weight, std=0.02)
-    model = DFlashDrafter(cfg, embed, head).to(device=device, dtype=dtype)
+    model = DFlashDrafter(cfg, embed, head, compile_layers=args.compile_parts == "layers").to(
+        device=device, dtype=dtype
+    )
     compile_parts(model, args.compile_parts)
     g = torch.Generator().manual_seed(seed)
     b, s = args.batch, sh["context"]
@@ -109,19 +117,15 @@ def build(sh: dict, args: argparse.Namespace, backend: str, device, dtype, seed:
 
 def compile_parts(model, parts: str) -> None:
     """Experiment: let Inductor fuse more than attention (module.compile is in place, public API)."""
-    if parts == "attention":
-        return
+    if parts != "pointwise":
+        return  # "layers": the model compiles them itself (DFlashDrafter.compile_layers)
     for layer in model.layers:
-        if parts == "layers":
-            layer.compile(dynamic=True)
-            continue
         for mod in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
             mod.compile(dynamic=True)
         layer.self_attn.q_norm.compile(dynamic=True)
         layer.self_attn.k_norm.compile(dynamic=True)
-    if parts == "pointwise":
-        model.norm.compile(dynamic=True)
-        model.hidden_norm.compile(dynamic=True)
+    model.norm.compile(dynamic=True)
+    model.hidden_norm.compile(dynamic=True)
 
 
 def sync(device) -> None:
@@ -193,7 +197,7 @@ def first_step(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, inputs = build(shapes(args), args, args.first_step_only, device, dtype)
-    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     sync(device)
     t0 = time.perf_counter()
     step(model, opt, inputs, seed=0)
@@ -221,6 +225,8 @@ def cold_warm(args: argparse.Namespace, backend: str) -> dict:
         str(args.batch),
         "--block-size",
         str(args.block_size),
+        "--compile-parts",
+        args.compile_parts,
     ] + (["--quick"] if args.quick else [])
     result = {"cache_dir": cache}
     for label in ("cold", "warm"):
@@ -239,7 +245,7 @@ def measure(args, sh, backend, device, dtype) -> dict:
     import torch
 
     model, inputs = build(sh, args, backend, device, dtype)
-    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     flops = count_flops(model, inputs)
     for i in range(args.warmup):
         step(model, opt, inputs, seed=i)
@@ -253,15 +259,6 @@ def measure(args, sh, backend, device, dtype) -> dict:
         sync(device)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step(model, opt, inputs, seed=999)
-            sync(device)
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"profile_{backend}_{args.compile_parts}.txt").write_text(table)
     res = {
         "step_s_median": med,
         "step_s_all": times,
@@ -272,7 +269,40 @@ def measure(args, sh, backend, device, dtype) -> dict:
     if device.type == "cuda":
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         res["mfu"] = res["tflops_per_s"] / PEAK_TFLOPS
+    if args.vary_shapes:
+        res["varying_shapes"] = vary_shapes(model, opt, sh, args, device, dtype)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(model, opt, inputs, seed=999)
+            sync(device)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"profile_{backend}_{args.compile_parts}.txt").write_text(table)
     return res
+
+
+def vary_shapes(model, opt, sh, args, device, dtype) -> list[dict]:
+    """Training on ever-new (context, anchor count) shapes must not recompile each step."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for i in range(args.vary_shapes):
+        s = int(torch.randint(256, sh["context"] + 1, (1,), generator=g))
+        model.cfg.max_anchors = int(torch.randint(16, sh["anchors"] + 1, (1,), generator=g))
+        ids = torch.randint(0, sh["vocab"] - 1, (args.batch, s), generator=g).to(device)
+        feats = torch.randn(args.batch, s, model.cfg.feature_size, generator=g).to(device=device, dtype=dtype)
+        mask = torch.ones(args.batch, s, dtype=torch.bool, device=device)
+        sync(device)
+        t0 = time.perf_counter()
+        step(model, opt, (ids, feats, mask), seed=200 + i)
+        sync(device)
+        rows.append({"context": s, "anchors": model.cfg.max_anchors, "step_s": time.perf_counter() - t0})
+        print(f"  shape {s} x {model.cfg.max_anchors}: {rows[-1]['step_s'] * 1e3:.0f} ms", file=sys.stderr)
+    model.cfg.max_anchors = sh["anchors"]
+    return rows
 
 
 def equality(args, sh, backends, device, dtype) -> dict:
@@ -337,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
         "shapes": sh,
         "dtype": str(dtype),
-        "optimizer": "torch AdamW, state in param dtype",
+        "optimizer": "torch AdamW (fused on CUDA), state in param dtype",
         "device": str(device),
         "results": {},
     }

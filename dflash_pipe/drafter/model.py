@@ -181,8 +181,12 @@ class DFlashDrafter(nn.Module):
         lm_head: nn.Linear,
         *,
         compile_attention: bool | None = None,
+        compile_layers: bool | None = None,
         ce_chunk: int = DEFAULT_CE_CHUNK,
     ) -> None:
+        """``compile_attention``: torch.compile the flex mask and kernel (None: on CUDA).
+        ``compile_layers``: also compile each decoder layer whole, so Inductor fuses the norms, RoPE and
+        SwiGLU around the matmuls (None: whenever attention is compiled; 15% faster steps on the H200)."""
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -194,6 +198,8 @@ class DFlashDrafter(nn.Module):
         # a tuple keeps the frozen target parts out of the module tree (state_dict, .parameters(), .to()).
         self._target_parts = (embed_tokens, lm_head)
         self.compile_attention = compile_attention  # None = compile on CUDA
+        self.compile_layers = compile_layers
+        self._layers_compiled = False
         self.ce_chunk = ce_chunk
         # fp32 angles on purpose: a plain attribute, so model.to(bfloat16) cannot round it.
         self.inv_freq = rope_inv_freq(cfg)
@@ -222,6 +228,17 @@ class DFlashDrafter(nn.Module):
         if self.cfg.attention_backend != "auto":
             return self.cfg.attention_backend
         return "flex" if device.type == "cuda" else "sdpa"
+
+    def _compiles_attention(self, device: torch.device) -> bool:
+        return self.compile_attention if self.compile_attention is not None else device.type == "cuda"
+
+    def _compile_layers_once(self, device: torch.device) -> None:
+        """In place (``Module.compile``), so parameter names and ``state_dict()`` keys do not change."""
+        wanted = self.compile_layers if self.compile_layers is not None else self._compiles_attention(device)
+        if wanted and not self._layers_compiled:
+            for layer in self.layers:
+                layer.compile(dynamic=True)
+            self._layers_compiled = True
 
     def block_hidden(self, input_ids: Tensor, features: Tensor, anchors: Tensor, valid: Tensor) -> Tensor:
         """Final-norm hidden states of every block slot: [B, N, bs, H].
@@ -253,12 +270,13 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(self.inv_freq, q_pos, dtype)
         rope_k = rope_cos_sin(self.inv_freq, k_pos, dtype)
         if backend == "flex":
-            compile = self.compile_attention if self.compile_attention is not None else device.type == "cuda"
+            compile = self._compiles_attention(device)
             attend = flex_attend(
                 flex_block_mask(anchors, valid, seq_len, bs, compile=compile), compile=compile
             )
         else:
             attend = sdpa_attend(dense_mask(anchors, valid, seq_len, bs))
+        self._compile_layers_once(device)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, attend)
         return self.norm(x).view(bsz, n_pad, bs, -1)[:, :n]

@@ -73,3 +73,23 @@ def test_blocks_are_independent_and_padded_slots_are_harmless() -> None:
     )
     assert torch.allclose(one[:, 0], many[:, 1], atol=1e-5)
     assert torch.isfinite(many).all()  # the padded slot sees its own block: no NaN row
+
+
+def test_compiled_layers_keep_names_and_match_eager() -> None:
+    """compile_layers compiles in place: same state_dict keys, same loss and gradients (SDPA on CPU)."""
+    cfg = dataclasses.replace(tiny_config(block_size=4, max_anchors=5), attention_backend="sdpa")
+    eager = tiny_drafter(cfg)
+    compiled = tiny_drafter(cfg)
+    compiled.compile_layers = True
+    ids, feats, loss_mask = _inputs(cfg)
+    losses, grads = [], []
+    for model in (eager, compiled):
+        out = model(ids, feats, loss_mask, generator=torch.Generator().manual_seed(4))
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert compiled._layers_compiled and not eager._layers_compiled
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    torch.testing.assert_close(losses[1], losses[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
