@@ -27,6 +27,9 @@ from .masks import (
     training_eligible,
 )
 
+RECOMPILE_LIMIT = 64
+"""Dynamo recompile limit while drafter layers are compiled (see ``DFlashDrafter._compile_layers_once``)."""
+
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B,Hq,Q,D], k, v [B,Hkv,K,D]) -> [B,Hq,Q,D]
 
 
@@ -236,6 +239,11 @@ class DFlashDrafter(nn.Module):
         """In place (``Module.compile``), so parameter names and ``state_dict()`` keys do not change."""
         wanted = self.compile_layers if self.compile_layers is not None else self._compiles_attention(device)
         if wanted and not self._layers_compiled:
+            # One compiled code object serves every layer; variants (first layer's input has no grad,
+            # training vs eval, a few shape recompiles) would exceed Dynamo's default limit of 8 and
+            # silently fall back to eager. Dynamo config is per thread on torch >= 2.12: threaded mode
+            # applies it in each of its threads as well.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             for layer in self.layers:
                 layer.compile(dynamic=True)
             self._layers_compiled = True
