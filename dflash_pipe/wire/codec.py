@@ -343,7 +343,7 @@ def decode(
     entries = [_check_entry(e, i) for i, e in enumerate(table)]
     total, used = 0, 0
     owner: dict[int, str] = {}
-    for name, _dtype, shape, loc, nbytes in entries:
+    for name, dtype, shape, loc, nbytes in entries:
         total += nbytes
         if total > max_tensor_bytes:
             raise ProtocolError(
@@ -357,7 +357,7 @@ def decode(
                 )
             continue
         if isinstance(loc, dict):
-            _check_ring_loc(name, loc, nbytes, ring)
+            _check_ring_loc(name, loc, nbytes, dtype.itemsize, ring)
             continue
         first, count = (loc, 1) if isinstance(loc, int) else loc
         if not (first >= 1 and first + count <= len(views)):
@@ -396,7 +396,7 @@ def decode(
     return cls(**fields)  # __post_init__ validates every field and raises ProtocolError
 
 
-def _check_ring_loc(name: str, loc: dict, nbytes: int, ring: SharedRing | None) -> None:
+def _check_ring_loc(name: str, loc: dict, nbytes: int, itemsize: int, ring: SharedRing | None) -> None:
     if ring is None:
         raise ProtocolError(f"tensor {name!r} names ring slot {loc['s']}, but this peer mapped no ring")
     if loc["s"] >= ring.slots:
@@ -405,5 +405,5 @@ def _check_ring_loc(name: str, loc: dict, nbytes: int, ring: SharedRing | None) 
         raise ProtocolError(
             f"tensor {name!r}: {nbytes} bytes at offset {loc['o']} overrun a {ring.slot_bytes}-byte ring slot"
         )
-    if loc["o"] % 64:
-        raise ProtocolError(f"tensor {name!r}: ring offset {loc['o']} is not 64-byte aligned")
+    if loc["o"] % itemsize:
+        raise ProtocolError(f"tensor {name!r}: ring offset {loc['o']} is not aligned to {itemsize} bytes")
