@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgpack
+import numpy as np
 import torch
 
 from dflash_pipe.wire.errors import ProtocolError, ProtocolVersionError
@@ -274,10 +275,10 @@ def _to_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: list[int]) ->
 def _gather(views: list[memoryview], first: int, count: int, nbytes: int, alloc: Alloc) -> torch.Tensor:
     """One buffer holding frames first..first+count-1 back to back (one copy per byte)."""
     out = alloc(nbytes)
+    dst = out.numpy()  # numpy copies from read-only buffers too (torch.frombuffer would warn)
     at = 0
     for view in views[first : first + count]:
-        if view.nbytes:
-            out[at : at + view.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
+        dst[at : at + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
         at += view.nbytes
     return out
 
