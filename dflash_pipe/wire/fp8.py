@@ -60,3 +60,24 @@ def error_bound(features: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     x = features.reshape(t, k, width // k).float().abs()
     bound = torch.maximum(x * _REL_ERR, scales[..., None] * _SUB_ERR)
     return (bound * (1 + 1e-6)).reshape(t, width)  # fp32 rounding of the division and the product
+
+
+def wire_features(features: torch.Tensor, num_layers: int, wire_dtype: str) -> dict[str, torch.Tensor]:
+    """The BATCH tensors that carry ``features`` [T, k*H] in ``wire_dtype`` ("bf16": as they are; "fp8":
+    "features" in e4m3 plus "feature_scales" [T, k]), still on the features' device."""
+    if wire_dtype == "bf16":
+        return {"features": features}
+    if wire_dtype == "fp8":
+        values, scales = quantise(features, num_layers)
+        return {"features": values, "feature_scales": scales}
+    raise ValueError(f"wire dtype {wire_dtype!r} is not one of bf16, fp8")
+
+
+def read_features(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``wire_features`` on the worker (after the host-to-device copy): [T, k*H] features."""
+    feats = tensors["features"]
+    if feats.dtype != FP8:
+        return feats
+    if "feature_scales" not in tensors:
+        raise ValueError("BATCH carries fp8 features without 'feature_scales'; producer and worker disagree")
+    return dequantise(feats, tensors["feature_scales"], dtype)
