@@ -64,7 +64,7 @@ class WireConfig:
     payload_path: Literal["auto", "socket", "shm"] = "auto"
     """How BATCH payloads travel: "socket" as frames; "shm" through a shared-memory ring (same-host workers
     only; others are refused); "auto": the ring for same-host workers, frames for the rest."""
-    frame_bytes: int = 2 << 20
+    frame_bytes: int = 1 << 20
     """Frame size for tensors sent on the socket (measured fastest by `dflash-pipe bench transport`)."""
 
     def __post_init__(self) -> None:
@@ -78,7 +78,7 @@ class WireConfig:
         if self.frame_bytes < MIN_FRAME_BYTES:
             raise ValueError(
                 f"wire.frame_bytes must be >= {MIN_FRAME_BYTES} (64 KiB), got {self.frame_bytes}; "
-                "the default (2 MiB) is the fastest measured."
+                "the default (1 MiB) is the fastest measured."
             )
 
         if self.keys is not None:

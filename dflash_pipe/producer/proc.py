@@ -147,6 +147,8 @@ class ProducerProc:
         self._lost: list[str] = []
         """One line per worker that died or vanished (the run went on without it)."""
         self.ring = self._make_ring()
+        self._sent_by_ref = 0
+        """BATCHes whose features went through the ring (a slot reference) instead of socket frames."""
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -443,6 +445,7 @@ class ProducerProc:
             values.update(self._stage_rates())
             values["queue_depth"] = self.scheduler.ready_count()
             values["leased"] = self.scheduler.leased_count()
+            values["batches_via_shm"] = self._sent_by_ref
         if "tau" in values:
             self._state.tau = float(values["tau"])
         self.metrics.log(values, msg.step)
@@ -491,6 +494,7 @@ class ProducerProc:
                 if batch is None:
                     return
                 self._send(peer.identity, batch.payload, shm=peer.shm)
+                self._sent_by_ref += peer.shm and batch.slot is not None and batch.slot.slot_id is not None
                 peer.credits -= 1
                 self.wire_rate.add(batch.tokens)
 

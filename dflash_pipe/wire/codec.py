@@ -21,8 +21,8 @@ Zero-copy rules:
   buffers, so the socket path stays zero-copy. Callers `.clone()` or copy to device what they keep.
 - A raw frame whose address is not aligned to the element size is copied (torch kernels assume alignment).
 - A tensor sent in several frames is reassembled by copying each frame into its slice of one buffer from
-  `alloc` (pinned host memory on a CUDA worker, so the host-to-device copy that follows is async): one
-  copy, as a single frame's tensor would cost on its way to the device anyway.
+  `alloc` (pinned host memory on a CUDA worker, so the host-to-device copy that follows is async; or a
+  device tensor, which then receives each frame straight from the zmq buffer): one copy per byte.
 - A tensor in a ring slot is a view of the shared mapping, valid until the batch is ACKed (the producer
   reuses the slot after that): copy it to the device before acknowledging.
 
@@ -84,7 +84,7 @@ _HEADER_KEYS = frozenset("vkft")
 
 Frame = bytes | bytearray | memoryview  # or anything with the buffer protocol (zmq.Frame)
 Alloc = Callable[[int], torch.Tensor]
-"""nbytes -> a uint8 host tensor of that many bytes (where a multi-frame tensor is reassembled)."""
+"""nbytes -> a uint8 tensor of that many bytes (host or device) where a multi-frame tensor is reassembled."""
 
 
 class SharedRing(Protocol):
@@ -275,10 +275,16 @@ def _to_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: list[int]) ->
 def _gather(views: list[memoryview], first: int, count: int, nbytes: int, alloc: Alloc) -> torch.Tensor:
     """One buffer holding frames first..first+count-1 back to back (one copy per byte)."""
     out = alloc(nbytes)
-    dst = out.numpy()  # numpy copies from read-only buffers too (torch.frombuffer would warn)
     at = 0
-    for view in views[first : first + count]:
-        dst[at : at + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+    if out.device.type == "cpu":
+        dst = out.numpy()  # numpy copies from read-only buffers too (torch.frombuffer would warn)
+        for view in views[first : first + count]:
+            dst[at : at + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+            at += view.nbytes
+        return out
+    for view in views[first : first + count]:  # straight into the device tensor, frame by frame
+        if view.nbytes:
+            out[at : at + view.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
         at += view.nbytes
     return out
 

@@ -47,7 +47,7 @@ from dflash_pipe.wire.errors import BadMessage, PeerGoneError, ProtocolError, Se
 from dflash_pipe.wire.messages import Message, Reject
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:0"
-DEFAULT_FRAME_BYTES = 2 << 20
+DEFAULT_FRAME_BYTES = 1 << 20
 """Frame size for large tensors: the fastest measured by `dflash-pipe bench transport` (docs/performance.md)."""
 _HWM = 128  # messages per peer; credit-based flow keeps far fewer in flight
 _HEARTBEAT_IVL_MS = 5_000
