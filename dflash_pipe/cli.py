@@ -138,6 +138,16 @@ def main() -> None:
     help="Seconds the launched workers keep retrying a lost producer, waiting for --resume (default 300).",
 )
 @click.option(
+    "--wire-dtype",
+    type=click.Choice(["bf16", "fp8"]),
+    help="Features on the wire: bf16 (the target's dtype) or fp8 (e4m3 + a scale per token and layer).",
+)
+@click.option(
+    "--payload-path",
+    type=click.Choice(["auto", "socket", "shm"]),
+    help="auto: shared memory for same-host workers, frames for the rest (default); socket; shm only.",
+)
+@click.option(
     "--log",
     multiple=True,
     metavar="SINK",

@@ -58,9 +58,28 @@ class WireConfig:
     """How long the producer waits for all launched workers to say HELLO."""
     reconnect_timeout_s: float = 300.0
     """How long a launched worker keeps retrying the producer's address after losing it (for --resume)."""
+    wire_dtype: Literal["bf16", "fp8"] = "bf16"
+    """Features on the wire: "bf16" keeps the target's dtype; "fp8" sends float8_e4m3fn with one fp32 scale
+    per token and layer (about half the bytes of bf16), dequantised on the worker's device."""
+    payload_path: Literal["auto", "socket", "shm"] = "auto"
+    """How BATCH payloads travel: "socket" as frames; "shm" through a shared-memory ring (same-host workers
+    only; others are refused); "auto": the ring for same-host workers, frames for the rest."""
+    frame_bytes: int = 1 << 20
+    """Frame size for tensors sent on the socket (measured fastest by `dflash-pipe bench transport`)."""
 
     def __post_init__(self) -> None:
+        from dflash_pipe.wire.codec import MIN_FRAME_BYTES
         from dflash_pipe.wire.transport import require_keys_for
+
+        if self.wire_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"wire.wire_dtype must be bf16 or fp8, got {self.wire_dtype!r}.")
+        if self.payload_path not in ("auto", "socket", "shm"):
+            raise ValueError(f"wire.payload_path must be auto, socket or shm, got {self.payload_path!r}.")
+        if self.frame_bytes < MIN_FRAME_BYTES:
+            raise ValueError(
+                f"wire.frame_bytes must be >= {MIN_FRAME_BYTES} (64 KiB), got {self.frame_bytes}; "
+                "the default (1 MiB) is the fastest measured."
+            )
 
         if self.keys is not None:
             self.keys = Path(self.keys)

@@ -18,6 +18,7 @@ from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.fp8 import wire_features
 
 
 @dataclass(slots=True)
@@ -35,11 +36,17 @@ def pack(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[in
 
 
 def build_batch(
-    core: TargetCore, plan: PlannedBatch, samples: Sequence[Sample], *, for_eval: bool = False
+    core: TargetCore,
+    plan: PlannedBatch,
+    samples: Sequence[Sample],
+    *,
+    for_eval: bool = False,
+    wire_dtype: str = "bf16",
 ) -> m.Batch:
     ids, mask, lengths = pack(samples)
     feats = core.features(ids, lengths)  # [T, k*H] on the target device
-    tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), "features": feats.cpu()}
+    wire = wire_features(feats, len(core.layer_ids), wire_dtype)  # fp8: quantised on the target device
+    tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), **{k: v.cpu() for k, v in wire.items()}}
     if for_eval:
         tensors["target_next"] = core.greedy_next(ids, lengths).cpu()
     return m.Batch(
@@ -61,6 +68,7 @@ class TargetThread(threading.Thread):
         ready: queue.Queue[ReadyBatch | TargetFailure],
         rate: RateMeter,
         name: str,
+        wire_dtype: str = "bf16",
     ) -> None:
         super().__init__(name=f"target-{name}", daemon=True)
         self.core = core
@@ -69,6 +77,7 @@ class TargetThread(threading.Thread):
         self.ready = ready
         self.rate = rate
         self.replica = name
+        self.wire_dtype = wire_dtype
         self.busy_s = 0.0
 
     def run(self) -> None:
@@ -77,7 +86,8 @@ class TargetThread(threading.Thread):
         try:
             while (plan := self.plans.get()) is not None:
                 t0 = time.perf_counter()
-                batch = build_batch(self.core, plan, [self.samples[i] for i in plan.sample_ids])
+                samples = [self.samples[i] for i in plan.sample_ids]
+                batch = build_batch(self.core, plan, samples, wire_dtype=self.wire_dtype)
                 tokens = sum(batch.lengths)
                 self.busy_s += time.perf_counter() - t0
                 self.rate.add(tokens)

@@ -27,6 +27,7 @@ from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_byte
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, make_logger
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.errors import BadMessage, PeerGoneError
+from dflash_pipe.wire.shm import RingUnavailable, ShmRing, host_identity
 from dflash_pipe.wire.transport import ProducerEndpoint
 
 _TICK_S = 0.02
@@ -34,6 +35,8 @@ _SHOW_EVERY_S = 0.5
 _EVAL_BATCH_SAMPLES = 4
 REQUIRED_CAPABILITIES = ("frames",)
 """What a worker must support: payloads as raw tensor frames on the socket."""
+_STAGED_MIN_BYTES = 64 << 10
+"""Tensors of a batch at least this big go into its ring slot (features, fp8 scales); the rest are frames."""
 
 
 class RunAborted(RuntimeError):
@@ -66,6 +69,9 @@ class Peer:
     steps: int = 0
     first_step_s: float | None = None
     left: bool = False
+    ring_offered: bool = False
+    shm: bool = False
+    """The worker mapped the ring: its BATCH headers name slots instead of carrying frames."""
 
 
 @dataclass(slots=True)
@@ -94,8 +100,11 @@ class ProducerProc:
         self.cfg = ctx.cfg
         self.expected_workers = expected_workers
         self.endpoint = ProducerEndpoint(
-            bind_address(self.cfg.run_dir, self.cfg.wire.bind), keys=self.cfg.wire.keys
+            bind_address(self.cfg.run_dir, self.cfg.wire.bind),
+            keys=self.cfg.wire.keys,
+            frame_bytes=self.cfg.wire.frame_bytes,
         )
+        self.host_id = host_identity()
         self.address = self.endpoint.address
         write_record(self.cfg.run_dir, address=self.address)
         self._store = _start_rendezvous_store(self.address)
@@ -137,6 +146,9 @@ class ProducerProc:
         self._eval_batches: list[m.Batch] = []
         self._lost: list[str] = []
         """One line per worker that died or vanished (the run went on without it)."""
+        self.ring = self._make_ring()
+        self._sent_by_ref = 0
+        """BATCHes whose features went through the ring (a slot reference) instead of socket frames."""
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -145,6 +157,57 @@ class ProducerProc:
         return plan_batches(
             lengths, self.cfg.data.token_budget, seed=self.cfg.train.seed, epoch=epoch, exclude=exclude
         )
+
+    def _make_ring(self) -> ShmRing | None:
+        """The shared-memory ring same-host workers read payloads from (None with payload_path "socket").
+
+        A slot holds the largest possible batch; there are enough slots for the batches computed ahead, those
+        in the target threads and every launched worker's credits, so the ring rarely applies back-pressure.
+        """
+        wire = self.cfg.wire
+        if wire.payload_path == "socket":
+            return None
+        tokens = max(
+            [self.cfg.data.token_budget, *(int(s.input_ids.numel()) for s in self.ctx.train_samples)]
+        )
+        k, width = len(self.ctx.drafter.target_layer_ids), self.ctx.drafter.feature_size
+        per_token = width * (1 if wire.wire_dtype == "fp8" else self.ctx.target_dtype.itemsize) + 4 * k
+        replicas = max(1, len(self.cfg.layout.target_devices()))
+        slots = wire.ready_batches + replicas + wire.worker_credits * max(1, self.expected_workers) + 1
+        try:
+            return ShmRing.create(slots, tokens * per_token + 4096)
+        except (RingUnavailable, OSError) as exc:
+            if wire.payload_path == "shm":
+                raise RunAborted(f"wire.payload_path is shm, but no shared-memory ring: {exc}") from exc
+            self._note(f"shared-memory ring unavailable ({exc}); payloads go as frames")
+            return None
+
+    def _stage(self, item: ReadyBatch) -> None:
+        """Moves the batch's large tensors into a ring slot, if one is free right now.
+
+        A bridge until the target threads copy device-to-host straight into a slot (``HostStaging``): then
+        ``item.slot`` is already set and this does nothing. It never waits (the main thread must not block);
+        without a free slot the batch stays in private memory and goes as frames."""
+        if self.ring is None or item.slot is not None or not any(p.shm for p in self.peers.values()):
+            return
+        big = {
+            k: t for k, t in item.payload.tensors.items() if t.numel() * t.element_size() >= _STAGED_MIN_BYTES
+        }
+        if not big:
+            return
+        offsets, at = {}, 0
+        for name, t in big.items():
+            offsets[name] = at
+            at += -(-t.numel() * t.element_size() // 64) * 64
+        try:
+            slot = self.ring.acquire(at, timeout_s=0)
+        except TimeoutError:
+            return
+        for name, t in big.items():
+            view = slot.view(tuple(t.shape), t.dtype, offsets[name])
+            view.copy_(t)
+            item.payload.tensors[name] = view
+        item.slot = slot
 
     def start_targets(self) -> None:
         """One TargetCore per replica (a GPU, or a group of GPUs for a split target), each fed by its own
@@ -170,6 +233,7 @@ class ProducerProc:
                 self._ready,
                 self.target_rate,
                 name=str(core.device),
+                wire_dtype=self.cfg.wire.wire_dtype,
             )
             thread.start()
             self._threads.append(thread)
@@ -180,7 +244,9 @@ class ProducerProc:
         for start in range(0, len(samples), _EVAL_BATCH_SAMPLES):
             chunk = samples[start : start + _EVAL_BATCH_SAMPLES]
             plan = PlannedBatch(batch_id=len(out), epoch=0, sample_ids=[s.sample_id for s in chunk])
-            out.append(build_batch(self._cores[0], plan, chunk, for_eval=True))
+            out.append(
+                build_batch(self._cores[0], plan, chunk, for_eval=True, wire_dtype=self.cfg.wire.wire_dtype)
+            )
         return out
 
     # --- serving -----------------------------------------------------------------------------------------
@@ -276,7 +342,16 @@ class ProducerProc:
         if self._done_sent:
             self.endpoint.reject(peer_id, "this run is finishing; attach to the next one")
             return None
+        same_host = "shm" in msg.capabilities and bool(self.host_id) and msg.host_id == self.host_id
+        if self.cfg.wire.payload_path == "shm" and not same_host:
+            self.endpoint.reject(
+                peer_id,
+                "wire.payload_path is shm, but this worker cannot share the producer's memory (another "
+                "host, container or pid namespace); launch with --payload-path auto to send it frames",
+            )
+            return None
         peer = Peer(identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid)
+        peer.ring_offered = same_host and self.ring is not None
         self.peers[peer_id] = peer
         # Ranks come from the drafters' rendezvous, not from here: WELCOME's rank/world_size are the
         # arrival order, for logs. Every worker gets the eval set, since any of them may become rank 0.
@@ -316,6 +391,8 @@ class ProducerProc:
             num_samples=len(self.ctx.train_samples),
             credits=self.cfg.wire.worker_credits,
             eval_batches=eval_batches,
+            wire_dtype=self.cfg.wire.wire_dtype,
+            ring=self.ring.offer().to_dict() if peer.ring_offered and self.ring is not None else {},
         )
 
     def _handle(self, peer_id: bytes, msg: Any) -> None:
@@ -330,6 +407,7 @@ class ProducerProc:
         if isinstance(msg, m.Ready):
             peer.credits += msg.credits
             peer.state = "training"
+            peer.shm = peer.shm or (msg.shm and peer.ring_offered)  # said once, in the first READY
         elif isinstance(msg, m.Ack):
             tokens_before = self.scheduler.stats.acked_tokens
             self.scheduler.ack(peer_id, msg.batch_ids)
@@ -367,6 +445,7 @@ class ProducerProc:
             values.update(self._stage_rates())
             values["queue_depth"] = self.scheduler.ready_count()
             values["leased"] = self.scheduler.leased_count()
+            values["batches_via_shm"] = self._sent_by_ref
         if "tau" in values:
             self._state.tau = float(values["tau"])
         self.metrics.log(values, msg.step)
@@ -390,6 +469,7 @@ class ProducerProc:
             if isinstance(item, TargetFailure):
                 raise RunAborted(f"target replica {item.replica} failed: {item.error!r}") from item.error
             self._in_target -= 1
+            self._stage(item)
             self.scheduler.add_ready(item)
 
     def _refill(self) -> None:
@@ -413,7 +493,8 @@ class ProducerProc:
                 batch = self.scheduler.lease_next(peer.identity, time.monotonic())
                 if batch is None:
                     return
-                self._send(peer.identity, batch.payload)
+                self._send(peer.identity, batch.payload, shm=peer.shm)
+                self._sent_by_ref += peer.shm and batch.slot is not None and batch.slot.slot_id is not None
                 peer.credits -= 1
                 self.wire_rate.add(batch.tokens)
 
@@ -423,9 +504,10 @@ class ProducerProc:
             if not peer.left:
                 self._send(peer.identity, m.Done(reason=reason))
 
-    def _send(self, peer_id: bytes, msg: Any) -> None:
+    def _send(self, peer_id: bytes, msg: Any, *, shm: bool = False) -> None:
+        """``shm``: the peer mapped the ring, so tensors in its slots go by reference."""
         try:
-            self.endpoint.send(peer_id, msg)
+            self.endpoint.send(peer_id, msg, ring=self.ring if shm else None)
         except PeerGoneError:
             peer = self.peers.get(peer_id)
             if peer is not None and not peer.left:
@@ -524,6 +606,8 @@ class ProducerProc:
         self.dashboard.close()
         self.metrics.close()
         self.endpoint.close()
+        if self.ring is not None:
+            self.ring.close()
 
 
 def _train_dict(cfg: Any) -> dict[str, Any]:

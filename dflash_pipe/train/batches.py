@@ -1,10 +1,16 @@
-"""From a packed BATCH message (samples back to back) to the padded tensors the drafter trains on."""
+"""From a packed BATCH message (samples back to back) to the padded tensors the drafter trains on.
+
+The wire tensors may view a shared-memory ring slot that the producer reuses after the ACK: everything
+returned here is a device copy (or, on CPU, used only within the step that precedes the ACK).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from dflash_pipe.wire.fp8 import read_features
 
 
 @dataclass(slots=True)
@@ -23,7 +29,10 @@ def unpack(
     *,
     feature_size: int | None = None,
 ) -> DeviceBatch:
-    """Copies the packed wire tensors to ``device`` once, then pads there (right padding)."""
+    """Copies the packed wire tensors to ``device`` once, then pads there (right padding).
+
+    FP8 features ("feature_scales" present) are dequantised on ``device`` after the copy, to bf16 on CUDA
+    and fp32 on CPU (the dtypes the worker builds its drafter in)."""
     total = sum(lengths)
     missing = sorted({"input_ids", "loss_mask", "features"} - set(tensors))
     if missing:
@@ -41,7 +50,12 @@ def unpack(
     non_blocking = device.type == "cuda"
     ids = tensors["input_ids"].to(device, torch.int64, non_blocking=non_blocking)
     mask = tensors["loss_mask"].to(device, non_blocking=non_blocking).bool()
-    feats = feats.to(device, non_blocking=non_blocking)
+    on_device = {
+        k: tensors[k].to(device, non_blocking=non_blocking)
+        for k in ("features", "feature_scales")
+        if k in tensors
+    }
+    feats = read_features(on_device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     nxt = tensors.get("target_next")
     nxt = None if nxt is None else nxt.to(device, torch.int64, non_blocking=non_blocking)
     b, s = len(lengths), max(lengths)

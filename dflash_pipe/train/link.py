@@ -14,8 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.errors import TransportError
+from dflash_pipe.wire.shm import RingOffer, RingUnavailable, ShmRing
 from dflash_pipe.wire.transport import WorkerEndpoint
 
 
@@ -44,6 +47,23 @@ class ProducerLink:
         self._endpoint = WorkerEndpoint(address, keys=keys)
         self._thread = threading.Thread(target=self._run, name="producer-link", daemon=True)
         self._thread.start()
+
+    def map_ring(self, offer: dict[str, Any], device: torch.device) -> ShmRing | None:
+        """Maps the ring WELCOME offered (pinned when ``device`` is CUDA) so BATCH headers may name its
+        slots; None if none was offered or it cannot be mapped (the producer then sends frames). Call before
+        the first READY, which tells the producer (``Ready.shm``); close the ring after the link."""
+        cuda = device.type == "cuda"
+        if cuda:  # multi-frame tensors land in pinned memory, so their host-to-device copy is async
+            self._endpoint.alloc = _pinned
+        if not offer:
+            return None
+        try:
+            ring = ShmRing.attach(RingOffer.from_dict(offer), pin=cuda)
+        except (RingUnavailable, ValueError) as exc:
+            print(f"dflash-pipe worker: payloads come as frames: {exc}", file=sys.stderr, flush=True)
+            return None
+        self._endpoint.ring = ring  # read by the IO thread on its next receive
+        return ring
 
     def send(self, msg: Any) -> None:
         self._outbox.put((msg, None))
@@ -117,3 +137,7 @@ class ProducerLink:
             self._on_lost(reason)
         else:
             print(f"dflash-pipe worker: {reason}", file=sys.stderr)
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -29,8 +29,10 @@ from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, regroup,
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.shm import ShmRing, host_identity, shm_supported
 
-CAPABILITIES = ["frames"]
+CAPABILITIES = ["frames", "shm"] if shm_supported() else ["frames"]
+""""frames": payloads on the socket; "shm": can map a same-host producer's shared-memory ring."""
 
 
 class HandshakeError(RuntimeError):
@@ -115,11 +117,13 @@ def _serve(
         return 2
     group: DrafterGroup | None = None
     welcome: m.Welcome | None = None
+    ring: ShmRing | None = None
     try:
         welcome = _handshake(link, name=name, device=device, timeout_s=timeout_s)
         link.heartbeat_s = welcome.heartbeat_s
         link.peer_timeout_s = welcome.peer_timeout_s
         dev = torch.device(device)
+        ring = link.map_ring(welcome.ring, dev)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         drafter_cfg = DrafterConfig.from_dict(welcome.drafter)
@@ -173,7 +177,7 @@ def _serve(
             link.send(m.Metrics(step=step, values=warm))
         _receive_eval_set(session, welcome)
         regroup(session, "joining")
-        link.send(m.Ready(credits=welcome.credits))
+        link.send(m.Ready(credits=welcome.credits, shm=ring is not None))
         result = run_training(session, leave.is_set)
         if result.left:
             link.send_and_flush(m.Bye(reason=f"{name} left (interrupted)"))
@@ -198,6 +202,8 @@ def _serve(
         return 2 if isinstance(exc, HandshakeError) else 1
     finally:
         link.close()
+        if ring is not None:
+            ring.close()
         if group is not None:
             group.close()
 
@@ -211,6 +217,7 @@ def _handshake(link: ProducerLink, *, name: str, device: str, timeout_s: float) 
             pid=os.getpid(),
             device=device,
             capabilities=CAPABILITIES,
+            host_id=host_identity(),
         )
     )
     deadline = time.monotonic() + timeout_s

@@ -3,8 +3,13 @@
 Header (frame 0, a msgpack map with exactly these keys):
     v: protocol version (int)      k: kind byte (int)
     f: the message fields, except `tensors` (map str -> value)
-    t: tensor table, a list of [name, dtype, shape, loc]; loc is the index of the raw frame holding the
-       tensor's bytes (frames 1..N, each used once) or, for tensors under `INLINE_MAX_BYTES`, the bytes.
+    t: tensor table, a list of [name, dtype, shape, loc]; loc says where the tensor's bytes are:
+       - bytes: inline, for tensors of at most `INLINE_MAX_BYTES`;
+       - int i: raw frame i (frames 1..N, each used by exactly one tensor);
+       - [i, n] (n >= 2): the n raw frames i..i+n-1 back to back (a tensor over `frame_bytes`, sent as
+         frames of that size: pyzmq moves a few MiB per frame several times faster than one huge frame);
+       - {"s": slot, "o": offset}: in slot `slot` of the shared-memory ring the handshake mapped
+         (`wire.shm`), `offset` bytes in. No frame: the bytes never cross the socket.
 
 Zero-copy rules:
 - `encode` returns memoryviews of the tensors' own storage (non-contiguous tensors are made contiguous
@@ -15,6 +20,11 @@ Zero-copy rules:
   would let in-place ops corrupt it, and torch warns about it. The transport never hands read-only
   buffers, so the socket path stays zero-copy. Callers `.clone()` or copy to device what they keep.
 - A raw frame whose address is not aligned to the element size is copied (torch kernels assume alignment).
+- A tensor sent in several frames is reassembled by copying each frame into its slice of one buffer from
+  `alloc` (pinned host memory on a CUDA worker, so the host-to-device copy that follows is async; or a
+  device tensor, which then receives each frame straight from the zmq buffer): one copy per byte.
+- A tensor in a ring slot is a view of the shared mapping, valid until the batch is ACKed (the producer
+  reuses the slot after that): copy it to the device before acknowledging.
 
 Every size the header declares is checked against the frames and against `max_tensor_bytes` before any
 tensor is built; msgpack runs with `raw=False`, `strict_map_key=True`, explicit length limits and no
@@ -24,10 +34,11 @@ extension types. Nothing but msgpack and raw bytes ever crosses the wire.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import msgpack
+import numpy as np
 import torch
 
 from dflash_pipe.wire.errors import ProtocolError, ProtocolVersionError
@@ -48,7 +59,11 @@ MAX_HEADER_BYTES = 16 << 20
 """Cap on the header frame (sample ids, configs, tracebacks fit easily)."""
 MAX_RANK = 8
 MAX_TENSORS = 64
-"""Cap on the tensors (and so the raw frames) of one message; a BATCH carries 3-4."""
+"""Cap on the tensors of one message; a BATCH carries 3-5."""
+MAX_FRAMES = 1 << 16
+"""Cap on the raw frames of one message (8 GiB in 128 KiB frames)."""
+MIN_FRAME_BYTES = 64 << 10
+"""Smallest `frame_bytes` accepted: smaller frames only add per-frame overhead."""
 
 _NAMES = (
     "float32",
@@ -68,6 +83,23 @@ _DTYPE_NAMES = {dt: n for n, dt in DTYPES.items()}
 _HEADER_KEYS = frozenset("vkft")
 
 Frame = bytes | bytearray | memoryview  # or anything with the buffer protocol (zmq.Frame)
+Alloc = Callable[[int], torch.Tensor]
+"""nbytes -> a uint8 tensor of that many bytes (host or device) where a multi-frame tensor is reassembled."""
+
+
+class SharedRing(Protocol):
+    """What the codec needs of the shared-memory ring (`wire.shm.ShmRing`)."""
+
+    slots: int
+    slot_bytes: int
+
+    def locate(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """(slot, offset) of a contiguous tensor lying wholly inside one slot, else None."""
+        ...
+
+    def view(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
+        """uint8 [nbytes] view of the mapping (the caller checked the bounds)."""
+        ...
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -101,8 +133,32 @@ def _tensor_bytes(name: str, tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def encode(msg: Message) -> list[bytes | memoryview]:
-    """Frames for `msg`: the msgpack header, then one raw frame per tensor over `INLINE_MAX_BYTES`."""
+def _frame_locs(data: memoryview, frames: list, frame_bytes: int | None) -> int | list[int]:
+    """Appends `data` as one frame, or as frames of `frame_bytes` (views, no copy); returns its loc."""
+    first = len(frames)
+    if frame_bytes is None or data.nbytes <= frame_bytes:
+        frames.append(data)
+        return first
+    frames.extend(data[i : i + frame_bytes] for i in range(0, data.nbytes, frame_bytes))
+    if len(frames) > 1 + MAX_FRAMES:
+        raise ProtocolError(
+            f"{len(frames) - 1} frames of {frame_bytes} bytes exceed the cap of {MAX_FRAMES}; "
+            "raise wire.frame_bytes"
+        )
+    return [first, len(frames) - first]
+
+
+def encode(
+    msg: Message, *, frame_bytes: int | None = None, ring: SharedRing | None = None
+) -> list[bytes | memoryview]:
+    """Frames for `msg`: the msgpack header, then the raw frames of every tensor over `INLINE_MAX_BYTES`.
+
+    `frame_bytes`: tensors larger than this go as several frames of this size (None: one frame each).
+    `ring`: tensors lying in one of its slots go by reference (slot, offset) instead of as frames; only
+    for a peer that mapped the same ring.
+    """
+    if frame_bytes is not None and frame_bytes < MIN_FRAME_BYTES:
+        raise ValueError(f"frame_bytes={frame_bytes} is below the minimum of {MIN_FRAME_BYTES}")
     cls = type(msg)
     if MESSAGE_TYPES.get(getattr(cls, "KIND", None)) is not cls:
         raise ProtocolError(f"cannot encode {cls.__name__}: not a registered wire message")
@@ -115,12 +171,16 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         for name, tensor in msg.tensors.items():
             if tensor.dim() > MAX_RANK:
                 raise ProtocolError(f"tensor {name!r}: rank {tensor.dim()} exceeds {MAX_RANK}")
+            where = ring.locate(tensor) if ring is not None and tensor.device.type == "cpu" else None
+            if where is not None:
+                loc: Any = {"s": where[0], "o": where[1]}
+                table.append([name, dtype_name(tensor.dtype), list(tensor.shape), loc])
+                continue
             data = _tensor_bytes(name, tensor)
             if data.nbytes <= INLINE_MAX_BYTES:
-                loc: int | bytes = data.tobytes()
+                loc = data.tobytes()
             else:
-                loc = len(frames)
-                frames.append(data)
+                loc = _frame_locs(data, frames, frame_bytes)
             table.append([name, dtype_name(tensor.dtype), list(tensor.shape), loc])
     header = {"v": PROTOCOL_VERSION, "k": int(cls.KIND), "f": fields, "t": table}
     frames[0] = msgpack.packb(header, use_bin_type=True)
@@ -169,7 +229,7 @@ def _as_bytes_view(frame: Any, index: int) -> memoryview:
     return view
 
 
-def _check_entry(entry: Any, i: int) -> tuple[str, torch.dtype, list[int], int | bytes, int]:
+def _check_entry(entry: Any, i: int) -> tuple[str, torch.dtype, list[int], Any, int]:
     """Validate one tensor-table entry; returns (name, dtype, shape, loc, nbytes)."""
     if not isinstance(entry, list) or len(entry) != 4:
         raise ProtocolError(f"tensor table entry {i} must be [name, dtype, shape, loc], got {entry!r:.80}")
@@ -182,8 +242,20 @@ def _check_entry(entry: Any, i: int) -> tuple[str, torch.dtype, list[int], int |
         raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_RANK} ints")
     if not all(type(d) is int and d >= 0 for d in shape):
         raise ProtocolError(f"tensor {name!r}: shape {shape!r:.80} must hold non-negative ints")
-    if not (type(loc) is int or isinstance(loc, bytes)):
-        raise ProtocolError(f"tensor {name!r}: loc must be a frame index or inline bytes, got {loc!r:.40}")
+    if isinstance(loc, list):
+        if len(loc) != 2 or not all(type(v) is int for v in loc) or loc[1] < 2:
+            raise ProtocolError(f"tensor {name!r}: frame range must be [first, count >= 2], got {loc!r:.40}")
+    elif isinstance(loc, dict):
+        if loc.keys() != {"s", "o"} or not all(type(v) is int and v >= 0 for v in loc.values()):
+            raise ProtocolError(
+                f"tensor {name!r}: a ring location must be {{'s': slot, 'o': offset}} of non-negative "
+                f"ints, got {loc!r:.60}"
+            )
+    elif not (type(loc) is int or isinstance(loc, bytes)):
+        raise ProtocolError(
+            f"tensor {name!r}: loc must be a frame index, a frame range, a ring location or inline bytes, "
+            f"got {loc!r:.40}"
+        )
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize  # Python ints: no overflow
     return name, DTYPES[dtype], shape, loc, nbytes
 
@@ -200,21 +272,46 @@ def _to_tensor(buf: memoryview | bytes, dtype: torch.dtype, shape: list[int]) ->
     return tensor.view(dtype).reshape(shape)
 
 
+def _gather(views: list[memoryview], first: int, count: int, nbytes: int, alloc: Alloc) -> torch.Tensor:
+    """One buffer holding frames first..first+count-1 back to back (one copy per byte)."""
+    out = alloc(nbytes)
+    at = 0
+    if out.device.type == "cpu":
+        dst = out.numpy()  # numpy copies from read-only buffers too (torch.frombuffer would warn)
+        for view in views[first : first + count]:
+            dst[at : at + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+            at += view.nbytes
+        return out
+    for view in views[first : first + count]:  # straight into the device tensor, frame by frame
+        if view.nbytes:
+            out[at : at + view.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
+        at += view.nbytes
+    return out
+
+
+def _host_alloc(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def decode(
     frames: Sequence[Any],
     *,
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
     max_header_bytes: int = MAX_HEADER_BYTES,
+    ring: SharedRing | None = None,
+    alloc: Alloc = _host_alloc,
 ) -> Message:
     """Parse and validate a frame set; raises `ProtocolError` (or `ProtocolVersionError`) if malformed.
 
     Tensors are views of the frame buffers where possible: keep `frames` immutable while you use them.
+    `ring`: the shared-memory ring this peer mapped; a header naming a slot without one, or naming a slot
+    or byte range outside it, is malformed. `alloc`: where multi-frame tensors are reassembled.
     """
     if not isinstance(frames, (list, tuple)) or not frames:
         raise ProtocolError("a message needs at least one frame (the header)")
-    if len(frames) > 1 + MAX_TENSORS:
+    if len(frames) > 1 + MAX_FRAMES:
         raise ProtocolError(
-            f"{len(frames)} frames: a message has a header and at most {MAX_TENSORS} tensor frames"
+            f"{len(frames)} frames: a message has a header and at most {MAX_FRAMES} raw frames"
         )
     views = [_as_bytes_view(f, i) for i, f in enumerate(frames)]
     header = _unpack_header(views[0], max_header_bytes)
@@ -249,10 +346,11 @@ def decode(
     if len(table) > MAX_TENSORS:
         raise ProtocolError(f"{kind}: {len(table)} tensors in the table, over the cap of {MAX_TENSORS}")
 
-    # Validate the whole table against the frames before building any tensor.
+    # Validate the whole table against the frames (and the ring) before building any tensor.
     entries = [_check_entry(e, i) for i, e in enumerate(table)]
-    total, used = 0, set()
-    for name, _dtype, shape, loc, nbytes in entries:
+    total, used = 0, 0
+    owner: dict[int, str] = {}
+    for name, dtype, shape, loc, nbytes in entries:
         total += nbytes
         if total > max_tensor_bytes:
             raise ProtocolError(
@@ -265,26 +363,54 @@ def decode(
                     f"tensor {name!r}: inline data has {len(loc)} bytes, shape needs {nbytes}"
                 )
             continue
-        if not 1 <= loc < len(views):
-            raise ProtocolError(f"tensor {name!r}: frame index {loc} out of range 1..{len(views) - 1}")
-        if loc in used:
-            raise ProtocolError(f"tensor {name!r}: frame {loc} is used by two tensors")
-        used.add(loc)
-        if views[loc].nbytes != nbytes:
-            raise ProtocolError(
-                f"tensor {name!r}: frame {loc} has {views[loc].nbytes} bytes, shape {shape} needs {nbytes}"
-            )
-    if len(used) != len(views) - 1:
-        raise ProtocolError(f"{kind}: header references {len(used)} tensor frame(s), got {len(views) - 1}")
+        if isinstance(loc, dict):
+            _check_ring_loc(name, loc, nbytes, dtype.itemsize, ring)
+            continue
+        first, count = (loc, 1) if isinstance(loc, int) else loc
+        if not (first >= 1 and first + count <= len(views)):
+            last = first + count - 1
+            shown = f"frame index {first}" if count == 1 else f"frames {first}..{last}"
+            raise ProtocolError(f"tensor {name!r}: {shown} out of range 1..{len(views) - 1}")
+        for index in range(first, first + count):
+            if index in owner:
+                raise ProtocolError(f"tensor {name!r}: frame {index} is used by two tensors")
+            owner[index] = name
+        used += count
+        got = sum(v.nbytes for v in views[first : first + count])
+        if got != nbytes:
+            where = f"frame {first}" if count == 1 else f"frames {first}..{first + count - 1}"
+            raise ProtocolError(f"tensor {name!r}: {where} has {got} bytes, shape {shape} needs {nbytes}")
+    if used != len(views) - 1:
+        raise ProtocolError(f"{kind}: header references {used} tensor frame(s), got {len(views) - 1}")
     if len({e[0] for e in entries}) != len(entries):
         raise ProtocolError(f"{kind}: duplicate tensor names in the tensor table")
 
     tensors = {}
-    for name, dtype, shape, loc, _ in entries:
-        tensor = _to_tensor(loc if isinstance(loc, bytes) else views[loc], dtype, shape)
+    for name, dtype, shape, loc, nbytes in entries:
+        if isinstance(loc, bytes):
+            tensor = _to_tensor(loc, dtype, shape)
+        elif isinstance(loc, dict):
+            tensor = ring.view(loc["s"], loc["o"], nbytes).view(dtype).reshape(shape)  # type: ignore[union-attr]
+        elif isinstance(loc, list):
+            tensor = _gather(views, loc[0], loc[1], nbytes, alloc).view(dtype).reshape(shape)
+        else:
+            tensor = _to_tensor(views[loc], dtype, shape)
         if dtype == torch.bool and tensor.numel() and tensor.view(torch.uint8).max() > 1:
             raise ProtocolError(f"tensor {name!r}: bool data holds bytes other than 0/1")
         tensors[name] = tensor
     if has_tensors(cls):
         fields["tensors"] = tensors
     return cls(**fields)  # __post_init__ validates every field and raises ProtocolError
+
+
+def _check_ring_loc(name: str, loc: dict, nbytes: int, itemsize: int, ring: SharedRing | None) -> None:
+    if ring is None:
+        raise ProtocolError(f"tensor {name!r} names ring slot {loc['s']}, but this peer mapped no ring")
+    if loc["s"] >= ring.slots:
+        raise ProtocolError(f"tensor {name!r}: ring slot {loc['s']} out of range 0..{ring.slots - 1}")
+    if loc["o"] + nbytes > ring.slot_bytes:
+        raise ProtocolError(
+            f"tensor {name!r}: {nbytes} bytes at offset {loc['o']} overrun a {ring.slot_bytes}-byte ring slot"
+        )
+    if loc["o"] % itemsize:
+        raise ProtocolError(f"tensor {name!r}: ring offset {loc['o']} is not aligned to {itemsize} bytes")

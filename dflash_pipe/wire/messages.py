@@ -27,11 +27,15 @@ import torch
 
 from dflash_pipe.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any change to the header layout, a kind's fields or their meaning."""
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
 _MAX_JSON_DEPTH = 32  # nesting bound for free-form dict fields (drafter/train configs)
+
+
+WIRE_DTYPES = ("bf16", "fp8")
+"""How features travel: in the target's dtype, or float8_e4m3fn with a per token-layer scale."""
 
 
 class Kind(enum.IntEnum):
@@ -292,7 +296,8 @@ class Hello(Message):
     host: str
     pid: int = bounded(ge=0)
     device: str  # e.g. "cuda:0", "cpu"
-    capabilities: list[str] = field(default_factory=list)
+    capabilities: list[str] = field(default_factory=list)  # "frames"; "shm" if it can map a ring
+    host_id: str = ""  # wire.shm.host_identity(): equal on both sides means the ring can be shared
     protocol_version: int = bounded(ge=0, default=PROTOCOL_VERSION)
 
 
@@ -321,8 +326,14 @@ class Welcome(Message):
     num_samples: int = bounded(ge=1)  # training samples per epoch (the ledger's size)
     credits: int = bounded(ge=1)  # batches the worker may hold at once (its first READY)
     eval_batches: int = bounded(ge=0)  # held-out eval BATCHes sent to rank 0 right after WELCOME
+    wire_dtype: str = "bf16"  # "bf16": features in feature_dtype; "fp8": e4m3 + "feature_scales" [T, k]
+    ring: dict[str, Any] = field(default_factory=dict)  # wire.shm.RingOffer for a same-host worker, or {}
 
     def _check(self) -> None:
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ProtocolError(
+                f"field 'Welcome.wire_dtype': must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}"
+            )
         if self.rank >= self.world_size:
             raise ProtocolError(
                 f"field 'Welcome.rank': must be < world_size ({self.world_size}), got {self.rank}"
@@ -343,6 +354,7 @@ class Ready(Message):
     """Credit-based flow: the worker accepts up to `credits` more BATCHes."""
 
     credits: int = bounded(ge=1)
+    shm: bool = False  # the worker mapped the ring WELCOME offered: BATCH headers may name its slots
 
 
 @register(Kind.BATCH)
@@ -350,8 +362,9 @@ class Ready(Message):
 class Batch(Message):
     """Packed samples (back to back, `lengths` sum to T) and their target features.
 
-    tensors: "input_ids" [T] int64|int32, "loss_mask" [T] bool|uint8, "features" [T, k*H] bf16|fp32.
-    Decoded tensors share the receive buffer: `.clone()` or copy to device what you keep.
+    tensors: "input_ids" [T] int64|int32, "loss_mask" [T] bool|uint8, "features" [T, k*H] bf16|fp32, or
+    with wire_dtype "fp8" float8_e4m3fn plus "feature_scales" [T, k] fp32 (see `wire.fp8`).
+    Decoded tensors share the receive buffer (or the shared ring slot, valid until the ACK): `.clone()` or copy to device what you keep.
     Equality (`==`) is not meaningful for this class: compare tensors with `torch.equal`.
     """
 

@@ -8,7 +8,10 @@
   (peer not reading) raises `SendTimeoutError`, never blocks forever.
 - Sends are zero-copy (`copy=False`; pyzmq still copies frames under its copy threshold). The frames keep
   the tensors alive; pass `track=True` and wait on the tracker before overwriting a reused buffer.
-- Receives are zero-copy: decoded tensors view the zmq frames. `.clone()` what you keep.
+  Tensors over `frame_bytes` go as several frames of that size (views of the tensor, no copy); a `ring`
+  passed to `ProducerEndpoint.send` sends tensors lying in its slots by reference (same-host peers only).
+- Receives are zero-copy: decoded tensors view the zmq frames (a multi-frame tensor is gathered into one
+  buffer from `alloc`; a ring reference views the worker's mapping of the ring). `.clone()` what you keep.
 - Liveness below the protocol: ZMTP heartbeats and TCP keepalive drop dead connections, after which the
   ROUTER forgets the routing id and sends to it raise `PeerGoneError`.
 - MAXMSGSIZE is set from the codec's caps, so an oversized frame disconnects the sender in libzmq before
@@ -32,11 +35,20 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from dflash_pipe.wire.auth import GENERATE_HINT, AllowList, AuthError, load_client_keys, load_server_keys
-from dflash_pipe.wire.codec import DEFAULT_MAX_TENSOR_BYTES, MAX_HEADER_BYTES, decode, encode
+from dflash_pipe.wire.codec import (
+    DEFAULT_MAX_TENSOR_BYTES,
+    MAX_HEADER_BYTES,
+    Alloc,
+    SharedRing,
+    decode,
+    encode,
+)
 from dflash_pipe.wire.errors import BadMessage, PeerGoneError, ProtocolError, SendTimeoutError, TransportError
 from dflash_pipe.wire.messages import Message, Reject
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:0"
+DEFAULT_FRAME_BYTES = 1 << 20
+"""Frame size for large tensors: the fastest measured by `dflash-pipe bench transport` (docs/performance.md)."""
 _HWM = 128  # messages per peer; credit-based flow keeps far fewer in flight
 _HEARTBEAT_IVL_MS = 5_000
 _HEARTBEAT_TIMEOUT_MS = 30_000
@@ -202,6 +214,7 @@ class ProducerEndpoint(_Endpoint):
         max_frame_bytes: int = INBOUND_MAX_BYTES,
         hwm: int = _HWM,
         send_timeout_s: float = 10.0,
+        frame_bytes: int | None = DEFAULT_FRAME_BYTES,
     ) -> None:
         host = _host_of(address)
         require_keys_for(address, keys)
@@ -210,6 +223,7 @@ class ProducerEndpoint(_Endpoint):
             zmq.ROUTER, max_tensor_bytes=max_tensor_bytes, hwm=hwm, send_timeout_s=send_timeout_s
         )
         self.max_frame_bytes = max_frame_bytes
+        self.frame_bytes = frame_bytes
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + max_tensor_bytes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if host is not None and ":" in host:
@@ -243,13 +257,16 @@ class ProducerEndpoint(_Endpoint):
             _event_name(event),
         )
 
-    def send(self, peer: bytes, msg: Message, *, track: bool = False) -> zmq.MessageTracker | None:
+    def send(
+        self, peer: bytes, msg: Message, *, track: bool = False, ring: SharedRing | None = None
+    ) -> zmq.MessageTracker | None:
         """Send `msg` to `peer`. Raises `PeerGoneError` if the peer is unknown or disconnected,
         `SendTimeoutError` if its queue stays full for `send_timeout_s`. With `track=True`, returns a
-        tracker (`.done`, `.wait(timeout)`) that tells when zmq no longer reads the tensor memory."""
+        tracker (`.done`, `.wait(timeout)`) that tells when zmq no longer reads the tensor memory.
+        `ring`: the shared ring `peer` mapped; tensors in its slots go by reference."""
         if self._closed:
             raise TransportError("ProducerEndpoint is closed")
-        frames = encode(msg)
+        frames = encode(msg, frame_bytes=self.frame_bytes, ring=ring)
         try:
             # ROUTER checks routability and the HWM on the routing-id frame, so no partial message is queued.
             tracker = self._sock.send_multipart([peer, *frames], copy=False, track=track)
@@ -308,6 +325,7 @@ class WorkerEndpoint(_Endpoint):
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
         hwm: int = _HWM,
         send_timeout_s: float = 10.0,
+        alloc: Alloc | None = None,
     ) -> None:
         if keys is None and not is_local_address(address):
             raise ValueError(
@@ -320,6 +338,10 @@ class WorkerEndpoint(_Endpoint):
             zmq.DEALER, max_tensor_bytes=max_tensor_bytes, hwm=hwm, send_timeout_s=send_timeout_s
         )
         self.address = address
+        self.ring: SharedRing | None = None
+        """The producer's ring once mapped (set after WELCOME): BATCH headers may then name its slots."""
+        self.alloc = alloc
+        """Where multi-frame tensors are reassembled (None: plain host memory)."""
         if client_keys is not None:
             self._sock.curve_secretkey = client_keys.secret
             self._sock.curve_publickey = client_keys.public
@@ -364,7 +386,8 @@ class WorkerEndpoint(_Endpoint):
         parts = self._poll(timeout_s)
         if parts is None:
             return None
-        return decode(parts, max_tensor_bytes=self.max_tensor_bytes)
+        extra = {} if self.alloc is None else {"alloc": self.alloc}
+        return decode(parts, max_tensor_bytes=self.max_tensor_bytes, ring=self.ring, **extra)
 
     def send_final(self, msg: Message, *, linger_s: float = 2.0) -> bool:
         """Last words of a dying process (usually ERROR): queue `msg`, then close, waiting up to `linger_s`

@@ -99,7 +99,7 @@ def test_golden_frame_layout(batch_factory):
     assert len(frames) == 3
     header = header_of(frames)
     assert list(header) == ["v", "k", "f", "t"]
-    assert header["v"] == 1 and header["k"] == Kind.BATCH == 5
+    assert header["v"] == 2 and header["k"] == Kind.BATCH == 5
     assert header["f"] == {
         "batch_id": 7,
         "epoch": 2,
@@ -116,6 +116,46 @@ def test_golden_frame_layout(batch_factory):
     small = encode(batch_factory([4, 4], hidden=8))  # everything under 1 KiB: header only
     assert len(small) == 1 and all(isinstance(e[3], bytes) for e in header_of(small)["t"])
     assert header_of(encode(dataclasses.replace(msg, tensors={})))["t"] == []
+
+
+def test_golden_frame_layout_with_frame_bytes(batch_factory):
+    # features of 600 x 256 bf16 = 307200 B in 128 KiB frames: 131072 + 131072 + 45056, as views, in order.
+    msg = batch_factory([300, 300], hidden=256)
+    frames = encode(msg, frame_bytes=128 << 10)
+    header = header_of(frames)
+    assert [e[3] for e in header["t"]][0::2] == [1, [2, 3]]  # input_ids one frame, features frames 2..4
+    assert [memoryview(f).nbytes for f in frames[1:]] == [4800, 131072, 131072, 45056]
+    base = msg.tensors["features"].data_ptr()
+    assert [_addr(f) - base for f in frames[2:]] == [0, 131072, 262144]  # zero-copy slices
+    out = decode(frames)
+    assert torch.equal(out.tensors["features"], msg.tensors["features"])
+    assert len(encode(msg, frame_bytes=1 << 20)) == 3  # under the frame size: one frame as before
+    with pytest.raises(ValueError, match="below the minimum"):
+        encode(msg, frame_bytes=1000)
+
+
+def test_multi_frame_tensor_is_gathered_into_the_given_buffer(batch_factory):
+    msg = batch_factory([1000, 1000], hidden=512)  # 2 MB of bf16 features
+    frames = [bytearray(f) for f in encode(msg, frame_bytes=64 << 10)]
+    buffers = []
+
+    def alloc(n: int) -> torch.Tensor:
+        buffers.append(torch.empty(n, dtype=torch.uint8))
+        return buffers[-1]
+
+    out = decode(frames, alloc=alloc)
+    assert len(buffers) == 1 and out.tensors["features"].data_ptr() == buffers[0].data_ptr()
+    assert torch.equal(out.tensors["features"], msg.tensors["features"])
+    assert torch.equal(out.tensors["input_ids"], msg.tensors["input_ids"])
+
+
+@pytest.mark.parametrize("frame_kib", [64, 100, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_frame_sizes_round_trip_bit_exact(frame_kib, dtype):
+    t = (torch.randn(3001, 37) * 1000).to(dtype)
+    msg = Batch(batch_id=0, epoch=0, sample_ids=[], lengths=[], tensors={"a": t, "b": t[::2].t()})
+    out = decode([bytes(f) for f in encode(msg, frame_bytes=frame_kib << 10)]).tensors
+    assert raw_bytes(out["a"]) == raw_bytes(t) and raw_bytes(out["b"]) == raw_bytes(t[::2].t())
 
 
 def test_dtype_allow_list():

@@ -49,10 +49,10 @@ def test_bad_header_bytes(batch_frames):
 
 
 def test_wrong_version_names_both():
-    frames = repack(encode(Heartbeat(time=1.0)), lambda h: h.update(v=2))
-    with pytest.raises(ProtocolVersionError, match="v2.*v1") as info:
+    frames = repack(encode(Heartbeat(time=1.0)), lambda h: h.update(v=1))
+    with pytest.raises(ProtocolVersionError, match="v1.*v2") as info:
         decode(frames)
-    assert (info.value.theirs, info.value.ours) == (2, 1)
+    assert (info.value.theirs, info.value.ours) == (1, 2)
     rejects(repack(frames, lambda h: h.update(v="1")), "must be an int")
     rejects(repack(frames, lambda h: h.pop("v")), "must be an int")
 
@@ -106,6 +106,15 @@ def _entry(name: str):
         (lambda h: h["t"][1].__setitem__(3, b"\x01" * 599), "inline data has 599 bytes"),
         (lambda h: h["t"][1].__setitem__(3, b"\x02" * 600), "bool data holds bytes other than 0/1"),
         (lambda h: h["t"].append(h["t"][1]), "duplicate tensor names"),
+        (lambda h: h["t"][2].__setitem__(3, [2, 1]), r"frame range must be \[first, count >= 2\]"),
+        (lambda h: h["t"][2].__setitem__(3, [2, 2, 2]), "frame range must be"),
+        (lambda h: h["t"][2].__setitem__(3, [2, 5]), r"frames 2..6 out of range"),
+        (lambda h: h["t"][2].__setitem__(3, [1, 2]), "used by two tensors"),
+        (lambda h: h["t"][2].__setitem__(3, [2, True]), "frame range must be"),
+        (lambda h: h["t"][2].__setitem__(3, {"s": 0, "o": 0}), "this peer mapped no ring"),
+        (lambda h: h["t"][2].__setitem__(3, {"s": 0}), "ring location must be"),
+        (lambda h: h["t"][2].__setitem__(3, {"s": -1, "o": 0}), "ring location must be"),
+        (lambda h: h["t"][2].__setitem__(3, {"s": 0, "o": 0, "x": 1}), "ring location must be"),
     ],
 )
 def test_bad_tensor_table(batch_frames, edit, match):
@@ -137,7 +146,7 @@ def test_decode_accepts_the_configured_cap_exactly(batch_frames):
 
 
 def test_frame_count_and_tensor_table_are_capped(batch_frames):
-    rejects([*batch_frames, *([b"x"] * codec.MAX_TENSORS)], "at most 64 tensor frames")
+    rejects([*batch_frames, *([b"x"] * codec.MAX_FRAMES)], f"at most {codec.MAX_FRAMES} raw frames")
     table = [[f"t{i}", "uint8", [1], b"\x00"] for i in range(codec.MAX_TENSORS + 1)]
     rejects(repack(batch_frames[:1], lambda h: h.update(t=table)), "over the cap of 64")
 

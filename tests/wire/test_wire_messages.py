@@ -35,7 +35,7 @@ def test_registry_covers_every_kind_once(messages):
 
 def test_kind_bytes_are_pinned():
     # Golden: kind bytes are part of the protocol; changing one needs a PROTOCOL_VERSION bump.
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
     assert {k.name: k.value for k in Kind} == {
         "HELLO": 1, "WELCOME": 2, "REJECT": 3, "READY": 4, "BATCH": 5, "ACK": 7,
         "METRICS": 8, "CHECKPOINT": 9, "HEARTBEAT": 10, "ERROR": 11, "DONE": 12, "BYE": 13,
@@ -45,14 +45,16 @@ def test_kind_bytes_are_pinned():
 def test_field_names_are_pinned():
     names = {k.name: [f.name for f in dataclasses.fields(cls)] for k, cls in MESSAGE_TYPES.items()}
     assert names == {
-        "HELLO": ["worker_name", "host", "pid", "device", "capabilities", "protocol_version"],
+        "HELLO": ["worker_name", "host", "pid", "device", "capabilities", "host_id",
+                  "protocol_version"],
         "WELCOME": [
             "run_id", "rank", "world_size", "rendezvous", "run_dir", "target_path", "feature_dtype",
             "hidden_size", "target_layer_ids", "vocab_size", "mask_token_id", "block_size", "drafter",
             "train", "resume_from", "heartbeat_s", "peer_timeout_s", "num_samples", "credits", "eval_batches",
+            "wire_dtype", "ring",
         ],
         "REJECT": ["reason"],
-        "READY": ["credits"],
+        "READY": ["credits", "shm"],
         "BATCH": ["batch_id", "epoch", "sample_ids", "lengths", "tensors", "for_eval"],
         "ACK": ["batch_ids", "step"],
         "METRICS": ["step", "values"],
