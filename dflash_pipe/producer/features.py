@@ -2,6 +2,12 @@
 
 Each thread owns one ``TargetCore`` on its own GPU, so every target GPU works in parallel (torch releases
 the GIL inside kernels). The producer's main thread never computes; it only routes.
+
+Features leave the GPU without stalling it: each batch's ``[T, k*H]`` features are copied into a host slot
+(``HostStaging``, pinned memory) on a side CUDA stream, and the thread launches the NEXT batch's forward
+before it waits for that copy (double buffering). The wire message's ``features`` tensor is a view of the
+slot, which rides on the ``ReadyBatch`` until the scheduler releases it on the ACK. On CPU the same steps
+run with a plain synchronous copy into the slot.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from dflash_pipe.data import Sample
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
+from dflash_pipe.producer.staging import HostSlot, HostStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
@@ -34,14 +41,9 @@ def pack(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[in
     return ids, mask, [int(s.input_ids.numel()) for s in samples]
 
 
-def build_batch(
-    core: TargetCore, plan: PlannedBatch, samples: Sequence[Sample], *, for_eval: bool = False
+def _message(
+    plan: PlannedBatch, lengths: list[int], tensors: dict[str, torch.Tensor], for_eval: bool
 ) -> m.Batch:
-    ids, mask, lengths = pack(samples)
-    feats = core.features(ids, lengths)  # [T, k*H] on the target device
-    tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), "features": feats.cpu()}
-    if for_eval:
-        tensors["target_next"] = core.greedy_next(ids, lengths).cpu()
     return m.Batch(
         batch_id=plan.batch_id,
         epoch=plan.epoch,
@@ -52,7 +54,83 @@ def build_batch(
     )
 
 
+def build_batch(
+    core: TargetCore, plan: PlannedBatch, samples: Sequence[Sample], *, for_eval: bool = False
+) -> m.Batch:
+    """One batch computed and copied synchronously into private memory (eval batches, kept for the whole
+    run: they must not hold a staging slot)."""
+    ids, mask, lengths = pack(samples)
+    tensors = {
+        "input_ids": ids,
+        "loss_mask": mask.to(torch.uint8),
+        "features": core.features(ids, lengths).cpu(),
+    }
+    if for_eval:
+        tensors["target_next"] = core.greedy_next(ids, lengths).cpu()
+    return _message(plan, lengths, tensors, for_eval)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A batch whose features are being copied into its host slot."""
+
+    ready: ReadyBatch
+    done: torch.cuda.Event | None
+    """Recorded on the copy stream after the copy; None when the copy ran synchronously (CPU)."""
+    source: torch.Tensor | None
+    """The device features, kept alive until the copy that reads them has finished."""
+
+    def wait(self) -> ReadyBatch:
+        if self.done is not None:
+            self.done.synchronize()
+        self.source = None
+        return self.ready
+
+
+class FeatureCopier:
+    """Launches a batch's forward and the asynchronous copy of its features into a staging slot."""
+
+    def __init__(self, core: TargetCore, staging: HostStaging) -> None:
+        self.core = core
+        self.staging = staging
+        cuda = core.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=core.device) if cuda else None
+
+    def launch(self, plan: PlannedBatch, samples: Sequence[Sample], *, flush=None) -> InFlight:
+        """Queues the forward and the device-to-host copy; returns without waiting for either (on CUDA).
+
+        ``flush()`` is called before blocking on a full staging area, so a batch this thread still holds
+        can free its way (a ring smaller than two slots per thread would otherwise deadlock)."""
+        ids, mask, lengths = pack(samples)
+        feats = self.core.features(ids, lengths)  # [T, k*H], queued on the current stream
+        slot = self._acquire(feats.numel() * feats.element_size(), flush)
+        host = slot.view(tuple(feats.shape), feats.dtype)  # [T, k*H] in the slot
+        done = None
+        if self.stream is None:
+            host.copy_(feats)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(feats.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(feats, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), "features": host}
+        batch = _message(plan, lengths, tensors, for_eval=False)
+        ready = ReadyBatch(plan=plan, payload=batch, tokens=sum(lengths), slot=slot)
+        return InFlight(ready=ready, done=done, source=feats if done is not None else None)
+
+    def _acquire(self, nbytes: int, flush) -> HostSlot:
+        if flush is not None:
+            try:
+                return self.staging.acquire(nbytes, timeout_s=0.0)
+            except TimeoutError:
+                flush()
+        return self.staging.acquire(nbytes)
+
+
 class TargetThread(threading.Thread):
+    """Computes planned batches on one replica, two at a time: batch k's copy drains while k+1 computes."""
+
     def __init__(
         self,
         core: TargetCore,
@@ -61,6 +139,7 @@ class TargetThread(threading.Thread):
         ready: queue.Queue[ReadyBatch | TargetFailure],
         rate: RateMeter,
         name: str,
+        staging: HostStaging,
     ) -> None:
         super().__init__(name=f"target-{name}", daemon=True)
         self.core = core
@@ -69,18 +148,36 @@ class TargetThread(threading.Thread):
         self.ready = ready
         self.rate = rate
         self.replica = name
-        self.busy_s = 0.0
+        self.staging = staging
+        self._pending: InFlight | None = None
 
     def run(self) -> None:
-        import time
-
         try:
-            while (plan := self.plans.get()) is not None:
-                t0 = time.perf_counter()
-                batch = build_batch(self.core, plan, [self.samples[i] for i in plan.sample_ids])
-                tokens = sum(batch.lengths)
-                self.busy_s += time.perf_counter() - t0
-                self.rate.add(tokens)
-                self.ready.put(ReadyBatch(plan=plan, payload=batch, tokens=tokens))
+            if self.core.device.type == "cuda":
+                torch.cuda.set_device(self.core.device)  # streams and events of this thread live there
+            copier = FeatureCopier(self.core, self.staging)
+            while (plan := self._next_plan()) is not None:
+                launched = copier.launch(plan, [self.samples[i] for i in plan.sample_ids], flush=self._finish)
+                self._finish()  # the previous batch's copy drained while this one was queued
+                self._pending = launched
+            self._finish()
         except BaseException as exc:  # reported by the main thread, never swallowed
             self.ready.put(TargetFailure(replica=self.replica, error=exc))
+
+    def _next_plan(self) -> PlannedBatch | None:
+        """The next plan without waiting while a batch is pending; with none queued, hand that batch over
+        first (its consumers may be waiting for it), then wait."""
+        if self._pending is not None:
+            try:
+                return self.plans.get_nowait()
+            except queue.Empty:
+                self._finish()
+        return self.plans.get()
+
+    def _finish(self) -> None:
+        if self._pending is None:
+            return
+        ready = self._pending.wait()
+        self._pending = None
+        self.rate.add(ready.tokens)
+        self.ready.put(ready)

@@ -22,6 +22,7 @@ from dflash_pipe.producer.features import TargetFailure, TargetThread, build_bat
 from dflash_pipe.producer.record import bind_address, write_record
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.producer.staging import HostStaging, PrivateStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_bytes
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, make_logger
@@ -89,8 +90,12 @@ class ProducerProc:
         expected_workers: int,
         console: Any = None,
         live: bool | None = None,
+        staging: HostStaging | None = None,
     ) -> None:
+        """``staging``: host memory the target threads copy features into (default: private pinned buffers);
+        the producer closes it."""
         self.ctx = ctx
+        self.staging: HostStaging = staging if staging is not None else PrivateStaging()
         self.cfg = ctx.cfg
         self.expected_workers = expected_workers
         self.endpoint = ProducerEndpoint(
@@ -170,6 +175,7 @@ class ProducerProc:
                 self._ready,
                 self.target_rate,
                 name=str(core.device),
+                staging=self.staging,
             )
             thread.start()
             self._threads.append(thread)
@@ -393,8 +399,10 @@ class ProducerProc:
             self.scheduler.add_ready(item)
 
     def _refill(self) -> None:
-        """Keeps up to ``ready_batches`` computed or in computation, so the target never waits on us."""
-        while self._in_target + self.scheduler.ready_count() < self.cfg.wire.ready_batches + len(
+        """Keeps ``ready_batches`` computed plus two plans per target thread in computation, so no replica
+        waits on us: all threads take from one queue (an idle one takes the next plan), and each holds one
+        batch whose copy drains while it computes the next (``TargetThread``)."""
+        while self._in_target + self.scheduler.ready_count() < self.cfg.wire.ready_batches + 2 * len(
             self._threads
         ):
             if self._done_sent:
@@ -524,6 +532,7 @@ class ProducerProc:
         self.dashboard.close()
         self.metrics.close()
         self.endpoint.close()
+        self.staging.close()
 
 
 def _train_dict(cfg: Any) -> dict[str, Any]:
