@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
 from dflash_pipe.target.packing import (
@@ -44,7 +44,7 @@ class TargetCore:
 
     def __init__(
         self,
-        model_path: str | Path,
+        model_path: str | Path | PreTrainedConfig,
         layer_ids: Sequence[int],
         device: torch.device | str | Sequence[torch.device | str],
         dtype: torch.dtype,
@@ -52,27 +52,37 @@ class TargetCore:
         packing: Packing = "packed",
         attention: Attention | None = None,
     ) -> None:
-        """``device``: one device, or several to split the layers across (a target too big for one GPU).
+        """``model_path``: an HF model directory, or a config to build a randomly initialised target of that
+        shape straight on ``device`` (benchmarks). ``device``: one device, or several to split the layers
+        across (a target too big for one GPU).
 
         ``packing``: "packed" (one row, no padding) or "padded" (right-padded rows, the reference).
         ``attention`` (packed only): "flex" skips the masked tiles (compiled on CUDA), "sdpa" computes the
         dense ``[T, T]`` mask; None picks flex on CUDA when every layer is plain causal attention, else sdpa.
         """
-        from transformers import AutoConfig
-
         devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
         self.device = devices[0]
         self.devices = devices
         self.dtype = dtype
         self.packing: Packing = packing
-        self.attention: Attention = _pick_attention(
-            packing, attention, AutoConfig.from_pretrained(str(model_path)).get_text_config(), self.device
+        config = (
+            model_path
+            if isinstance(model_path, PreTrainedConfig)
+            else AutoConfig.from_pretrained(str(model_path))
         )
+        self.attention: Attention = _pick_attention(packing, attention, config.get_text_config(), self.device)
         implementation = register_flex_attention() if self.attention == "flex" else "sdpa"
-        # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_path), dtype=dtype, attn_implementation=implementation
-        )
+        if isinstance(model_path, PreTrainedConfig):
+            with torch.device(self.device if len(devices) == 1 else "cpu"):
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=dtype, attn_implementation=implementation
+                )
+            model_path = f"<random {type(config).__name__}>"
+        else:
+            # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=dtype, attn_implementation=implementation
+            )
         model.eval().requires_grad_(False)
         self.model: nn.Module = model
         self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models
