@@ -19,6 +19,7 @@ Two layouts, one interface (``model_inputs()`` for the HF forward, ``pack(x)`` t
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -134,6 +135,25 @@ def _compiled(fn_name: str) -> Callable:
     return torch.compile(getattr(flex, fn_name), dynamic=True)
 
 
+_COMPILE_LOCK = threading.Lock()
+_compiled_for: set[tuple[str, str, str]] = set()
+
+
+def _call_compiled(fn_name: str, length: int, device: torch.device, *args: Any, **kwargs: Any) -> Any:
+    """Calls a compiled function; the first call per (function, device, length class) holds a process-wide
+    lock, because compiling is not thread-safe and every target replica runs in its own thread. Length
+    classes are where Dynamo specialises despite dynamic=True: T == 1, and one flex tile (T <= 128)."""
+    size = "one" if length == 1 else "tile" if length <= 128 else "many"
+    key = (fn_name, str(device), size)
+    fn = _compiled(fn_name)
+    if key in _compiled_for:
+        return fn(*args, **kwargs)
+    with _COMPILE_LOCK:
+        out = fn(*args, **kwargs)
+        _compiled_for.add(key)
+    return out
+
+
 def packed_block_mask(sample: torch.Tensor, *, compile: bool):
     """BlockMask for one packed row: query q sees key k iff k <= q and both belong to the same sample.
 
@@ -150,9 +170,12 @@ def packed_block_mask(sample: torch.Tensor, *, compile: bool):
         kv = torch.clamp(kv_idx, max=last)
         return (kv_idx <= q_idx) & (sample[q] == sample[kv])
 
-    fn = _compiled("create_block_mask") if compile else create_block_mask
     n = sample.shape[0]
-    return fn(mask_mod, None, None, n, n, device=sample.device)
+    if compile:
+        return _call_compiled(
+            "create_block_mask", n, sample.device, mask_mod, None, None, n, n, device=sample.device
+        )
+    return create_block_mask(mask_mod, None, None, n, n, device=sample.device)
 
 
 def packed_flex_attention(
@@ -184,10 +207,11 @@ def packed_flex_attention(
             f"{type(module).__name__} asks for {unsupported or {'dropout': dropout}}, which the packed flex "
             'path does not implement; build the TargetCore with attention="sdpa"'
         )
-    fn = _compiled("flex_attention") if query.device.type == "cuda" else flex_attention
-    out = fn(
-        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-    )  # [1, Hq, T, D]
+    options = {"block_mask": attention_mask, "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
+    if query.device.type == "cuda":
+        out = _call_compiled("flex_attention", query.shape[2], query.device, query, key, value, **options)
+    else:
+        out = flex_attention(query, key, value, **options)  # [1, Hq, T, D]
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import packed_batch
 
-from dflash_pipe.target import TargetCore
+from dflash_pipe.target import TargetCore, packing
 from dflash_pipe.target.packing import PackedLayout, plain_causal
 from tests.tiny_models import tiny_qwen3_config
 
@@ -83,3 +83,18 @@ def test_compiled_flex_on_cuda_matches_padded_across_shapes(model_dir):
         torch.testing.assert_close(
             flex.features(ids, lengths), ref.features(ids, lengths), rtol=1e-4, atol=1e-4
         )
+
+
+def test_first_compiled_call_per_length_class_holds_the_compile_lock(monkeypatch):
+    """Target replicas are threads: each first call (which compiles) must be serialised, later ones not."""
+    held = []
+
+    def fake(*_args, **_kwargs):
+        held.append(packing._COMPILE_LOCK.locked())
+
+    monkeypatch.setattr(packing, "_compiled", lambda _name: fake)
+    monkeypatch.setattr(packing, "_compiled_for", set())
+    cuda0, cuda1 = torch.device("cuda:0"), torch.device("cuda:1")
+    for length, device in [(300, cuda0), (500, cuda0), (300, cuda1), (64, cuda0), (1, cuda0), (70, cuda0)]:
+        packing._call_compiled("flex_attention", length, device)
+    assert held == [True, False, True, True, True, False]
