@@ -153,7 +153,7 @@ class TargetThread(threading.Thread):
 
     def run(self) -> None:
         try:
-            if self.core.device.type == "cuda":
+            if self.core.device.type == "cuda" and self.core.device.index is not None:
                 torch.cuda.set_device(self.core.device)  # streams and events of this thread live there
             copier = FeatureCopier(self.core, self.staging)
             while (plan := self._next_plan()) is not None:
