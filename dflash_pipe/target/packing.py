@@ -163,9 +163,8 @@ def packed_block_mask(sample: torch.Tensor, *, compile: bool):
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    last = sample.shape[0] - 1
-
     def mask_mod(b, h, q_idx, kv_idx):
+        last = sample.shape[0] - 1  # from the tensor, not a captured int: one compiled graph for every T
         q = torch.clamp(q_idx, max=last)
         kv = torch.clamp(kv_idx, max=last)
         return (kv_idx <= q_idx) & (sample[q] == sample[kv])
