@@ -25,14 +25,10 @@ SHAPES = {
 }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args()
-    hidden, layers, heads, kv, head_dim, inter, vocab, tied = SHAPES[args.shape]
-    config = Qwen3Config(
+def qwen3_config(shape: str) -> Qwen3Config:
+    """The HF config of one of ``SHAPES`` (bf16, full causal attention in every layer)."""
+    hidden, layers, heads, kv, head_dim, inter, vocab, tied = SHAPES[shape]
+    return Qwen3Config(
         vocab_size=vocab,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -44,6 +40,15 @@ def main() -> None:
         tie_word_embeddings=tied,
         torch_dtype="bfloat16",
     )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    config = qwen3_config(args.shape)
     t0 = time.time()
     torch.manual_seed(0)
     with torch.device(args.device):

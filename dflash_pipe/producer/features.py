@@ -2,6 +2,12 @@
 
 Each thread owns one ``TargetCore`` on its own GPU, so every target GPU works in parallel (torch releases
 the GIL inside kernels). The producer's main thread never computes; it only routes.
+
+Features leave the GPU without stalling it: each batch's ``[T, k*H]`` features are copied into a host slot
+(``HostStaging``, pinned memory) on a side CUDA stream, and the thread launches the NEXT batch's forward
+before it waits for that copy (double buffering). The wire message's ``features`` tensor is a view of the
+slot, which rides on the ``ReadyBatch`` until the scheduler releases it on the ACK. On CPU the same steps
+run with a plain synchronous copy into the slot.
 """
 
 from __future__ import annotations
@@ -15,10 +21,13 @@ import torch
 
 from dflash_pipe.data import Sample
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
+from dflash_pipe.producer.staging import HostSlot, HostStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.fp8 import wire_features
+
+_SLOT_ALIGN = 64  # bytes; every wire tensor in a slot starts on this boundary
 
 
 @dataclass(slots=True)
@@ -35,20 +44,9 @@ def pack(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[in
     return ids, mask, [int(s.input_ids.numel()) for s in samples]
 
 
-def build_batch(
-    core: TargetCore,
-    plan: PlannedBatch,
-    samples: Sequence[Sample],
-    *,
-    for_eval: bool = False,
-    wire_dtype: str = "bf16",
+def _message(
+    plan: PlannedBatch, lengths: list[int], tensors: dict[str, torch.Tensor], for_eval: bool
 ) -> m.Batch:
-    ids, mask, lengths = pack(samples)
-    feats = core.features(ids, lengths)  # [T, k*H] on the target device
-    wire = wire_features(feats, len(core.layer_ids), wire_dtype)  # fp8: quantised on the target device
-    tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), **{k: v.cpu() for k, v in wire.items()}}
-    if for_eval:
-        tensors["target_next"] = core.greedy_next(ids, lengths).cpu()
     return m.Batch(
         batch_id=plan.batch_id,
         epoch=plan.epoch,
@@ -59,7 +57,94 @@ def build_batch(
     )
 
 
+def build_batch(
+    core: TargetCore,
+    plan: PlannedBatch,
+    samples: Sequence[Sample],
+    *,
+    for_eval: bool = False,
+    wire_dtype: str = "bf16",
+) -> m.Batch:
+    """One batch computed and copied synchronously into private memory (eval batches, kept for the whole
+    run: they must not hold a staging slot)."""
+    ids, mask, lengths = pack(samples)
+    wire = wire_features(core.features(ids, lengths), len(core.layer_ids), wire_dtype)
+    tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), **{k: v.cpu() for k, v in wire.items()}}
+    if for_eval:
+        tensors["target_next"] = core.greedy_next(ids, lengths).cpu()
+    return _message(plan, lengths, tensors, for_eval)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A batch whose features are being copied into its host slot."""
+
+    ready: ReadyBatch
+    done: torch.cuda.Event | None
+    """Recorded on the copy stream after the copy; None when the copy ran synchronously (CPU)."""
+    source: list[torch.Tensor] | None
+    """The device tensors, kept alive until the copy that reads them has finished."""
+
+    def wait(self) -> ReadyBatch:
+        if self.done is not None:
+            self.done.synchronize()
+        self.source = None
+        return self.ready
+
+
+class FeatureCopier:
+    """Launches a batch's forward and the asynchronous copy of its features into a staging slot."""
+
+    def __init__(self, core: TargetCore, staging: HostStaging, wire_dtype: str = "bf16") -> None:
+        self.core = core
+        self.staging = staging
+        self.wire_dtype = wire_dtype
+        cuda = core.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=core.device) if cuda else None
+
+    def launch(self, plan: PlannedBatch, samples: Sequence[Sample], *, flush=None) -> InFlight:
+        """Queues the forward and the device-to-host copy; returns without waiting for either (on CUDA).
+
+        ``flush()`` is called before blocking on a full staging area, so a batch this thread still holds
+        can free its way (a ring smaller than two slots per thread would otherwise deadlock)."""
+        ids, mask, lengths = pack(samples)
+        feats = self.core.features(ids, lengths)  # [T, k*H], queued on the current stream
+        # fp8: quantised on the target device, before the copy (half the bytes to move)
+        wire = wire_features(feats, len(self.core.layer_ids), self.wire_dtype)
+        offsets, nbytes = {}, 0
+        for name, t in wire.items():
+            offsets[name] = nbytes
+            nbytes += -(-t.numel() * t.element_size() // _SLOT_ALIGN) * _SLOT_ALIGN
+        slot = self._acquire(nbytes, flush)
+        host = {name: slot.view(tuple(t.shape), t.dtype, offsets[name]) for name, t in wire.items()}
+        done = None
+        if self.stream is None:
+            for name, t in wire.items():
+                host[name].copy_(t)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(feats.device))
+            with torch.cuda.stream(self.stream):
+                for name, t in wire.items():
+                    host[name].copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), **host}
+        batch = _message(plan, lengths, tensors, for_eval=False)
+        ready = ReadyBatch(plan=plan, payload=batch, tokens=sum(lengths), slot=slot)
+        return InFlight(ready=ready, done=done, source=list(wire.values()) if done is not None else None)
+
+    def _acquire(self, nbytes: int, flush) -> HostSlot:
+        if flush is not None:
+            try:
+                return self.staging.acquire(nbytes, timeout_s=0.0)
+            except TimeoutError:
+                flush()
+        return self.staging.acquire(nbytes)
+
+
 class TargetThread(threading.Thread):
+    """Computes planned batches on one replica, two at a time: batch k's copy drains while k+1 computes."""
+
     def __init__(
         self,
         core: TargetCore,
@@ -68,6 +153,7 @@ class TargetThread(threading.Thread):
         ready: queue.Queue[ReadyBatch | TargetFailure],
         rate: RateMeter,
         name: str,
+        staging: HostStaging,
         wire_dtype: str = "bf16",
     ) -> None:
         super().__init__(name=f"target-{name}", daemon=True)
@@ -77,20 +163,37 @@ class TargetThread(threading.Thread):
         self.ready = ready
         self.rate = rate
         self.replica = name
+        self.staging = staging
         self.wire_dtype = wire_dtype
-        self.busy_s = 0.0
+        self._pending: InFlight | None = None
 
     def run(self) -> None:
-        import time
-
         try:
-            while (plan := self.plans.get()) is not None:
-                t0 = time.perf_counter()
-                samples = [self.samples[i] for i in plan.sample_ids]
-                batch = build_batch(self.core, plan, samples, wire_dtype=self.wire_dtype)
-                tokens = sum(batch.lengths)
-                self.busy_s += time.perf_counter() - t0
-                self.rate.add(tokens)
-                self.ready.put(ReadyBatch(plan=plan, payload=batch, tokens=tokens))
+            if self.core.device.type == "cuda" and self.core.device.index is not None:
+                torch.cuda.set_device(self.core.device)  # streams and events of this thread live there
+            copier = FeatureCopier(self.core, self.staging, self.wire_dtype)
+            while (plan := self._next_plan()) is not None:
+                launched = copier.launch(plan, [self.samples[i] for i in plan.sample_ids], flush=self._finish)
+                self._finish()  # the previous batch's copy drained while this one was queued
+                self._pending = launched
+            self._finish()
         except BaseException as exc:  # reported by the main thread, never swallowed
             self.ready.put(TargetFailure(replica=self.replica, error=exc))
+
+    def _next_plan(self) -> PlannedBatch | None:
+        """The next plan without waiting while a batch is pending; with none queued, hand that batch over
+        first (its consumers may be waiting for it), then wait."""
+        if self._pending is not None:
+            try:
+                return self.plans.get_nowait()
+            except queue.Empty:
+                self._finish()
+        return self.plans.get()
+
+    def _finish(self) -> None:
+        if self._pending is None:
+            return
+        ready = self._pending.wait()
+        self._pending = None
+        self.rate.add(ready.tokens)
+        self.ready.put(ready)

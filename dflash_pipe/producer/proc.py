@@ -22,6 +22,7 @@ from dflash_pipe.producer.features import TargetFailure, TargetThread, build_bat
 from dflash_pipe.producer.record import bind_address, write_record
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.producer.staging import HostStaging, PrivateStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_bytes
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, make_logger
@@ -35,7 +36,6 @@ _SHOW_EVERY_S = 0.5
 _EVAL_BATCH_SAMPLES = 4
 REQUIRED_CAPABILITIES = ("frames",)
 """What a worker must support: payloads as raw tensor frames on the socket."""
-_STAGED_MIN_BYTES = 64 << 10
 """Tensors of a batch at least this big go into its ring slot (features, fp8 scales); the rest are frames."""
 
 
@@ -95,7 +95,11 @@ class ProducerProc:
         expected_workers: int,
         console: Any = None,
         live: bool | None = None,
+        staging: HostStaging | None = None,
     ) -> None:
+        """``staging``: host memory the target threads copy features into (default: the shared-memory ring
+        when there is one, so same-host workers read the slots directly, else private pinned buffers); the
+        producer closes it."""
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.expected_workers = expected_workers
@@ -147,6 +151,7 @@ class ProducerProc:
         self._lost: list[str] = []
         """One line per worker that died or vanished (the run went on without it)."""
         self.ring = self._make_ring()
+        self.staging: HostStaging = staging or self.ring or PrivateStaging()
         self._sent_by_ref = 0
         """BATCHes whose features went through the ring (a slot reference) instead of socket frames."""
 
@@ -173,7 +178,7 @@ class ProducerProc:
         k, width = len(self.ctx.drafter.target_layer_ids), self.ctx.drafter.feature_size
         per_token = width * (1 if wire.wire_dtype == "fp8" else self.ctx.target_dtype.itemsize) + 4 * k
         replicas = max(1, len(self.cfg.layout.target_devices()))
-        slots = wire.ready_batches + replicas + wire.worker_credits * max(1, self.expected_workers) + 1
+        slots = wire.ready_batches + 2 * replicas + wire.worker_credits * max(1, self.expected_workers) + 1
         try:
             return ShmRing.create(slots, tokens * per_token + 4096)
         except (RingUnavailable, OSError) as exc:
@@ -181,33 +186,6 @@ class ProducerProc:
                 raise RunAborted(f"wire.payload_path is shm, but no shared-memory ring: {exc}") from exc
             self._note(f"shared-memory ring unavailable ({exc}); payloads go as frames")
             return None
-
-    def _stage(self, item: ReadyBatch) -> None:
-        """Moves the batch's large tensors into a ring slot, if one is free right now.
-
-        A bridge until the target threads copy device-to-host straight into a slot (``HostStaging``): then
-        ``item.slot`` is already set and this does nothing. It never waits (the main thread must not block);
-        without a free slot the batch stays in private memory and goes as frames."""
-        if self.ring is None or item.slot is not None or not any(p.shm for p in self.peers.values()):
-            return
-        big = {
-            k: t for k, t in item.payload.tensors.items() if t.numel() * t.element_size() >= _STAGED_MIN_BYTES
-        }
-        if not big:
-            return
-        offsets, at = {}, 0
-        for name, t in big.items():
-            offsets[name] = at
-            at += -(-t.numel() * t.element_size() // 64) * 64
-        try:
-            slot = self.ring.acquire(at, timeout_s=0)
-        except TimeoutError:
-            return
-        for name, t in big.items():
-            view = slot.view(tuple(t.shape), t.dtype, offsets[name])
-            view.copy_(t)
-            item.payload.tensors[name] = view
-        item.slot = slot
 
     def start_targets(self) -> None:
         """One TargetCore per replica (a GPU, or a group of GPUs for a split target), each fed by its own
@@ -233,6 +211,7 @@ class ProducerProc:
                 self._ready,
                 self.target_rate,
                 name=str(core.device),
+                staging=self.staging,
                 wire_dtype=self.cfg.wire.wire_dtype,
             )
             thread.start()
@@ -469,12 +448,13 @@ class ProducerProc:
             if isinstance(item, TargetFailure):
                 raise RunAborted(f"target replica {item.replica} failed: {item.error!r}") from item.error
             self._in_target -= 1
-            self._stage(item)
             self.scheduler.add_ready(item)
 
     def _refill(self) -> None:
-        """Keeps up to ``ready_batches`` computed or in computation, so the target never waits on us."""
-        while self._in_target + self.scheduler.ready_count() < self.cfg.wire.ready_batches + len(
+        """Keeps ``ready_batches`` computed plus two plans per target thread in computation, so no replica
+        waits on us: all threads take from one queue (an idle one takes the next plan), and each holds one
+        batch whose copy drains while it computes the next (``TargetThread``)."""
+        while self._in_target + self.scheduler.ready_count() < self.cfg.wire.ready_batches + 2 * len(
             self._threads
         ):
             if self._done_sent:
@@ -606,6 +586,7 @@ class ProducerProc:
         self.dashboard.close()
         self.metrics.close()
         self.endpoint.close()
+        self.staging.close()
         if self.ring is not None:
             self.ring.close()
 

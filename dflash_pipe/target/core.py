@@ -2,67 +2,36 @@
 
 Knows models and tensors only (no sockets, threads or signals: the producer process wraps it).
 
-Packed batches arrive as ``input_ids [T]`` plus per-sample ``lengths``. For now they run padded (right
-padding + attention mask); everything layout-specific lives in ``_PaddedLayout`` so a varlen-attention
-packing can replace it without touching the capture logic.
+Packed batches arrive as ``input_ids [T]`` plus per-sample ``lengths``. By default they run as ONE row
+with position ids restarting per sample and attention blocked at sample boundaries (no padding computed);
+``packing="padded"`` runs right-padded rows instead (the reference). Layouts live in
+``dflash_pipe.target.packing``; the capture logic here does not depend on which one runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
+from dflash_pipe.target.packing import (
+    Attention,
+    PackedLayout,
+    Packing,
+    PaddedLayout,
+    check_lengths,
+    plain_causal,
+    register_flex_attention,
+)
 from dflash_pipe.target.placement import spread
 
 
 class _StopForward(Exception):
     """Raised by the hook on the last needed layer: later layers and the LM head never run."""
-
-
-@dataclass(frozen=True, slots=True)
-class _PaddedLayout:
-    """Right-padded ``[B, S]`` view of a packed ``[T]`` batch, and the way back."""
-
-    input_ids: torch.Tensor  # [B, S] int64, pad positions hold 0
-    attention_mask: torch.Tensor  # [B, S] int64, 1 on real tokens
-    valid: torch.Tensor  # [B, S] bool, same as attention_mask
-
-    @classmethod
-    def from_packed(cls, input_ids: torch.Tensor, lengths: Sequence[int]) -> _PaddedLayout:
-        """Split ``input_ids [T]`` by ``lengths`` into right-padded rows."""
-        lens = torch.as_tensor(list(lengths), dtype=torch.long, device=input_ids.device)  # [B]
-        batch, width = len(lengths), max(lengths)
-        valid = torch.arange(width, device=input_ids.device)[None, :] < lens[:, None]  # [B, S]
-        padded = torch.zeros(batch, width, dtype=torch.long, device=input_ids.device)  # [B, S]
-        padded[valid] = input_ids.long()  # row-major mask order == packed order
-        return cls(input_ids=padded, attention_mask=valid.long(), valid=valid)
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, S, ...]`` -> ``[T, ...]``: drop padding, samples back to back."""
-        return x[self.valid]
-
-
-def _check_lengths(input_ids: torch.Tensor, lengths: Sequence[int]) -> list[int]:
-    lens = [int(n) for n in lengths]
-    if input_ids.dim() != 1:
-        raise ValueError(
-            f"input_ids must be packed 1-D [T], got shape {tuple(input_ids.shape)}; "
-            "concatenate the samples and pass their lengths"
-        )
-    if not lens or min(lens) <= 0:
-        raise ValueError(f"lengths must be a non-empty list of positive ints, got {lens}")
-    if sum(lens) != input_ids.numel():
-        raise ValueError(
-            f"lengths sum to {sum(lens)} but input_ids has {input_ids.numel()} tokens; "
-            "pass one length per packed sample"
-        )
-    return lens
 
 
 def _layer_output(output: object) -> torch.Tensor:
@@ -75,18 +44,45 @@ class TargetCore:
 
     def __init__(
         self,
-        model_path: str | Path,
+        model_path: str | Path | PreTrainedConfig,
         layer_ids: Sequence[int],
         device: torch.device | str | Sequence[torch.device | str],
         dtype: torch.dtype,
+        *,
+        packing: Packing = "packed",
+        attention: Attention | None = None,
     ) -> None:
-        """``device``: one device, or several to split the layers across (a target too big for one GPU)."""
+        """``model_path``: an HF model directory, or a config to build a randomly initialised target of that
+        shape straight on ``device`` (benchmarks). ``device``: one device, or several to split the layers
+        across (a target too big for one GPU).
+
+        ``packing``: "packed" (one row, no padding) or "padded" (right-padded rows, the reference).
+        ``attention`` (packed only): "flex" skips the masked tiles (compiled on CUDA), "sdpa" computes the
+        dense ``[T, T]`` mask; None picks flex on CUDA when every layer is plain causal attention, else sdpa.
+        """
         devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
         self.device = devices[0]
         self.devices = devices
         self.dtype = dtype
-        # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, attn_implementation="sdpa")
+        self.packing: Packing = packing
+        config = (
+            model_path
+            if isinstance(model_path, PreTrainedConfig)
+            else AutoConfig.from_pretrained(str(model_path))
+        )
+        self.attention: Attention = _pick_attention(packing, attention, config.get_text_config(), self.device)
+        implementation = register_flex_attention() if self.attention == "flex" else "sdpa"
+        if isinstance(model_path, PreTrainedConfig):
+            with torch.device(self.device if len(devices) == 1 else "cpu"):
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=dtype, attn_implementation=implementation
+                )
+            model_path = f"<random {type(config).__name__}>"
+        else:
+            # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=dtype, attn_implementation=implementation
+            )
         model.eval().requires_grad_(False)
         self.model: nn.Module = model
         self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models
@@ -118,8 +114,8 @@ class TargetCore:
         LM head never runs; the final layer, if selected, comes from the decoder's normed output because
         that is what ``hidden_states[L]`` holds in HF.
         """
-        lens = _check_lengths(input_ids, lengths)
-        layout = _PaddedLayout.from_packed(input_ids.to(self.device), lens)
+        lens = check_lengths(input_ids, lengths)
+        layout = self._layout(input_ids, lens)
         hidden = self.hidden_size
         out = torch.empty(sum(lens), self.feature_size, dtype=self.dtype, device=self.device)  # [T, k*H]
         slots = {layer_id: j for j, layer_id in enumerate(self.layer_ids)}
@@ -141,9 +137,7 @@ class TargetCore:
 
         handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in hooked]
         try:
-            result = self.decoder(
-                input_ids=layout.input_ids, attention_mask=layout.attention_mask, use_cache=False
-            )
+            result = self.decoder(**layout.model_inputs(), use_cache=False)
         except _StopForward:
             result = None
         finally:
@@ -168,12 +162,38 @@ class TargetCore:
 
         Runs the full model including the LM head, so it is much costlier than ``features``.
         """
-        lens = _check_lengths(input_ids, lengths)
-        layout = _PaddedLayout.from_packed(input_ids.to(self.device), lens)
-        logits = self.model(
-            input_ids=layout.input_ids, attention_mask=layout.attention_mask, use_cache=False
-        ).logits  # [B, S, V]
+        lens = check_lengths(input_ids, lengths)
+        layout = self._layout(input_ids, lens)
+        logits = self.model(**layout.model_inputs(), use_cache=False).logits  # [B, S, V] or [1, T, V]
         return layout.pack(logits.argmax(dim=-1).to(self.device))  # [T]
+
+    def _layout(self, input_ids: torch.Tensor, lengths: list[int]) -> PackedLayout | PaddedLayout:
+        if self.packing == "padded":
+            return PaddedLayout.build(input_ids, lengths, self.device)
+        compile = self.device.type == "cuda"
+        return PackedLayout.build(input_ids, lengths, self.device, self.attention, compile=compile)
+
+
+def _pick_attention(
+    packing: Packing, attention: Attention | None, text_config: object, device: torch.device
+) -> Attention:
+    if packing not in ("packed", "padded"):
+        raise ValueError(f'packing must be "packed" or "padded", got {packing!r}')
+    if attention not in (None, "flex", "sdpa"):
+        raise ValueError(f'attention must be "flex", "sdpa" or None (pick), got {attention!r}')
+    fits = plain_causal(text_config)
+    if attention == "flex" and (packing == "padded" or not fits):
+        why = (
+            "padded rows use sdpa"
+            if packing == "padded"
+            else "the model has sliding-window or soft-capped layers"
+        )
+        raise ValueError(
+            f'attention="flex" needs packing="packed" and plain causal layers ({why}); use "sdpa"'
+        )
+    if attention is None:
+        attention = "flex" if packing == "packed" and fits and device.type == "cuda" else "sdpa"
+    return attention
 
 
 def _validate_layer_ids(layer_ids: Sequence[int], num_layers: int, model_path: str | Path) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 Parallel = Literal["auto", "replicas", "split"]
 HEADROOM = 1.3
@@ -92,6 +93,8 @@ def _inputs_to(device: torch.device) -> Callable[..., Any]:
 def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True) if value.device != device else value
+    if isinstance(value, BlockMask):  # a packed batch's flex mask goes wherever its layer runs
+        return value.to(device) if value.kv_num_blocks.device != device else value
     if isinstance(value, tuple):
         return tuple(_to(v, device) for v in value)
     if isinstance(value, list):

@@ -1,10 +1,12 @@
-"""TargetCore.features equals HF's output_hidden_states, and stops after the last needed layer."""
+"""TargetCore.features equals HF's output_hidden_states (packed and padded layouts), and stops after the last
+needed layer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import NUM_LAYERS, packed_batch
+from transformers import AutoModelForCausalLM
 
 from dflash_pipe.target import TargetCore
 
@@ -22,25 +24,46 @@ def _padded(ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.
     return out, mask
 
 
+def _plain_model(model_dir, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The target as a plain HF model (sdpa, no hooks): what an offline hidden-state dumper runs."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation="sdpa"
+    ).eval()
+
+
+LAYOUTS = [
+    pytest.param({"packing": "padded"}, id="padded"),
+    pytest.param({"packing": "packed", "attention": "sdpa"}, id="packed-sdpa"),
+    pytest.param({"packing": "packed", "attention": "flex"}, id="packed-flex"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("layer_ids", [(1, 3), (3, 0, 2), (0, NUM_LAYERS - 1), (NUM_LAYERS - 1,)])
-def test_features_equal_output_hidden_states(model_dir, layer_ids):
-    core = TargetCore(model_dir, layer_ids, torch.device("cpu"), torch.float32)
+def test_features_equal_output_hidden_states(model_dir, layer_ids, layout):
+    core = TargetCore(model_dir, layer_ids, torch.device("cpu"), torch.float32, **layout)
     ids = packed_batch(LENGTHS)
     feats = core.features(ids, LENGTHS)
     assert feats.shape == (sum(LENGTHS), len(layer_ids) * core.hidden_size)
     assert feats.dtype == torch.float32
 
-    # Exact: the same padded batch through a plain HF forward with output_hidden_states=True.
+    # A plain HF forward (sdpa) of the padded batch with output_hidden_states=True, its selected layers:
+    # bit-exact for the padded layout (same kernels), within fp32 rounding for the packed one.
+    plain = _plain_model(model_dir)
     padded, mask = _padded(ids, LENGTHS)
     with torch.no_grad():
-        hs = core.model(input_ids=padded, attention_mask=mask, output_hidden_states=True).hidden_states
+        hs = plain(input_ids=padded, attention_mask=mask, output_hidden_states=True).hidden_states
     ref = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[mask.bool()]  # [T, k*H]
-    assert torch.equal(feats, ref)
+    if layout["packing"] == "padded":
+        assert torch.equal(feats, ref)
+    else:
+        torch.testing.assert_close(feats, ref, rtol=1e-5, atol=1e-5)
 
     # Close: every sample alone, unpadded (padding must not leak into real positions).
     for chunk, got in zip(ids.split(LENGTHS), feats.split(LENGTHS), strict=True):
         with torch.no_grad():
-            hs = core.model(input_ids=chunk[None], output_hidden_states=True).hidden_states
+            hs = plain(input_ids=chunk[None], output_hidden_states=True).hidden_states
         alone = torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1)
         torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
 
@@ -54,14 +77,16 @@ def test_features_on_cuda(model_dir, dtype):
     feats = core.features(ids, LENGTHS)
     assert feats.device.type == "cuda" and feats.dtype == dtype
     padded, mask = _padded(ids, LENGTHS)
+    plain = _plain_model(model_dir, dtype).cuda()
     with torch.no_grad():
-        hs = core.model(
+        hs = plain(
             input_ids=padded.cuda(), attention_mask=mask.cuda(), output_hidden_states=True
         ).hidden_states
     ref = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[mask.cuda().bool()]
-    assert torch.equal(feats, ref)
-    cpu = TargetCore(model_dir, layer_ids, "cpu", torch.float32).features(ids, LENGTHS)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert core.attention == "flex"  # the default on CUDA for plain causal models
+    torch.testing.assert_close(feats, ref, rtol=tol, atol=tol)
+    cpu = TargetCore(model_dir, layer_ids, "cpu", torch.float32, packing="padded").features(ids, LENGTHS)
     torch.testing.assert_close(feats.float().cpu(), cpu, rtol=tol, atol=tol)
     greedy = core.greedy_next(ids.cuda(), LENGTHS)
     assert greedy.device.type == "cuda" and greedy.shape == (sum(LENGTHS),)

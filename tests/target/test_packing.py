@@ -1,0 +1,100 @@
+"""Packed layout: one row, position ids restarting per sample, no attention across sample boundaries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import packed_batch
+
+from dflash_pipe.target import TargetCore, packing
+from dflash_pipe.target.packing import PackedLayout, plain_causal
+from tests.tiny_models import tiny_qwen3_config
+
+LENGTHS = [9, 1, 14, 6]
+LAYERS = (0, 2, 4)
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_packed_equals_padded(model_dir, attention):
+    ids = packed_batch(LENGTHS, seed=5)
+    padded = TargetCore(model_dir, LAYERS, "cpu", torch.float32, packing="padded").features(ids, LENGTHS)
+    packed = TargetCore(model_dir, LAYERS, "cpu", torch.float32, attention=attention).features(ids, LENGTHS)
+    assert (packed - padded).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_no_attention_across_samples(model_dir, attention):
+    core = TargetCore(model_dir, LAYERS, "cpu", torch.float32, attention=attention)
+    ids = packed_batch(LENGTHS, seed=6)
+    changed = ids.clone()
+    changed[: LENGTHS[0]] = (changed[: LENGTHS[0]] + 1) % 97  # sample A (the first) gets other tokens
+    before = core.features(ids, LENGTHS).split(LENGTHS)
+    after = core.features(changed, LENGTHS).split(LENGTHS)
+    assert (before[0] - after[0]).abs().max().item() > 1e-3  # A's features do depend on A's tokens
+    for b, a in zip(before[1:], after[1:], strict=True):  # every later sample is untouched by A
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_position_ids_restart_per_sample():
+    layout = PackedLayout.build(torch.arange(6), [2, 3, 1], torch.device("cpu"), "sdpa", compile=False)
+    assert layout.input_ids.tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert layout.position_ids.tolist() == [[0, 1, 0, 1, 2, 0]]
+    assert layout.attention_mask is None  # sdpa: transformers builds the block-diagonal mask itself
+
+
+def test_flex_block_mask_is_block_diagonal_causal():
+    layout = PackedLayout.build(torch.arange(5), [2, 3], torch.device("cpu"), "flex", compile=False)
+    dense = layout.attention_mask.to_dense()  # [1, 1, q blocks, kv blocks]: one 128-tile here
+    assert dense.shape[-2:] == (1, 1) and int(dense.sum()) == 1
+    q = torch.arange(5)
+    sample = torch.tensor([0, 0, 1, 1, 1])
+    want = (q[None, :] <= q[:, None]) & (sample[:, None] == sample[None, :])
+    got = layout.attention_mask.mask_mod(0, 0, q[:, None], q[None, :])
+    assert torch.equal(got, want)
+
+
+def test_single_sample_is_plain_causal(model_dir):
+    """One sample in the row: HF sees no restart and runs ordinary causal attention."""
+    ids = packed_batch([12], seed=7)
+    padded = TargetCore(model_dir, LAYERS, "cpu", torch.float32, packing="padded").features(ids, [12])
+    packed = TargetCore(model_dir, LAYERS, "cpu", torch.float32).features(ids, [12])
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_choice(qwen3_dir):
+    assert TargetCore(qwen3_dir, [0], "cpu", torch.float32).attention == "sdpa"  # CPU default
+    with pytest.raises(ValueError, match='needs packing="packed"'):
+        TargetCore(qwen3_dir, [0], "cpu", torch.float32, packing="padded", attention="flex")
+    with pytest.raises(ValueError, match="packing must be"):
+        TargetCore(qwen3_dir, [0], "cpu", torch.float32, packing="ragged")  # type: ignore[arg-type]
+    assert plain_causal(tiny_qwen3_config())
+    assert not plain_causal(tiny_qwen3_config(use_sliding_window=True, sliding_window=8, max_window_layers=0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_on_cuda_matches_padded_across_shapes(model_dir):
+    """Compiled flex (dynamic shapes) against the padded reference for several batch shapes in a row."""
+    flex = TargetCore(model_dir, LAYERS, "cuda", torch.float32)
+    ref = TargetCore(model_dir, LAYERS, "cuda", torch.float32, packing="padded")
+    assert flex.attention == "flex"
+    for seed, lengths in enumerate([LENGTHS, [200, 3, 77], [129], [64] * 5]):
+        ids = packed_batch(lengths, seed=seed)
+        torch.testing.assert_close(
+            flex.features(ids, lengths), ref.features(ids, lengths), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_first_compiled_call_per_length_class_holds_the_compile_lock(monkeypatch):
+    """Target replicas are threads: each first call (which compiles) must be serialised, later ones not."""
+    held = []
+
+    def fake(*_args, **_kwargs):
+        held.append(packing._COMPILE_LOCK.locked())
+
+    monkeypatch.setattr(packing, "_compiled", lambda _name: fake)
+    monkeypatch.setattr(packing, "_compiled_for", set())
+    cuda0, cuda1 = torch.device("cuda:0"), torch.device("cuda:1")
+    for length, device in [(300, cuda0), (500, cuda0), (300, cuda1), (64, cuda0), (1, cuda0), (70, cuda0)]:
+        packing._call_compiled("flex_attention", length, device)
+    assert held == [True, False, True, True, True, False]
