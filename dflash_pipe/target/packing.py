@@ -139,7 +139,7 @@ _COMPILE_LOCK = threading.Lock()
 _compiled_for: set[tuple[str, str, str]] = set()
 
 
-def _call_compiled(fn_name: str, length: int, device: torch.device, *args: Any, **kwargs: Any) -> Any:
+def _call_compiled(fn_name: str, length: int, device: torch.device, /, *args: Any, **kwargs: Any) -> Any:
     """Calls a compiled function; the first call per (function, device, length class) holds a process-wide
     lock, because compiling is not thread-safe and every target replica runs in its own thread. Length
     classes are where Dynamo specialises despite dynamic=True: T == 1, and one flex tile (T <= 128)."""

@@ -85,6 +85,14 @@ def test_compiled_flex_on_cuda_matches_padded_across_shapes(model_dir):
         )
 
 
+def test_compiled_block_mask_equals_the_eager_one():
+    """compile=True goes through the compile lock with the device keyword (runs Inductor on CPU here)."""
+    ids = torch.arange(300)
+    eager = PackedLayout.build(ids, [100, 150, 50], torch.device("cpu"), "flex", compile=False)
+    compiled = PackedLayout.build(ids, [100, 150, 50], torch.device("cpu"), "flex", compile=True)
+    assert torch.equal(compiled.attention_mask.to_dense(), eager.attention_mask.to_dense())
+
+
 def test_first_compiled_call_per_length_class_holds_the_compile_lock(monkeypatch):
     """Target replicas are threads: each first call (which compiles) must be serialised, later ones not."""
     held = []
