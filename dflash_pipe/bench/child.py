@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 
+MIN_MEASURED_STEPS = 3
+"""Steps after the first that a timed drafter run trains at least, however short ``seconds`` is."""
+
+
 def main(argv: list[str]) -> int:
     kind, spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
@@ -51,6 +55,7 @@ class FileFeed:
         self.first_get: float | None = None
         self.last_ack: float | None = None
         self.tokens_after_first = 0
+        self.acks_after_first = 0
         self.tokens_total = 0
         self.done_sent = False
         self._features: dict[int, Any] = {}
@@ -65,6 +70,7 @@ class FileFeed:
             self.first_ack is not None
             and self.seconds is not None
             and time.time() - self.first_ack >= self.seconds
+            and self.acks_after_first >= MIN_MEASURED_STEPS
         )
         if over or (not self.cycle and self.next >= len(self.files)):
             self.done_sent = True
@@ -116,6 +122,7 @@ class FileFeed:
                 self.first_ack = now
             else:
                 self.tokens_after_first += tokens
+                self.acks_after_first += 1
             self.last_ack = now
 
     def send_and_flush(self, msg: Any, timeout_s: float = 5.0) -> bool:
@@ -257,11 +264,12 @@ def run_compile(spec: dict[str, Any]) -> dict[str, Any]:
     warmed = time.time()
     k = len(spec["drafter"]["target_layer_ids"])
     gen = torch.Generator(device=device).manual_seed(1)
-    length = spec["step_seq_len"]
-    ids = torch.randint(0, spec["drafter"]["vocab_size"], (1, length), device=device, generator=gen)
+    # Batch 2, the warm-up's first shape: a warm worker's first real batch runs compiled code, not a recompile.
+    shape = (2, spec["step_seq_len"])
+    ids = torch.randint(0, spec["drafter"]["vocab_size"], shape, device=device, generator=gen)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    feats = torch.randn(1, length, k * spec["drafter"]["hidden_size"], device=device, generator=gen).to(dtype)
-    mask = torch.ones(1, length, dtype=torch.bool, device=device)
+    feats = torch.randn(*shape, k * spec["drafter"]["hidden_size"], device=device, generator=gen).to(dtype)
+    mask = torch.ones(*shape, dtype=torch.bool, device=device)
     with _autocast(device):
         out = model(ids, feats, mask, generator=gen)
     out.loss_sum.backward()

@@ -84,6 +84,9 @@ class BenchWork:
 
 def prepare_work(cfg: RunConfig) -> BenchWork:
     """Loads target config, tokenizer and data once (the demo target is built and cached if needed)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     ctx = prepare_run(cfg, resume=False, progress=False)
     lengths = [int(s.input_ids.numel()) for s in ctx.train_samples]
     plans = plan_batches(lengths, cfg.data.token_budget, seed=cfg.train.seed, epoch=0, exclude=set())
@@ -278,7 +281,8 @@ def transport_alone(work: BenchWork, seconds: float) -> StageRate:
         messages.append(m.Batch(batch_id=i, epoch=0, sample_ids=plan, lengths=lengths, tensors=tensors))
     endpoint = ProducerEndpoint(work.cfg.wire.bind)
     children = start_children(
-        work,
+        work.work_dir / "children",
+        work.cfg.cache_dir,
         "sink",
         [{"address": endpoint.address, "feature_size": work.feature_size, "device": d} for d in devices],
     )

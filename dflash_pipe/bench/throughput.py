@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dflash_pipe.bench.child import MIN_MEASURED_STEPS
 from dflash_pipe.bench.result import BenchResult
 from dflash_pipe.bench.save import goal
 from dflash_pipe.bench.stages import (
@@ -102,7 +103,7 @@ def run_pipeline(
 
     workers = work.cfg.layout.num_workers
     per_step = workers * work.mean_batch_tokens()
-    steps = max(4, math.ceil(seconds * bottleneck_rate / per_step) + 1)
+    steps = max(MIN_MEASURED_STEPS + 1, math.ceil(seconds * bottleneck_rate / per_step) + 1)
     epochs = math.ceil(steps * workers / len(work.plans)) + 1
     name = "pipeline" if mode is None else f"pipeline-{mode}"
     layout = work.cfg.layout if mode is None else dataclasses.replace(work.cfg.layout, drafter_mode=mode)

@@ -1,0 +1,32 @@
+"""`dflash-pipe bench compile` on CPU: cold, warm and N-together starts through the warm-up lock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.bench.helpers import read_result, run_bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_compile_cold_warm_and_together(tmp_path: Path):
+    out = tmp_path / "res"
+    done = run_bench("compile", "--device", "cpu", "--workers", "2", "--seq-len", "64", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = read_result(out, "compile")
+    rows = {r["case"]: r for r in data["rows"]}
+    cold, warm = rows["cold"], rows["warm"]
+    together = [r for case, r in rows.items() if case.startswith("together")]
+    assert len(together) == 2
+    assert cold["compiled_here"] and not warm["compiled_here"]
+    # Exactly one of the workers started together compiles; the other waits on the lock, then starts warm.
+    assert sorted(r["compiled_here"] for r in together) == [False, True]
+    assert max(r["waited_for_lock_s"] for r in together) > 0
+    assert warm["warmup_s"] < cold["warmup_s"]
+    s = data["summary"]
+    assert s["together_vs_cold"] == pytest.approx(s["together_slowest_s"] / s["cold_s"], rel=0.01)
+    assert s["goals"][0]["op"] == "<=" and s["goals"][0]["bound"] == 1.2
+    assert any("compiles the drafter's decoder layers" in n for n in s["notes"])
+    assert "cold_s" in done.stdout and "goal" in done.stdout
