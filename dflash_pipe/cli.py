@@ -505,6 +505,17 @@ def _bench_out(out: Path | None) -> Path:
     return out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
 
 
+def _bench_scratch(out: Path, keep: bool):
+    """Where a bench's scratch files go (run dirs, batch files, compile caches): OUT/work with
+    --keep-work, else a temporary directory removed at the end."""
+    import contextlib
+    import tempfile
+
+    if keep:
+        return contextlib.nullcontext(out / "work")
+    return tempfile.TemporaryDirectory(prefix="dflash-bench-")
+
+
 def _finish_bench(result, out: Path) -> None:
     from dflash_pipe.bench.save import save_result, show_result
 
@@ -528,6 +539,9 @@ def _bench_progress():
     return progress()
 
 
+_KEEP_OPTION = click.option(
+    "--keep-work", is_flag=True, help="Keep the scratch files (run dirs, logs, caches) in OUT/work."
+)
 _OUT_OPTION = click.option(
     "--out",
     "out_dir",
@@ -558,7 +572,8 @@ _OUT_OPTION = click.option(
 @click.option("--seconds", type=float, default=5.0, show_default=True, help="Measured seconds per stage.")
 @click.option("--compare", is_flag=True, help="Also run offline (features via disk) and threaded drafters.")
 @_OUT_OPTION
-def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, **opts) -> None:
+@_KEEP_OPTION
+def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_work: bool, **opts) -> None:
     """Tokens/s of the producer, the drafters and the transport alone and of the whole pipeline.
 
     \b
@@ -579,9 +594,9 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, **opts
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
     _check_machine(cfg)
-    with _bench_progress() as progress:
+    with _bench_scratch(out, keep_work) as scratch, _bench_progress() as progress:
         result = run_throughput_bench(
-            cfg, seconds=seconds, work_dir=out / "work", compare=compare, progress=progress
+            cfg, seconds=seconds, work_dir=Path(scratch), compare=compare, progress=progress
         )
     _finish_bench(result, out)
 
@@ -627,6 +642,7 @@ def bench_transport(
     "--seq-len", type=int, help="Tokens of the warm-up and the first step (default: 256 CPU, 2048 CUDA)."
 )
 @_OUT_OPTION
+@_KEEP_OPTION
 def bench_compile(
     target_model: Path | None,
     device: str,
@@ -635,6 +651,7 @@ def bench_compile(
     draft_layers: int | None,
     seq_len: int | None,
     out_dir: Path | None,
+    keep_work: bool,
 ) -> None:
     """Time to first training step: cold cache, warm cache, and N workers started together on one cache.
 
@@ -656,7 +673,7 @@ def bench_compile(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     gpus = parse_gpu_spec(drafter_gpus, flag="--drafter-gpus") if drafter_gpus else (0,)
     out = _bench_out(out_dir)
-    with _bench_progress() as progress:
+    with _bench_scratch(out, keep_work) as scratch, _bench_progress() as progress:
         try:
             result = run_compile_bench(
                 target_model=target_model,
@@ -665,7 +682,7 @@ def bench_compile(
                 workers=workers,
                 draft_layers=draft_layers,
                 seq_len=seq_len,
-                work_dir=out / "work",
+                work_dir=Path(scratch),
                 progress=progress,
             )
         except (ValueError, FileNotFoundError) as exc:

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 MIN_MEASURED_STEPS = 3
 """Steps after the first that a timed drafter run trains at least, however short ``seconds`` is."""
 
@@ -72,10 +71,11 @@ class FileFeed:
             and time.time() - self.first_ack >= self.seconds
             and self.acks_after_first >= MIN_MEASURED_STEPS
         )
-        if over or (not self.cycle and self.next >= len(self.files)):
+        drained = not self.cycle and self.next >= len(self.files) and not self.tokens_of
+        if over or drained:
             self.done_sent = True
             return m.Done(reason="bench finished")
-        if self.credits <= 0:
+        if self.credits <= 0 or (not self.cycle and self.next >= len(self.files)):
             time.sleep(min(timeout_s, 0.01))
             return None
         self.credits -= 1

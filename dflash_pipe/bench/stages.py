@@ -22,7 +22,7 @@ from dflash_pipe.bench.procs import start_children
 from dflash_pipe.config import RunConfig
 from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, pack
-from dflash_pipe.producer.scheduler import PlannedBatch
+from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext, prepare_run
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
@@ -126,6 +126,7 @@ def producer_alone(work: BenchWork, seconds: float) -> StageRate:
     plans: queue.Queue = queue.Queue()
     ready: queue.Queue = queue.Queue()
     threads = start_target_threads(work, plans, ready)
+    replicas = len(threads)
     next_plan = 0
 
     def feed(n: int) -> None:
@@ -135,27 +136,38 @@ def producer_alone(work: BenchWork, seconds: float) -> StageRate:
             plans.put(PlannedBatch(batch_id=next_plan, epoch=0, sample_ids=ids))
             next_plan += 1
 
-    def take() -> int:
-        item = ready.get(timeout=CHILD_TIMEOUT_S)
-        if isinstance(item, TargetFailure):
-            raise RuntimeError(f"target replica {item.replica} failed: {item.error!r}") from item.error
-        return item.tokens
-
     try:
-        feed(len(threads))
-        for _ in threads:
-            take()
-        feed(2 * len(threads))
+        feed(replicas)
+        for _ in range(replicas):
+            _take_ready(ready)
+        feed(2 * replicas)
         t0, tokens, batches = time.perf_counter(), 0, 0
         while time.perf_counter() - t0 < seconds or batches == 0:
-            tokens += take()
+            tokens += _take_ready(ready).tokens
             batches += 1
             feed(1)
         elapsed = time.perf_counter() - t0
     finally:
-        for _ in threads:
-            plans.put(None)
-    return StageRate("producer alone", tokens, elapsed, {"batches": batches, "replicas": len(threads)})
+        _stop(threads, plans)
+    return StageRate("producer alone", tokens, elapsed, {"batches": batches, "replicas": replicas})
+
+
+def _take_ready(ready: queue.Queue) -> ReadyBatch:
+    item = ready.get(timeout=CHILD_TIMEOUT_S)
+    if isinstance(item, TargetFailure):
+        raise RuntimeError(f"target replica {item.replica} failed: {item.error!r}") from item.error
+    return item
+
+
+def _stop(threads: list[TargetThread], plans: queue.Queue) -> None:
+    """Ends the target threads and frees their replicas' memory before the next stage starts."""
+    for _ in threads:
+        plans.put(None)
+    for thread in threads:
+        thread.join(timeout=CHILD_TIMEOUT_S)
+    threads.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --- batch files: (b) synthetic features and (e) offline ------------------------------------------------
@@ -166,28 +178,41 @@ def write_batch_files(
     out_dir: Path,
     *,
     features: bool,
-    seconds: float | None = None,
-    max_batches: int | None = None,
+    max_tokens: int | None = None,
+    min_batches: int = 1,
 ) -> dict[str, Any]:
-    """One safetensors file per planned batch (input_ids, loss_mask, lengths; features if asked).
+    """One safetensors file per planned batch (input_ids, loss_mask, lengths, sample_ids; features if
+    asked): every epoch-0 batch, or the plans (cycled) until ``max_tokens`` and ``min_batches`` are reached.
 
-    With ``features`` this is the offline trainer's first half: the target runs over the batches and each
-    batch's features are written to disk, stopping after ``seconds`` or ``max_batches``."""
+    With ``features`` this is the offline trainer's first half: the target replicas compute the batches
+    (each replica's first forward is start-up, outside the time) and each batch's features are written to
+    disk as they come."""
     from safetensors.torch import save_file
 
+    chosen = list(work.plans)
+    if max_tokens is not None:
+        chosen, total = [], 0
+        while total < max_tokens or len(chosen) < min_batches:
+            chosen.append(work.plans[len(chosen) % len(work.plans)])
+            total += sum(work.lengths(chosen[-1]))
     out_dir.mkdir(parents=True, exist_ok=True)
-    threads: list[TargetThread] = []
     plans_q: queue.Queue = queue.Queue()
     ready: queue.Queue = queue.Queue()
-    if features:
-        threads = start_target_threads(work, plans_q, ready)
-    limit = max_batches if max_batches is not None else len(work.plans)
+    threads = start_target_threads(work, plans_q, ready) if features else []
+    for _ in threads:
+        plans_q.put(PlannedBatch(batch_id=0, epoch=0, sample_ids=work.plans[0]))
+    for _ in threads:
+        _take_ready(ready)
     t0 = time.perf_counter()
-    written, tokens, nbytes = 0, 0, 0
+    nbytes = 0
     try:
-        for i, plan in enumerate(work.plans[:limit]):
-            if seconds is not None and written and time.perf_counter() - t0 >= seconds:
-                break
+        if features:
+            for i, plan in enumerate(chosen):
+                plans_q.put(PlannedBatch(batch_id=i, epoch=0, sample_ids=plan))
+        for k in range(len(chosen)):
+            item = _take_ready(ready) if features else None  # replicas may finish out of order
+            i = item.plan.batch_id if item is not None else k
+            plan = chosen[i]
             ids, mask, lengths = pack([work.ctx.train_samples[j] for j in plan])
             tensors = {
                 "input_ids": ids,
@@ -195,31 +220,22 @@ def write_batch_files(
                 "lengths": torch.tensor(lengths, dtype=torch.int64),
                 "sample_ids": torch.tensor(plan, dtype=torch.int64),
             }
-            if features:
-                plans_q.put(PlannedBatch(batch_id=i, epoch=0, sample_ids=plan))
-                item = ready.get(timeout=CHILD_TIMEOUT_S)
-                if isinstance(item, TargetFailure):
-                    raise RuntimeError(
-                        f"target replica {item.replica} failed: {item.error!r}"
-                    ) from item.error
+            if item is not None:
                 tensors["features"] = item.payload.tensors["features"].contiguous()
             path = out_dir / f"batch-{i:06d}.safetensors"
             save_file(tensors, str(path))
-            written += 1
-            tokens += sum(lengths)
             nbytes += path.stat().st_size
         if features:
             os.sync()  # the offline write is done when the bytes are on disk, not in the page cache
     finally:
-        for _ in threads:
-            plans_q.put(None)
-    return {"batches": written, "tokens": tokens, "bytes": nbytes, "seconds": time.perf_counter() - t0}
-
-
-# --- child processes -------------------------------------------------------------------------------------
+        _stop(threads, plans_q)
+    seconds = time.perf_counter() - t0
+    tokens = sum(sum(work.lengths(plan)) for plan in chosen)
+    return {"batches": len(chosen), "tokens": tokens, "bytes": nbytes, "seconds": seconds}
 
 
 def _start_store() -> tuple[torch.distributed.TCPStore, str]:
+    """The drafters' rendezvous store, in this process as in the producer."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     return store, f"tcp://127.0.0.1:{store.port}"
 
@@ -253,7 +269,7 @@ def drafters_alone(work: BenchWork, seconds: float) -> StageRate:
     """The real training loop on synthetic features of the right shape (no target, no wire); each
     worker's first step (compile, warm-up) is outside the window."""
     batch_dir = work.work_dir / "synthetic-batches"
-    write_batch_files(work, batch_dir, features=False, max_batches=64)
+    write_batch_files(work, batch_dir, features=False)
     results = drafters_on(work, batch_dir, seconds=seconds, synthetic=True)
     return lockstep_rate("drafters alone", results)
 

@@ -83,6 +83,10 @@ class ProducerSummary:
     """Seconds from the first ACK to the last one (the end's checkpoint and eval left out)."""
     ack_window_tokens: int = 0
     """Tokens acknowledged in that window (after the first ACK): their ratio is the training rate."""
+    produced_window_tokens: int = 0
+    """Tokens the target replicas finished in the same window. Over a short window the ready queue built
+    during start-up can feed the workers faster than the target produces; the smaller of the two counts is
+    what the pipeline sustains."""
     waits: dict[str, float] = field(default_factory=dict)
     """Where time went between the first ACK and DONE (see ``ProducerProc.wait_report``)."""
 
@@ -140,7 +144,9 @@ class ProducerProc:
         self._last_beat = 0.0
         self._bye_reason: str | None = None
         self._first_ack: tuple[float, int] | None = None
-        self._last_ack: tuple[float, int] | None = None
+        self._last_ack: tuple[float, int, float] | None = None
+        """(time, acked tokens, produced tokens) at the latest ACK."""
+        self._produced_at_first_ack = 0.0
         self.waits = TimeShares()
         """From the first ACK to DONE: idle target share, starved worker share, ready queue depth."""
         self._eval_batches: list[m.Batch] = []
@@ -221,6 +227,9 @@ class ProducerProc:
             else 0.0,
             ack_window_tokens=self._last_ack[1] - self._first_ack[1]
             if self._first_ack and self._last_ack
+            else 0,
+            produced_window_tokens=int(self._last_ack[2] - self._produced_at_first_ack)
+            if self._last_ack
             else 0,
             waits=self.wait_report(),
         )
@@ -376,7 +385,8 @@ class ProducerProc:
             self.scheduler.ack(peer_id, msg.batch_ids)
             if self._first_ack is None:
                 self._first_ack = (time.monotonic(), self.scheduler.stats.acked_tokens)
-            self._last_ack = (time.monotonic(), self.scheduler.stats.acked_tokens)
+                self._produced_at_first_ack = self.target_rate.total
+            self._last_ack = (time.monotonic(), self.scheduler.stats.acked_tokens, self.target_rate.total)
             self.train_rate.add(self.scheduler.stats.acked_tokens - tokens_before)
             peer.steps = msg.step
             self._step = max(self._step, msg.step)
