@@ -87,6 +87,8 @@ def prepare_work(cfg: RunConfig) -> BenchWork:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if cfg.layout.device == "cpu":  # the producer's thread budget in a CPU launch, for every stage here
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.layout.num_workers + 1)))
     ctx = prepare_run(cfg, resume=False, progress=False)
     lengths = [int(s.input_ids.numel()) for s in ctx.train_samples]
     plans = plan_batches(lengths, cfg.data.token_budget, seed=cfg.train.seed, epoch=0, exclude=set())

@@ -191,6 +191,13 @@ def _result(
         if other in rates and rates[other].tokens_per_s > 0:
             summary[f"pipeline_vs_{other.split()[0]}"] = round(pipeline / rates[other].tokens_per_s, 3)
     summary["goals"] = [goal("pipeline efficiency", summary["pipeline_efficiency"], at_least=EFFICIENCY_GOAL)]
+    layout = work.cfg.layout
+    if layout.device == "cpu" or layout.shared_gpus():
+        notes = notes + [
+            "each stage alone had its devices to itself; in the pipeline the target and the drafters share "
+            + ("the CPU cores" if layout.device == "cpu" else f"GPU(s) {layout.shared_gpus()}")
+            + ", so the efficiency here includes that sharing"
+        ]
     summary["notes"] = notes + [
         "target idle share: the target had nothing to compute (ready queue full, waiting for credits); "
         "workers starved share: workers held credits the producer could not fill (waiting for batches)"
