@@ -5,16 +5,32 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.bench.helpers import read_result, run_bench
 
 pytestmark = pytest.mark.slow
 
 
-def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path):
+DEVICES = {
+    "cpu": ["--device", "cpu"],
+    "cuda": ["--device", "cuda", "--target-gpus", "0", "--drafter-gpus", "0"],
+}
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+        ),
+    ],
+)
+def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path, device: str):
     out = tmp_path / "res"
     tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
-    done = run_bench("throughput", "--device", "cpu", "--seconds", "2", "--compare", "--out", str(out), *tiny)
+    done = run_bench("throughput", *DEVICES[device], "--seconds", "2", "--compare", "--out", str(out), *tiny)
     assert done.returncode == 0, done.stdout + done.stderr
     data = read_result(out, "throughput")
     rates = {row["stage"]: row["tokens_per_s"] for row in data["rows"]}
@@ -33,5 +49,5 @@ def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path):
     assert threads, summary
     offline = next(r for r in data["rows"] if r["stage"] == "offline (disk)")["detail"]
     assert offline["disk_bytes"] > 0 and offline["write_s"] > 0 and offline["train_s"] > 0
-    assert data["provenance"]["versions"]["torch"] and data["config"]["device"] == "cpu"
+    assert data["provenance"]["versions"]["torch"] and data["config"]["device"] == device
     assert "goal pipeline efficiency" in done.stdout and "tokens_per_s" in done.stdout
