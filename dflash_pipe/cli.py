@@ -569,7 +569,7 @@ _OUT_OPTION = click.option(
 @click.option("--draft-layers", type=int, help="Drafter depth (as `launch`).")
 @click.option("--max-anchors", type=int, help="Sampled blocks per sequence (as `launch`).")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), help="As `launch`.")
-@click.option("--seconds", type=float, default=5.0, show_default=True, help="Measured seconds per stage.")
+@click.option("--seconds", type=float, default=3.0, show_default=True, help="Measured seconds per stage.")
 @click.option("--compare", is_flag=True, help="Also run offline (features via disk) and threaded drafters.")
 @_OUT_OPTION
 @_KEEP_OPTION
