@@ -57,7 +57,7 @@ class FileFeed:
         self.acks_after_first = 0
         self.tokens_total = 0
         self.done_sent = False
-        self._features: dict[int, Any] = {}
+        self._features = None
 
     def get(self, timeout_s: float):
         from dflash_pipe.wire import messages as m
@@ -85,7 +85,6 @@ class FileFeed:
         return batch
 
     def _load(self, index: int):
-        import torch
         from safetensors.torch import load_file
 
         from dflash_pipe.wire import messages as m
@@ -93,13 +92,8 @@ class FileFeed:
         slot = index % len(self.files)
         t = load_file(self.files[slot])
         lengths = t["lengths"].tolist()
-        if self.synthetic:  # made once per file: the bench times training, not the random generator
-            if slot not in self._features:
-                gen = torch.Generator().manual_seed(slot)
-                self._features[slot] = torch.randn(sum(lengths), self.feature_size, generator=gen).to(
-                    self.dtype
-                )
-            t["features"] = self._features[slot]
+        if self.synthetic:  # one random buffer, sliced: the bench times training, not the generator
+            t["features"] = self._random_features(sum(lengths))
         self.tokens_of[index] = sum(lengths)
         return m.Batch(
             batch_id=index,
@@ -108,6 +102,14 @@ class FileFeed:
             lengths=lengths,
             tensors={k: t[k] for k in ("input_ids", "loss_mask", "features")},
         )
+
+    def _random_features(self, tokens: int):  # [tokens, k*H]
+        import torch
+
+        if self._features is None or self._features.shape[0] < tokens:
+            gen = torch.Generator().manual_seed(tokens)
+            self._features = torch.randn(tokens, self.feature_size, generator=gen).to(self.dtype)
+        return self._features[:tokens]
 
     def send(self, msg: Any) -> None:
         from dflash_pipe.wire import messages as m

@@ -80,9 +80,10 @@ class ProducerSummary:
     steady_tokens_per_s: float
     """Trained tokens/s from the first ACK to the end: the pipeline's rate once every worker is warm."""
     ack_window_s: float = 0.0
-    """Seconds from the first ACK to the last one (the end's checkpoint and eval left out)."""
+    """Seconds from the end of the first trained step (its last ACK) to the last ACK: every worker's first
+    step (compile, warm-up) and the end's checkpoint and eval are left out."""
     ack_window_tokens: int = 0
-    """Tokens acknowledged in that window (after the first ACK): their ratio is the training rate."""
+    """Tokens acknowledged in that window: their ratio is the pipeline's training rate."""
     produced_window_tokens: int = 0
     """Tokens the target replicas finished in the same window. Over a short window the ready queue built
     during start-up can feed the workers faster than the target produces; the smaller of the two counts is
@@ -144,9 +145,10 @@ class ProducerProc:
         self._last_beat = 0.0
         self._bye_reason: str | None = None
         self._first_ack: tuple[float, int] | None = None
+        self._window_start: tuple[int, float, int, float] | None = None
+        """(step, time, acked tokens, produced tokens) at the latest ACK of the first trained step."""
         self._last_ack: tuple[float, int, float] | None = None
         """(time, acked tokens, produced tokens) at the latest ACK."""
-        self._produced_at_first_ack = 0.0
         self.waits = TimeShares()
         """From the first ACK to DONE: idle target share, starved worker share, ready queue depth."""
         self._eval_batches: list[m.Batch] = []
@@ -222,17 +224,20 @@ class ProducerProc:
             acked_tokens=self.scheduler.stats.acked_tokens,
             duplicates_redelivered=self.scheduler.stats.redelivered,
             steady_tokens_per_s=self._steady_rate(),
-            ack_window_s=self._last_ack[0] - self._first_ack[0]
-            if self._first_ack and self._last_ack
-            else 0.0,
-            ack_window_tokens=self._last_ack[1] - self._first_ack[1]
-            if self._first_ack and self._last_ack
-            else 0,
-            produced_window_tokens=int(self._last_ack[2] - self._produced_at_first_ack)
-            if self._last_ack
-            else 0,
+            **self._ack_window(),
             waits=self.wait_report(),
         )
+
+    def _ack_window(self) -> dict[str, float]:
+        if self._window_start is None or self._last_ack is None:
+            return {}
+        _, t0, acked0, produced0 = self._window_start
+        t1, acked1, produced1 = self._last_ack
+        return {
+            "ack_window_s": t1 - t0,
+            "ack_window_tokens": acked1 - acked0,
+            "produced_window_tokens": int(produced1 - produced0),
+        }
 
     def wait_report(self) -> dict[str, float]:
         """Shares of the observed time: target replicas idle (the ready queue at its bound, waiting for
@@ -385,8 +390,10 @@ class ProducerProc:
             self.scheduler.ack(peer_id, msg.batch_ids)
             if self._first_ack is None:
                 self._first_ack = (time.monotonic(), self.scheduler.stats.acked_tokens)
-                self._produced_at_first_ack = self.target_rate.total
-            self._last_ack = (time.monotonic(), self.scheduler.stats.acked_tokens, self.target_rate.total)
+            now, acked, produced = time.monotonic(), self.scheduler.stats.acked_tokens, self.target_rate.total
+            if self._window_start is None or self._window_start[0] == msg.step:
+                self._window_start = (msg.step, now, acked, produced)
+            self._last_ack = (now, acked, produced)
             self.train_rate.add(self.scheduler.stats.acked_tokens - tokens_before)
             peer.steps = msg.step
             self._step = max(self._step, msg.step)
