@@ -595,9 +595,13 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_w
         raise click.UsageError(str(exc)) from None
     _check_machine(cfg)
     with _bench_scratch(out, keep_work) as scratch, _bench_progress() as progress:
-        result = run_throughput_bench(
-            cfg, seconds=seconds, work_dir=Path(scratch), compare=compare, progress=progress
-        )
+        try:
+            result = run_throughput_bench(
+                cfg, seconds=seconds, work_dir=Path(scratch), compare=compare, progress=progress
+            )
+        except (RuntimeError, ValueError, FileNotFoundError) as exc:  # a stage failed: its log's end
+            hint = "" if keep_work else " (rerun with --keep-work to keep the logs)"
+            raise click.ClickException(f"bench throughput failed{hint}: {exc}") from None
     _finish_bench(result, out)
 
 
@@ -687,6 +691,9 @@ def bench_compile(
             )
         except (ValueError, FileNotFoundError) as exc:
             raise click.UsageError(str(exc)) from None
+        except RuntimeError as exc:  # a worker start failed: the end of its log
+            hint = "" if keep_work else " (rerun with --keep-work to keep the logs)"
+            raise click.ClickException(f"bench compile failed{hint}: {exc}") from None
     _finish_bench(result, out)
 
 

@@ -34,26 +34,38 @@ class Children:
     procs: list[tuple[subprocess.Popen, Any, Path, Path]]
 
     def wait(self, timeout_s: float) -> list[dict]:
-        """Each child's result; a child that failed or timed out raises with the end of its log."""
-        results, failures = [], []
+        """Each child's result. When one fails (or ``timeout_s`` passes) the others are killed too, so
+        a lockstep partner never hangs in a collective; the error shows the end of each failed log."""
         deadline = time.monotonic() + timeout_s
-        for proc, log, out_path, log_path in self.procs:
-            try:
-                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
-            log.close()
-            if rc != 0 or not out_path.exists():
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-                failures.append(f"{self.kind} child {log_path} exited with {rc}:\n{tail}")
-            else:
+        try:
+            while any(proc.poll() is None for proc, *_ in self.procs):
+                if self.failed() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        finally:
+            self.kill()
+        results, failures = [], []
+        for proc, _, out_path, log_path in self.procs:
+            if proc.returncode == 0 and out_path.exists():
                 results.append(json.loads(out_path.read_text()))
+                continue
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+            why = (
+                f"exited with {proc.returncode}" if proc.returncode != -9 else "was stopped (see the others)"
+            )
+            failures.append(f"bench {self.kind} process ({log_path}) {why}:\n{tail}")
         if failures:
+            if time.monotonic() > deadline:
+                failures.insert(0, f"bench {self.kind} processes did not finish within {timeout_s:.0f} s")
             raise RuntimeError("\n".join(failures))
         return results
 
+    def failed(self) -> bool:
+        """Whether a child has already exited with an error."""
+        return any(proc.poll() not in (None, 0) for proc, *_ in self.procs)
+
     def kill(self) -> None:
+        """Kills the children still running; safe to call twice."""
         for proc, log, _, _ in self.procs:
             if proc.poll() is None:
                 proc.kill()

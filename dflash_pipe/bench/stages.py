@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dflash_pipe.bench.procs import start_children
+from dflash_pipe.bench.procs import Children, start_children
 from dflash_pipe.config import RunConfig
 from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, pack
@@ -260,11 +260,9 @@ def drafters_on(work: BenchWork, batch_dir: Path, *, seconds: float | None, synt
         for i, device in enumerate(devices)
     ]
     children = start_children(work.work_dir / "children", work.cfg.cache_dir, "drafter", specs)
-    try:
-        return children.wait(timeout_s=CHILD_TIMEOUT_S + (seconds or 0))
-    finally:
-        children.kill()
-        del store
+    results = children.wait(timeout_s=CHILD_TIMEOUT_S + (seconds or 0))
+    del store  # the children are gone; the rendezvous store can go too
+    return results
 
 
 def drafters_alone(work: BenchWork, seconds: float) -> StageRate:
@@ -305,7 +303,7 @@ def transport_alone(work: BenchWork, seconds: float) -> StageRate:
         [{"address": endpoint.address, "feature_size": work.feature_size, "device": d} for d in devices],
     )
     try:
-        tokens, window, batches = _serve_batches(endpoint, messages, seconds, receivers=len(devices))
+        tokens, window, batches = _serve_batches(endpoint, messages, seconds, children)
         children.wait(timeout_s=CHILD_TIMEOUT_S)
     finally:
         children.kill()
@@ -316,7 +314,7 @@ def transport_alone(work: BenchWork, seconds: float) -> StageRate:
 
 
 def _serve_batches(
-    endpoint: Any, messages: list[m.Batch], seconds: float, *, receivers: int
+    endpoint: Any, messages: list[m.Batch], seconds: float, receivers: Children
 ) -> tuple[int, float, int]:
     """Sends batches against credits until ``seconds`` after the first ACK, then DONE; waits for every
     receiver's BYE. Returns (tokens acked after the first ACK, that window in seconds, batches acked)."""
@@ -326,7 +324,9 @@ def _serve_batches(
     sent = acked = tokens = 0
     first = last = None
     deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while len(left) < receivers:
+    while len(left) < len(receivers.procs):
+        if receivers.failed():  # Children.wait reports which one and why
+            return 0, 0.0, 0
         if time.monotonic() > deadline:
             raise RuntimeError(f"transport bench: receivers did not finish within {CHILD_TIMEOUT_S:.0f} s")
         got = endpoint.recv(timeout_s=0.02)
