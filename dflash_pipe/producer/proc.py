@@ -25,7 +25,7 @@ from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.staging import HostStaging, PrivateStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_bytes
-from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, make_logger
+from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, TimeShares, make_logger
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.errors import BadMessage, PeerGoneError
 from dflash_pipe.wire.shm import RingUnavailable, ShmRing, host_identity
@@ -85,6 +85,17 @@ class ProducerSummary:
     duplicates_redelivered: int
     steady_tokens_per_s: float
     """Trained tokens/s from the first ACK to the end: the pipeline's rate once every worker is warm."""
+    ack_window_s: float = 0.0
+    """Seconds from the end of the first trained step (its last ACK) to the last ACK: every worker's first
+    step (compile, warm-up) and the end's checkpoint and eval are left out."""
+    ack_window_tokens: int = 0
+    """Tokens acknowledged in that window: their ratio is the pipeline's training rate."""
+    produced_window_tokens: int = 0
+    """Tokens the target replicas finished in the same window. Over a short window the ready queue built
+    during start-up can feed the workers faster than the target produces; the smaller of the two counts is
+    what the pipeline sustains."""
+    waits: dict[str, float] = field(default_factory=dict)
+    """Where time went between the first ACK and DONE (see ``ProducerProc.wait_report``)."""
 
 
 class ProducerProc:
@@ -147,6 +158,12 @@ class ProducerProc:
         self._last_beat = 0.0
         self._bye_reason: str | None = None
         self._first_ack: tuple[float, int] | None = None
+        self._window_start: tuple[int, float, int, float] | None = None
+        """(step, time, acked tokens, produced tokens) at the latest ACK of the first trained step."""
+        self._last_ack: tuple[float, int, float] | None = None
+        """(time, acked tokens, produced tokens) at the latest ACK."""
+        self.waits = TimeShares()
+        """From the first ACK to DONE: idle target share, starved worker share, ready queue depth."""
         self._eval_batches: list[m.Batch] = []
         self._lost: list[str] = []
         """One line per worker that died or vanished (the run went on without it)."""
@@ -252,6 +269,43 @@ class ProducerProc:
             acked_tokens=self.scheduler.stats.acked_tokens,
             duplicates_redelivered=self.scheduler.stats.redelivered,
             steady_tokens_per_s=self._steady_rate(),
+            **self._ack_window(),
+            waits=self.wait_report(),
+        )
+
+    def _ack_window(self) -> dict[str, float]:
+        if self._window_start is None or self._last_ack is None:
+            return {}
+        _, t0, acked0, produced0 = self._window_start
+        t1, acked1, produced1 = self._last_ack
+        return {
+            "ack_window_s": t1 - t0,
+            "ack_window_tokens": acked1 - acked0,
+            "produced_window_tokens": int(produced1 - produced0),
+        }
+
+    def wait_report(self) -> dict[str, float]:
+        """Shares of the observed time: target replicas idle (the ready queue at its bound, waiting for
+        credits), workers holding unused credits (waiting for batches), and the mean ready-queue depth."""
+        busy = sum(t.busy_s for t in self._threads)
+        return {
+            "observed_s": self.waits.elapsed_s,
+            "target_idle_share": self.waits.mean("target_idle"),
+            "workers_starved_share": self.waits.mean("workers_starved"),
+            "queue_depth_mean": self.waits.mean("queue_depth"),
+            "target_busy_s": busy,
+        }
+
+    def _observe_waits(self) -> None:
+        if self._first_ack is None or self._done_sent:
+            return
+        active = [p for p in self.peers.values() if not p.left and p.state == "training"]
+        idle = max(0, len(self._threads) - self._in_target)
+        self.waits.observe(
+            time.monotonic(),
+            target_idle=idle / max(len(self._threads), 1),
+            workers_starved=sum(p.credits > 0 for p in active) / max(len(active), 1),
+            queue_depth=self.scheduler.ready_count(),
         )
 
     def _steady_rate(self) -> float:
@@ -281,6 +335,7 @@ class ProducerProc:
             if got is not None:
                 self._handle(*got)
             self._dispatch()
+            self._observe_waits()
             if self.scheduler.finished() and not self._done_sent:
                 self._send_done("all epochs trained")
             self._watch_peers()
@@ -392,6 +447,10 @@ class ProducerProc:
             self.scheduler.ack(peer_id, msg.batch_ids)
             if self._first_ack is None:
                 self._first_ack = (time.monotonic(), self.scheduler.stats.acked_tokens)
+            now, acked, produced = time.monotonic(), self.scheduler.stats.acked_tokens, self.target_rate.total
+            if self._window_start is None or self._window_start[0] == msg.step:
+                self._window_start = (msg.step, now, acked, produced)
+            self._last_ack = (now, acked, produced)
             self.train_rate.add(self.scheduler.stats.acked_tokens - tokens_before)
             peer.steps = msg.step
             self._step = max(self._step, msg.step)
@@ -425,6 +484,9 @@ class ProducerProc:
             values["queue_depth"] = self.scheduler.ready_count()
             values["leased"] = self.scheduler.leased_count()
             values["batches_via_shm"] = self._sent_by_ref
+            waits = self.wait_report()
+            values["wait/target_idle_share"] = waits["target_idle_share"]
+            values["wait/workers_starved_share"] = waits["workers_starved_share"]
         if "tau" in values:
             self._state.tau = float(values["tau"])
         self.metrics.log(values, msg.step)

@@ -19,7 +19,7 @@ from dflash_pipe.telemetry.metrics import (
     read_metrics,
     sink_problem,
 )
-from dflash_pipe.telemetry.spans import RateMeter, SpanStats, SpanSummary, span
+from dflash_pipe.telemetry.spans import RateMeter, SpanStats, SpanSummary, TimeShares, span
 
 __all__ = [
     "Dashboard",
@@ -32,6 +32,7 @@ __all__ = [
     "SpanStats",
     "SpanSummary",
     "TensorBoardSink",
+    "TimeShares",
     "WandbSink",
     "WorkerRow",
     "latest_per_step",

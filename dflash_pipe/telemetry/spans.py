@@ -135,3 +135,36 @@ class RateMeter:
         cutoff = now - self.window_s
         while len(self._events) >= 2 and self._events[1][0] <= cutoff:
             self._events.popleft()
+
+
+class TimeShares:
+    """Seconds spent in named conditions, and time-weighted means of named levels, sampled tick by tick.
+
+    ``observe(now, waiting_for_credits=True, queue_depth=3)`` credits the time since the previous call to
+    the values seen then (a bool counts as 0/1), so ``seconds("waiting_for_credits")`` is how long that
+    condition held and ``mean("queue_depth")`` the average depth. Not thread-safe: one loop owns it.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[float, dict[str, float]] | None = None
+        self._integral: dict[str, float] = {}
+        self.elapsed_s = 0.0
+
+    def observe(self, now: float, **values: float) -> None:
+        if self._last is not None:
+            t0, previous = self._last
+            dt = max(0.0, now - t0)
+            self.elapsed_s += dt
+            for key, value in previous.items():
+                self._integral[key] = self._integral.get(key, 0.0) + dt * value
+        self._last = (now, {k: float(v) for k, v in values.items()})
+
+    def seconds(self, name: str) -> float:
+        """Integral of ``name`` over the observed time (for a condition: seconds it held)."""
+        return self._integral.get(name, 0.0)
+
+    def mean(self, name: str) -> float:
+        return self.seconds(name) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self._integral)

@@ -1,0 +1,225 @@
+"""`dflash-pipe bench throughput`: each stage alone and the whole pipeline, on the same data, in one run.
+
+Stages (tokens/s of the run's real samples, batched by the run's own plans):
+  producer alone   target forward over the batches, features dropped
+  drafters alone   the real training loop on synthetic features of the right shape (no target, no wire)
+  transport alone  BATCH messages of the right size through the real wire to worker processes
+  pipeline         a real `dflash-pipe launch` (producer + worker processes), bounded in steps
+With ``compare``: offline (features written to safetensors files, then read back for training, end to end)
+and the drafters as threads of the producer's process (``layout.drafter_mode = "threads"``, where built).
+
+Pipeline efficiency = pipeline / the slowest stage alone (goal >= 0.95). Where the time went comes from the
+producer's own counters (idle target share, starved worker share, ready-queue depth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash_pipe.bench.child import MIN_MEASURED_STEPS
+from dflash_pipe.bench.result import BenchResult
+from dflash_pipe.bench.save import goal
+from dflash_pipe.bench.stages import (
+    BenchWork,
+    StageRate,
+    drafters_alone,
+    drafters_on,
+    lockstep_rate,
+    prepare_work,
+    producer_alone,
+    transport_alone,
+    write_batch_files,
+)
+from dflash_pipe.config import RunConfig
+
+EFFICIENCY_GOAL = 0.95
+STAGES = ("producer alone", "drafters alone", "transport alone")
+Progress = Callable[[str], None]
+
+
+def bench_run_config(cfg: RunConfig, work_dir: Path) -> RunConfig:
+    """The user's run config, pointed at a scratch run dir: no eval, no checkpoint but the final one."""
+    return dataclasses.replace(
+        cfg,
+        run_dir=work_dir / "prepare",
+        eval_samples=0,
+        compile_cache=work_dir / "compile-cache",
+        train=dataclasses.replace(
+            cfg.train, checkpoint_every=10**9, eval_every=0, log_every=1, max_steps=None
+        ),
+    )
+
+
+def run_throughput_bench(
+    cfg: RunConfig,
+    *,
+    seconds: float,
+    work_dir: Path,
+    compare: bool = False,
+    progress: Progress | None = None,
+) -> BenchResult:
+    """Measures every stage for about ``seconds`` each (plus start-up), then the pipeline."""
+    say = progress or (lambda _text: None)
+    cfg = bench_run_config(cfg, Path(work_dir))
+    say("loading target config, tokenizer and data")
+    work = prepare_work(cfg)
+    rates: dict[str, StageRate] = {}
+    say(f"producer alone ({seconds:g} s)")
+    rates["producer alone"] = producer_alone(work, seconds)
+    say(f"drafters alone ({seconds:g} s after each worker's first step)")
+    rates["drafters alone"] = drafters_alone(work, seconds)
+    say(f"transport alone ({seconds:g} s)")
+    rates["transport alone"] = transport_alone(work, seconds)
+    slowest = min(STAGES, key=lambda s: rates[s].tokens_per_s)
+    say(f"pipeline: dflash-pipe launch for about {seconds:g} s of training")
+    pipeline, waits = run_pipeline(work, seconds, rates[slowest].tokens_per_s, mode=None)
+    rates["pipeline"] = pipeline
+    notes: list[str] = []
+    if compare:
+        say("offline: features to safetensors files, then training reads them back")
+        rates["offline (disk)"] = offline(work, pipeline.tokens)
+        if "drafter_mode" in {f.name for f in dataclasses.fields(cfg.layout)}:
+            say("drafters as threads of the producer's process")
+            rates["threads"], _ = run_pipeline(work, seconds, rates[slowest].tokens_per_s, mode="threads")
+        else:
+            notes.append("threads: not available in this build (no layout.drafter_mode)")
+    return _result(work, rates, waits, slowest, seconds=seconds, compare=compare, notes=notes)
+
+
+def run_pipeline(
+    work: BenchWork, seconds: float, bottleneck_rate: float, *, mode: str | None
+) -> tuple[StageRate, dict[str, float]]:
+    """A real launch (producer here, worker processes) bounded to about ``seconds`` of training by
+    ``max_steps``, sized from the slowest stage's rate; its rate is acked tokens between first and last ACK."""
+    from rich.console import Console
+
+    from dflash_pipe.launcher import launch
+
+    workers = work.cfg.layout.num_workers
+    per_step = workers * work.mean_batch_tokens()
+    # At least twice the producer's look-ahead (ready batches + one per replica) through the window.
+    buffered = work.cfg.wire.ready_batches + len(work.cfg.layout.target_devices())
+    steps = max(
+        MIN_MEASURED_STEPS + 1,
+        math.ceil(2 * buffered / workers) + 1,
+        math.ceil(seconds * bottleneck_rate / per_step) + 1,
+    )
+    epochs = math.ceil(steps * workers / len(work.plans)) + 1
+    name = "pipeline" if mode is None else f"pipeline-{mode}"
+    layout = work.cfg.layout if mode is None else dataclasses.replace(work.cfg.layout, drafter_mode=mode)
+    cfg = dataclasses.replace(
+        work.cfg,
+        run_dir=work.work_dir.parent / name,
+        layout=layout,
+        train=dataclasses.replace(work.cfg.train, max_steps=steps, epochs=max(epochs, work.cfg.train.epochs)),
+    )
+    quiet = Console(file=io.StringIO())
+    summary = launch(cfg, resume=False, console=quiet, live=False)
+    stage = "pipeline" if mode is None else mode
+    # Sustained = min(trained, produced) in the window: the ready queue filled during start-up can feed
+    # the workers faster than the target for a while, and must not count as pipeline throughput.
+    sustained = min(summary.ack_window_tokens, summary.produced_window_tokens)
+    extra = {
+        "steps": summary.steps,
+        "trained_tokens": summary.ack_window_tokens,
+        "produced_tokens": summary.produced_window_tokens,
+        "run_dir": str(cfg.run_dir),
+    }
+    return StageRate(stage, sustained, summary.ack_window_s, extra), summary.waits
+
+
+def offline(work: BenchWork, tokens: int) -> StageRate:
+    """An offline trainer on the same work (the pipeline's trained tokens): the target writes each batch's
+    features to a safetensors file, then the drafters train on exactly those files, read back from disk.
+    The rate is all those tokens over write time + training time (start-up and first steps left out)."""
+    out = work.work_dir / "offline-batches"
+    workers = work.cfg.layout.num_workers
+    written = write_batch_files(
+        work, out, features=True, max_tokens=tokens, min_batches=(MIN_MEASURED_STEPS + 1) * workers
+    )
+    results = drafters_on(work, out, seconds=None, synthetic=False)
+    train = lockstep_rate("offline training", results)
+    trained = sum(r["tokens_total"] for r in results)
+    # Each worker's first step (compile, warm-up) is left out, as in the other stages: the training time
+    # of all the written tokens at the rate after the first step.
+    train_s = trained / train.tokens_per_s if train.tokens_per_s > 0 else float("inf")
+    extra = {
+        "write_s": round(written["seconds"], 3),
+        "train_s": round(train_s, 3),
+        "disk_bytes": written["bytes"],
+        "train_tokens_per_s": round(train.tokens_per_s, 1),
+    }
+    return StageRate("offline (disk)", trained, written["seconds"] + train_s, extra)
+
+
+def _result(
+    work: BenchWork,
+    rates: dict[str, StageRate],
+    waits: dict[str, float],
+    slowest: str,
+    *,
+    seconds: float,
+    compare: bool,
+    notes: list[str],
+) -> BenchResult:
+    pipeline = rates["pipeline"].tokens_per_s
+    rows = []
+    for r in rates.values():
+        rows.append(
+            {
+                "stage": r.stage,
+                "tokens": r.tokens,
+                "seconds": round(r.seconds, 3),
+                "tokens_per_s": round(r.tokens_per_s, 1),
+                "vs_pipeline": round(r.tokens_per_s / pipeline, 3) if pipeline > 0 else None,
+                "detail": {k: v for k, v in r.extra.items() if k != "run_dir"},
+            }
+        )
+    efficiency = pipeline / rates[slowest].tokens_per_s if rates[slowest].tokens_per_s > 0 else None
+    summary: dict[str, Any] = {
+        "slowest_stage": slowest,
+        "pipeline_efficiency": None if efficiency is None else round(efficiency, 3),
+        "where_time_went": {k: round(v, 3) for k, v in waits.items()},
+    }
+    for other in ("offline (disk)", "threads"):
+        if other in rates and rates[other].tokens_per_s > 0:
+            summary[f"pipeline_vs_{other.split()[0]}"] = round(pipeline / rates[other].tokens_per_s, 3)
+    summary["goals"] = [goal("pipeline efficiency", summary["pipeline_efficiency"], at_least=EFFICIENCY_GOAL)]
+    layout = work.cfg.layout
+    if layout.device == "cpu" or layout.shared_gpus():
+        notes = notes + [
+            "each stage alone had its devices to itself; in the pipeline the target and the drafters share "
+            + ("the CPU cores" if layout.device == "cpu" else f"GPU(s) {layout.shared_gpus()}")
+            + ", so the efficiency here includes that sharing"
+        ]
+    summary["notes"] = notes + [
+        "target idle share: the target had nothing to compute (ready queue full, waiting for credits); "
+        "workers starved share: workers held credits the producer could not fill (waiting for batches)"
+    ]
+    d = work.ctx.drafter
+    config = {
+        "target_model": str(work.cfg.target_model) if work.cfg.target_model else "demo",
+        "device": work.cfg.layout.device,
+        "target_devices": work.cfg.layout.target_devices(),
+        "worker_devices": work.cfg.layout.worker_devices(),
+        "seconds": seconds,
+        "compare": compare,
+        "data": str(work.cfg.data.path),
+        "token_budget": work.cfg.data.token_budget,
+        "max_length": work.cfg.data.max_length,
+        "batches_per_epoch": len(work.plans),
+        "mean_batch_tokens": round(work.mean_batch_tokens(), 1),
+        "drafter": {"layers": d.num_hidden_layers, "hidden": d.hidden_size, "feature_size": d.feature_size},
+        "max_anchors": d.max_anchors,
+        "feature_dtype": str(work.feature_dtype).removeprefix("torch."),
+        "compile": work.cfg.train.compile,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    chart = {"x": "stage", "y": "tokens_per_s", "kind": "bar", "title": "tokens/s by stage (same data)"}
+    return BenchResult(name="throughput", config=config, rows=rows, summary=summary, chart=chart)

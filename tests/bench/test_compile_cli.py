@@ -1,0 +1,44 @@
+"""`dflash-pipe bench compile` on CPU: cold, warm and N-together starts through the warm-up lock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.bench.helpers import read_result, run_bench
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+        ),
+    ],
+)
+def test_compile_cold_warm_and_together(tmp_path: Path, device: str):
+    out = tmp_path / "res"
+    args = ["--device", device, "--workers", "2", "--seq-len", "128", "--draft-layers", "1"]
+    done = run_bench("compile", *args, "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = read_result(out, "compile")
+    rows = {r["case"]: r for r in data["rows"]}
+    cold, warm = rows["cold"], rows["warm"]
+    together = [r for case, r in rows.items() if case.startswith("together")]
+    assert len(together) == 2
+    assert cold["compiled_here"] and not warm["compiled_here"]
+    # Exactly one of the workers started together compiles; the other waits on the lock, then starts warm.
+    assert sorted(r["compiled_here"] for r in together) == [False, True]
+    assert max(r["waited_for_lock_s"] for r in together) > 0
+    assert warm["warmup_s"] < cold["warmup_s"]
+    s = data["summary"]
+    assert s["together_vs_cold"] == pytest.approx(s["together_slowest_s"] / s["cold_s"], rel=0.01)
+    assert s["goals"][0]["op"] == "<=" and s["goals"][0]["bound"] == 1.2
+    cpu_note = any("compiles the drafter's decoder layers" in n for n in s["notes"])
+    assert cpu_note == (device == "cpu")
+    assert "cold_s" in done.stdout and "goal" in done.stdout
