@@ -20,7 +20,7 @@ python3 -m dflash_pipe bench throughput --target-model "$work/target" --data "$w
     --target-gpus 0 --drafter-gpus 0 --token-budget 4096 --max-length 3072 \
     --seconds "$seconds" --compare --out "$out" 2>&1 | log
 # 2. Every transport against memcpy, landing on the GPU.
-python3 -m dflash_pipe bench transport --device cuda:0 --out "$out" 2>&1 | log
+python3 -m dflash_pipe bench transport --device cuda --sizes-mib 1,16,126 --out "$out" 2>&1 | log
 # 3. Time to first step: cold, warm, and 2 workers started together on one cache (both on GPU 0).
 python3 -m dflash_pipe bench compile --target-model "$work/target" --drafter-gpus 0 --workers 2 \
     --out "$out" 2>&1 | log

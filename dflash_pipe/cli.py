@@ -617,22 +617,33 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_w
 
 @bench.command("transport")
 @click.option("--sizes-mib", help="Comma-separated message sizes in MiB (default: the bench's own list).")
-@click.option("--seconds", type=float, help="Seconds per transport and size (default: the bench's own).")
-@click.option("--device", help="Device the receiver lands payloads on: cpu or cuda:N (default: auto).")
+@click.option(
+    "--budget-mib",
+    type=int,
+    default=384,
+    show_default=True,
+    help="MiB moved per path and size (>= 3 messages).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="cuda adds the GPU cases (device -> pinned host, GPU -> worker GPU); auto: when a GPU is present.",
+)
 @_OUT_OPTION
-def bench_transport(
-    sizes_mib: str | None, seconds: float | None, device: str | None, out_dir: Path | None
-) -> None:
+def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir: Path | None) -> None:
     """GB/s of every transport (tcp, ipc, same-host paths) by message size, against a memcpy of the same bytes.
 
     \b
-    Goal: the wire adds <= 5% over raw pyzmq at the same sizes. Example:
-      dflash-pipe bench transport --sizes-mib 1,4,16,64 --seconds 2
+    Goals: the wire adds <= 5% over raw pyzmq at the same sizes and frames; the same-host ring moves GPU ->
+    worker GPU at >= 25 GB/s. Example:
+      dflash-pipe bench transport --sizes-mib 1,16,126 --budget-mib 2048
     """
     from dflash_pipe.bench.transport import run_transport_bench
 
     try:
-        sizes = [float(x) for x in sizes_mib.split(",")] if sizes_mib else None
+        sizes = [float(x) for x in sizes_mib.split(",")] if sizes_mib else [1.0, 16.0, 126.0]
     except ValueError:
         raise click.UsageError(
             f"--sizes-mib {sizes_mib!r}: give numbers separated by commas, e.g. 1,4,16"
@@ -640,7 +651,8 @@ def bench_transport(
     out = _bench_out(out_dir)
     with _bench_progress() as progress:
         progress("transport")
-        result = run_transport_bench(sizes_mib=sizes, seconds=seconds, device=device)
+        cuda = None if device == "auto" else device == "cuda"
+        result = run_transport_bench(sizes, budget_mib=budget_mib, cuda=cuda)
     _finish_bench(result, out)
 
 
