@@ -8,7 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
+
+ON_EACH_DEVICE = pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+        ),
+    ],
+)
+"""Runs a bench test on CPU, and again on CUDA where a GPU is present."""
 
 
 def run_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -5,22 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.bench.helpers import read_result, run_bench
+from tests.bench.helpers import ON_EACH_DEVICE, read_result, run_bench
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-        ),
-    ],
-)
+@ON_EACH_DEVICE
 def test_compile_cold_warm_and_together(tmp_path: Path, device: str):
     out = tmp_path / "res"
     args = ["--device", device, "--workers", "2", "--seq-len", "128", "--draft-layers", "1"]

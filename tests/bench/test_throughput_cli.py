@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.bench.helpers import read_result, run_bench
+from tests.bench.helpers import ON_EACH_DEVICE, read_result, run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -18,15 +17,7 @@ DEVICES = {
 }
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-        ),
-    ],
-)
+@ON_EACH_DEVICE
 def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path, device: str):
     out = tmp_path / "res"
     tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
