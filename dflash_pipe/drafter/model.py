@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .checkpointing import CheckpointPolicy
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
@@ -141,6 +142,17 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _run_layer(layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, attend: Attend) -> Tensor:
+    return layer(x, ctx, rope_q, rope_k, attend)
+
+
+@functools.cache
+def _compiled_layer() -> Callable:
+    """One compiled function for every draft layer: the layer's weights are inputs, not constants, and a
+    fresh ``attend`` closure each step reuses the graph (its mask is an input too)."""
+    return torch.compile(_run_layer, dynamic=True)
+
+
 @functools.cache
 def _compiled_flex_attention() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
@@ -181,6 +193,8 @@ class DFlashDrafter(nn.Module):
         lm_head: nn.Linear,
         *,
         compile_attention: bool | None = None,
+        compile_layers: bool = False,
+        checkpointing: CheckpointPolicy | None = None,
         ce_chunk: int = DEFAULT_CE_CHUNK,
     ) -> None:
         super().__init__()
@@ -194,6 +208,8 @@ class DFlashDrafter(nn.Module):
         # a tuple keeps the frozen target parts out of the module tree (state_dict, .parameters(), .to()).
         self._target_parts = (embed_tokens, lm_head)
         self.compile_attention = compile_attention  # None = compile on CUDA
+        self.compile_layers = compile_layers  # torch.compile each draft layer (the SDPA path's compile)
+        self.checkpointing = checkpointing or CheckpointPolicy()
         self.ce_chunk = ce_chunk
         # fp32 angles on purpose: a plain attribute, so model.to(bfloat16) cannot round it.
         self.inv_freq = rope_inv_freq(cfg)
@@ -229,8 +245,17 @@ class DFlashDrafter(nn.Module):
         input_ids [B, S], features [B, S, k*H], anchors/valid [B, N]. Block b = [input_ids[anchor],
         MASK x (bs-1)] at positions anchor + [0..bs-1]; context keys sit at positions 0..S-1.
         """
+        return self._final_norm(self._layers_out(input_ids, features, anchors, valid), anchors.shape[1])
+
+    def _final_norm(self, x: Tensor, n: int) -> Tensor:
+        """x [B, N_pad*bs, H] (last layer's output) -> [B, N, bs, H] after the final norm."""
+        bsz, bs = x.shape[0], self.cfg.block_size
+        return self.norm(x).view(bsz, -1, bs, x.shape[-1])[:, :n]
+
+    def _layers_out(self, input_ids: Tensor, features: Tensor, anchors: Tensor, valid: Tensor) -> Tensor:
+        """The last draft layer's output before the final norm: [B, N_pad*bs, H]."""
         cfg, bs = self.cfg, self.cfg.block_size
-        bsz, n = anchors.shape
+        bsz = anchors.shape[0]
         device = input_ids.device
         backend = self.backend(device)
         if backend == "flex":
@@ -259,9 +284,10 @@ class DFlashDrafter(nn.Module):
             )
         else:
             attend = sdpa_attend(dense_mask(anchors, valid, seq_len, bs))
+        run = _compiled_layer() if self.compile_layers else _run_layer
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, attend)
-        return self.norm(x).view(bsz, n_pad, bs, -1)[:, :n]
+            x = self.checkpointing.run_layer(run, layer, x, ctx, rope_q, rope_k, attend)
+        return x
 
     def forward(
         self,
@@ -283,7 +309,21 @@ class DFlashDrafter(nn.Module):
             mask_token_id=cfg.mask_token_id,
             gamma=cfg.gamma,
         )
-        hidden = self.block_hidden(input_ids, features, anchors, valid)  # [B, N, bs, H]
-        return drafter_loss(
-            hidden, targets, self.lm_head.weight, chunk=self.ce_chunk, num_anchors=int(valid.sum().item())
+        x = self._layers_out(input_ids, features, anchors, valid)  # [B, N_pad*bs, H]
+        n, num_anchors = anchors.shape[1], int(valid.sum().item())
+
+        def head_loss(x: Tensor) -> tuple[Tensor, ...]:
+            hidden = self._final_norm(x, n)  # [B, N, bs, H]
+            out = drafter_loss(
+                hidden, targets, self.lm_head.weight, chunk=self.ce_chunk, num_anchors=num_anchors
+            )
+            return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_total
+
+        loss_sum, weight_sum, slot_correct, slot_total = self.checkpointing.run_loss(head_loss, x)
+        return DrafterOutput(
+            loss_sum=loss_sum,
+            weight_sum=weight_sum.detach(),
+            slot_correct=slot_correct.detach(),
+            slot_total=slot_total.detach(),
+            num_anchors=num_anchors,
         )
