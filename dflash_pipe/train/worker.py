@@ -139,6 +139,11 @@ def _serve(
             step, ledger = state.step, Ledger.from_dict(state.ledger)
         if len(devs) > 1:
             replicas = ThreadedReplicas(models, devs)
+            print(
+                f"dflash-pipe worker {name}: {len(devs)} drafter threads on {', '.join(map(str, devs))}",
+                file=sys.stderr,
+                flush=True,
+            )
         # Join the group only once warm: members never wait in a collective for someone compiling.
         group = DrafterGroup(
             welcome.rendezvous,
