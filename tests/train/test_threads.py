@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
+from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.drafter.compile_guard import GUARD
 from dflash_pipe.train.config import TrainConfig
@@ -26,26 +26,10 @@ from dflash_pipe.train.loop import WorkerSession, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.threads import ThreadedReplicas
 from dflash_pipe.wire import messages as m
+from tests.drafter.conftest import tiny_config
 
 NUM_BATCHES = 6
 WIDTH = 2
-CFG = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_hidden_layers=2,
-    vocab_size=50,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    block_size=4,
-    mask_token_id=49,
-    target_layer_ids=(0, 2),
-    num_target_layers=4,
-    max_anchors=6,
-    attention_backend="sdpa",
-)
 
 
 class FakeLink:
@@ -102,7 +86,7 @@ def make_batches() -> list[m.Batch]:
 
 
 def make_drafter(*, compile_layers: bool, mode: str) -> DFlashDrafter:
-    cfg = DrafterConfig(**CFG)
+    cfg = tiny_config(attention_backend="sdpa")
     torch.manual_seed(1)
     embed, head = (
         nn.Embedding(cfg.vocab_size, cfg.hidden_size),
@@ -134,7 +118,7 @@ def train(
             optimizer=build_optimizer(models[0].trainable_parameters(), train_cfg),
             ledger=Ledger(3 * NUM_BATCHES, 1),
             train=train_cfg,
-            drafter_config=DrafterConfig(**CFG).to_dict(),
+            drafter_config=tiny_config().to_dict(),
             run_dir=run_dir,
             device=devices[0],
             block_size=4,
