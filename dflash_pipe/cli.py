@@ -86,6 +86,11 @@ def main() -> None:
     "(auto: replicas when the weights fit one GPU).",
 )
 @click.option("--workers", type=int, default=2, show_default=True, help="Number of drafter workers on CPU.")
+@click.option(
+    "--drafter-mode",
+    type=click.Choice(["processes", "threads"]),
+    help="One worker process per drafter device (default), or one process with a drafter thread per device.",
+)
 @click.option("--epochs", type=int, help="Epochs over the data (recipe: 6; demo: 1).")
 @click.option("--max-steps", type=int, help="Stop after this many optimizer steps.")
 @click.option("--lr", type=float, help="Peak learning rate (recipe: 6e-4).")
@@ -116,6 +121,11 @@ def main() -> None:
     "compile_mode",
     type=click.Choice(["auto", "on", "off"]),
     help="torch.compile the drafter's flex attention (auto: on CUDA).",
+)
+@click.option(
+    "--activation-checkpointing",
+    type=click.Choice(["none", "layers", "loss", "all"]),
+    help="Recompute in backward: the draft layers, the LM-head loss, or both (default none).",
 )
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints (default 500).")
 @click.option("--eval-every", type=int, help="Steps between tau evaluations (default: only at the end).")
@@ -245,8 +255,13 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
 @click.option(
     "--connect", required=True, help="The producer's address, as `launch` printed it (tcp://HOST:PORT)."
 )
-@click.option("--device", help="Device of this worker: cpu or cuda:N.")
+@click.option("--device", help="Device of this worker: cpu or cuda:N; comma-separated for several.")
 @click.option("--gpus", help="Start one worker per GPU, e.g. 6 or 6,7.")
+@click.option(
+    "--threads",
+    is_flag=True,
+    help="One process for all the devices, a drafter thread each (launch --drafter-mode threads).",
+)
 @click.option("--name", help="Worker name in logs and the dashboard (default: HOST-DEVICE).")
 @click.option(
     "--compile-cache", type=click.Path(path_type=Path), help="torch.compile cache dir to share with the run."
@@ -274,6 +289,7 @@ def worker(
     connect: str,
     device: str | None,
     gpus: str | None,
+    threads: bool,
     name: str | None,
     compile_cache: Path | None,
     join_timeout: float,
@@ -286,6 +302,7 @@ def worker(
     Examples:
       dflash-pipe worker --connect tcp://10.0.0.5:5555 --gpus 6,7
       dflash-pipe worker --connect tcp://127.0.0.1:5555 --device cpu
+      dflash-pipe worker --connect tcp://10.0.0.5:5555 --gpus 6,7 --threads   # one process, two threads
     """
     import socket
     import subprocess
@@ -295,13 +312,13 @@ def worker(
 
     if bool(device) == bool(gpus):
         raise click.UsageError("Give exactly one of --device (cpu, cuda:N) or --gpus (e.g. 6,7).")
-    devices = [device] if device else [f"cuda:{i}" for i in parse_gpu_spec(gpus, flag="--gpus")]
+    devices = device.split(",") if device else [f"cuda:{i}" for i in parse_gpu_spec(gpus, flag="--gpus")]
     if compile_cache is not None:
         os.environ.update(compile_cache_env(compile_cache, workers_on_host=len(devices)))
     for key, value in SAFE_GPU_ENV.items():
         os.environ.setdefault(key, value)
     host = socket.gethostname()
-    if len(devices) > 1:
+    if len(devices) > 1 and not threads:
         procs = [
             subprocess.Popen(
                 [
@@ -331,8 +348,8 @@ def worker(
     sys.exit(
         run_worker(
             connect,
-            device=devices[0],
-            name=name or f"{host}-{devices[0]}",
+            device=",".join(devices),
+            name=name or f"{host}-{'+'.join(devices)}",
             join_timeout_s=join_timeout,
             started_at=_STARTED,
             keys=keys,

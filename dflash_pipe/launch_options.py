@@ -37,6 +37,7 @@ FLAG_FIELDS: dict[str, str] = {
     "lr": "train.lr",
     "seed": "train.seed",
     "compile_mode": "train.compile",
+    "activation_checkpointing": "train.activation_checkpointing",
     "checkpoint_every": "train.checkpoint_every",
     "eval_every": "train.eval_every",
     "bind": "wire.bind",
@@ -52,6 +53,7 @@ FLAG_FIELDS: dict[str, str] = {
     "drafter_gpus": "layout.drafter_gpus",
     "workers": "layout.cpu_workers",
     "target_parallel": "layout.target_parallel",
+    "drafter_mode": "layout.drafter_mode",
 }
 """launch option (click parameter name) -> the RunConfig field it sets."""
 _LAYOUT_FLAGS = ("device", "target_gpus", "drafter_gpus", "workers")
@@ -76,6 +78,8 @@ RESUME_OVERRIDES = {
     "drafter_gpus",
     "workers",
     "target_parallel",
+    "drafter_mode",
+    "activation_checkpointing",
     "live",
     "epochs",
     "log",
@@ -253,12 +257,13 @@ def plan_text(cfg: RunConfig, *, resume: bool) -> str:
     else:
         row("run dir", f"{run_dir} ({'exists' if run_dir.exists() else 'new'})")
     lay = cfg.layout
+    each = "threads of one worker process" if lay.drafter_mode == "threads" else "one worker process each"
     if lay.device == "cpu":
-        row("device", f"cpu: the target in this process, {lay.cpu_workers} CPU drafter worker process(es)")
+        row("device", f"cpu: the target in this process, {lay.cpu_workers} CPU drafter(s) ({each})")
     else:
         targets = ", ".join(lay.target_devices())
         row("target GPUs", f"{targets} ({len(lay.target_gpus)} replica thread(s) in the producer process)")
-        row("drafter GPUs", f"{', '.join(lay.worker_devices())} (one worker process each, NCCL)")
+        row("drafter GPUs", f"{', '.join(lay.worker_devices())} ({each}, NCCL)")
         shared = sorted(set(lay.target_gpus) & set(lay.drafter_gpus))
         if shared:
             row("", f"GPUs {shared} are shared by the target and a drafter (allowed, with a warning)")
@@ -270,10 +275,12 @@ def plan_text(cfg: RunConfig, *, resume: bool) -> str:
         + (f" with CURVE keys from {keys}" if keys else "")
         + f", heartbeat {cfg.wire.heartbeat_s} s, peer timeout {cfg.wire.peer_timeout_s} s",
     )
-    row("workers", f"{lay.num_workers} process(es), output in {run_dir / 'logs'}/workerN.log:")
-    for i, device in enumerate(lay.worker_devices()):
-        cmd = ["python", "-m", "dflash_pipe", "worker", "--connect", "<producer address>", "--device", device]
-        lines.append(" " * 15 + shlex.join([*cmd, "--name", f"worker{i}"]))
+    processes = lay.worker_processes()
+    row("workers", f"{len(processes)} process(es), output in {run_dir / 'logs'}/workerN.log:")
+    for i, devices in enumerate(processes):
+        cmd = ["python", "-m", "dflash_pipe", "worker", "--connect", "<producer address>"]
+        cmd += ["--device", ",".join(devices), "--name", f"worker{i}"]
+        lines.append(" " * 15 + shlex.join(cmd + (["--threads"] if lay.drafter_mode == "threads" else [])))
     row("compile cache", f"{cfg.cache_dir} (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)")
     sinks = []
     for kind in dict.fromkeys(["jsonl", *cfg.log]):

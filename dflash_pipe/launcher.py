@@ -1,5 +1,8 @@
 """``dflash-pipe launch``: the producer in this process, one worker process per drafter device.
 
+With ``--drafter-mode threads``, one worker process instead, running a drafter thread per drafter device
+(``train/threads.py``); to the producer it is a single peer holding the credits of all its drafters.
+
 Workers run ``python -m dflash_pipe worker`` (the same command users run to attach), in their own process
 session so a terminal Ctrl-C reaches only the producer, which drains them in order. Each worker's output
 goes to RUN_DIR/logs/; a worker dying is reported (name, exit status, last log lines) and the run goes on
@@ -65,21 +68,22 @@ class WorkerPool:
         self.adopted: list[AdoptedWorker] = []
 
     def start(self, previous: list[dict] | None = None) -> None:
-        """One worker per drafter device, except those a previous producer started that still run."""
+        """One worker per drafter device (or one for all, threaded), except those a previous producer
+        started that still run."""
         logs = self.cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        devices = self.cfg.layout.worker_devices()
+        drafters = self.cfg.layout.num_workers
         cpus = os.cpu_count() or 1
         running = {w["name"]: w for w in previous or [] if _is_worker_process(int(w["pid"]), self.address)}
-        for i, device in enumerate(devices):
-            name = f"worker{i}"
+        for i, devices in enumerate(self.cfg.layout.worker_processes()):
+            name, device = f"worker{i}", ",".join(devices)
             if name in running:
                 self.adopted.append(AdoptedWorker(name, device, int(running[name]["pid"])))
                 continue
             env = {**os.environ, **SAFE_GPU_ENV, "PYTHONUNBUFFERED": "1"}
-            env.update(compile_cache_env(self.cfg.cache_dir, workers_on_host=len(devices)))
-            if device == "cpu":
-                env["OMP_NUM_THREADS"] = str(max(1, cpus // (len(devices) + 1)))
+            env.update(compile_cache_env(self.cfg.cache_dir, workers_on_host=drafters))
+            if devices[0] == "cpu":
+                env["OMP_NUM_THREADS"] = str(max(1, cpus * len(devices) // (drafters + 1)))
             log_path = logs / f"{name}.log"
             log = open(log_path, "ab")  # noqa: SIM115 -- held open for the child; closed in stop()
             cmd = self.worker_command(name, device)
@@ -89,9 +93,12 @@ class WorkerPool:
             self.workers.append(WorkerProcess(name, device, proc, log_path, log))
 
     def worker_command(self, name: str, device: str) -> list[str]:
-        """The `dflash-pipe worker` command line of one launched worker (the same command users run)."""
+        """The `dflash-pipe worker` command line of one launched worker (the same command users run);
+        ``device`` is comma-separated in threaded mode (``cuda:0,cuda:1``), with ``--threads``."""
         cmd = [sys.executable, "-m", "dflash_pipe", "worker", "--connect", self.address, "--device", device]
         cmd += ["--name", name, "--reconnect-timeout", str(self.cfg.wire.reconnect_timeout_s)]
+        if self.cfg.layout.drafter_mode == "threads":
+            cmd += ["--threads"]
         if self.cfg.wire.keys is not None:
             cmd += ["--keys", str(self.cfg.wire.keys)]
         return cmd
@@ -201,11 +208,13 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
 
     ctx = prepare_run(cfg, resume=resume, progress=live)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
-    producer = ProducerProc(ctx, expected_workers=cfg.layout.num_workers, console=console, live=live)
+    processes = len(cfg.layout.worker_processes())
+    producer = ProducerProc(ctx, expected_workers=processes, console=console, live=live)
     pool = WorkerPool(cfg, producer.address)
     console.print(
         f"[bold]dflash-pipe[/] run {ctx.run_id}: producer at {producer.address}, "
-        f"{cfg.layout.num_workers} worker(s) on {', '.join(cfg.layout.worker_devices())}, "
+        f"{cfg.layout.num_workers} drafter(s) on {', '.join(cfg.layout.worker_devices())} "
+        f"({'threads of one worker process' if cfg.layout.drafter_mode == 'threads' else 'one process each'}), "
         f"{len(ctx.train_samples)} training samples, run dir {cfg.run_dir}"
         + (f", resuming from {ctx.resume_from.name}" if ctx.resume_from else "")
     )

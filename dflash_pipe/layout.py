@@ -42,6 +42,9 @@ class LayoutConfig:
     """Number of drafter workers when device is cpu."""
     target_parallel: Literal["auto", "replicas", "split"] = "auto"
     """One target replica per GPU (fits), one replica split by layers over all target GPUs, or auto."""
+    drafter_mode: Literal["processes", "threads"] = "processes"
+    """One worker process per drafter device, or one worker process running a drafter thread per device
+    (one CUDA context; compiles serialised by a process-wide lock)."""
 
     def __post_init__(self) -> None:
         self.target_gpus = tuple(self.target_gpus)
@@ -54,12 +57,20 @@ class LayoutConfig:
             raise ValueError(
                 f"--target-parallel must be auto, replicas or split, got {self.target_parallel!r}."
             )
+        if self.drafter_mode not in ("processes", "threads"):
+            raise ValueError(f"--drafter-mode must be processes or threads, got {self.drafter_mode!r}.")
         if self.cpu_workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.cpu_workers}.")
 
     @property
     def num_workers(self) -> int:
+        """Drafters trained together (one per drafter device), whatever the drafter mode."""
         return len(self.drafter_gpus) if self.device == "cuda" else self.cpu_workers
+
+    def worker_processes(self) -> list[list[str]]:
+        """The devices of each worker process: one each, or all of them in one process (threads)."""
+        devices = self.worker_devices()
+        return [devices] if self.drafter_mode == "threads" else [[d] for d in devices]
 
     def worker_devices(self) -> list[str]:
         if self.device == "cpu":

@@ -24,6 +24,7 @@ from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, pack
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext, prepare_run
+from dflash_pipe.producer.staging import PrivateStaging
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
 
@@ -116,7 +117,15 @@ def start_target_threads(work: BenchWork, plans: queue.Queue, ready: queue.Queue
         core = TargetCore(
             work.ctx.target_path, work.ctx.drafter.target_layer_ids, group, work.ctx.target_dtype
         )
-        thread = TargetThread(core, work.ctx.train_samples, plans, ready, RateMeter(), name=str(core.device))
+        thread = TargetThread(
+            core,
+            work.ctx.train_samples,
+            plans,
+            ready,
+            RateMeter(),
+            name=str(core.device),
+            staging=PrivateStaging(),  # as the producer does without a ring: pinned private buffers
+        )
         thread.start()
         threads.append(thread)
     return threads

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .checkpointing import CheckpointPolicy
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
@@ -26,9 +27,6 @@ from .masks import (
     sample_anchors,
     training_eligible,
 )
-
-RECOMPILE_LIMIT = 64
-"""Dynamo recompile limit while drafter layers are compiled (see ``DFlashDrafter._compile_layers_once``)."""
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B,Hq,Q,D], k, v [B,Hkv,K,D]) -> [B,Hq,Q,D]
 
@@ -144,6 +142,17 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _run_layer(layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, attend: Attend) -> Tensor:
+    return layer(x, ctx, rope_q, rope_k, attend)
+
+
+@functools.cache
+def _compiled_layer() -> Callable:
+    """One compiled function for every draft layer: the layer's weights are inputs, not constants, and a
+    fresh ``attend`` closure each step reuses the graph (its mask is an input too)."""
+    return torch.compile(_run_layer, dynamic=True)
+
+
 @functools.cache
 def _compiled_flex_attention() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
@@ -185,11 +194,14 @@ class DFlashDrafter(nn.Module):
         *,
         compile_attention: bool | None = None,
         compile_layers: bool | None = None,
+        checkpointing: CheckpointPolicy | None = None,
         ce_chunk: int = DEFAULT_CE_CHUNK,
     ) -> None:
         """``compile_attention``: torch.compile the flex mask and kernel (None: on CUDA).
-        ``compile_layers``: also compile each decoder layer whole, so Inductor fuses the norms, RoPE and
-        SwiGLU around the matmuls (None: whenever attention is compiled; 15% faster steps on the H200)."""
+        ``compile_layers``: also compile the decoder layers whole, so Inductor fuses the norms, RoPE and
+        SwiGLU around the matmuls (None: whenever attention is compiled; 25% faster steps on the H200, see
+        docs/performance.md). Dynamo's limits (recompile limit 64) are set by
+        ``compile_guard.apply_dynamo_settings`` in each thread that trains."""
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -202,7 +214,7 @@ class DFlashDrafter(nn.Module):
         self._target_parts = (embed_tokens, lm_head)
         self.compile_attention = compile_attention  # None = compile on CUDA
         self.compile_layers = compile_layers
-        self._layers_compiled = False
+        self.checkpointing = checkpointing or CheckpointPolicy()
         self.ce_chunk = ce_chunk
         # fp32 angles on purpose: a plain attribute, so model.to(bfloat16) cannot round it.
         self.inv_freq = rope_inv_freq(cfg)
@@ -235,18 +247,8 @@ class DFlashDrafter(nn.Module):
     def _compiles_attention(self, device: torch.device) -> bool:
         return self.compile_attention if self.compile_attention is not None else device.type == "cuda"
 
-    def _compile_layers_once(self, device: torch.device) -> None:
-        """In place (``Module.compile``), so parameter names and ``state_dict()`` keys do not change."""
-        wanted = self.compile_layers if self.compile_layers is not None else self._compiles_attention(device)
-        if wanted and not self._layers_compiled:
-            # One compiled code object serves every layer; variants (first layer's input has no grad,
-            # training vs eval, a few shape recompiles) would exceed Dynamo's default limit of 8 and
-            # silently fall back to eager. Dynamo config is per thread on torch >= 2.12: threaded mode
-            # applies it in each of its threads as well.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            for layer in self.layers:
-                layer.compile(dynamic=True)
-            self._layers_compiled = True
+    def _compiles_layers(self, device: torch.device) -> bool:
+        return self.compile_layers if self.compile_layers is not None else self._compiles_attention(device)
 
     def block_hidden(self, input_ids: Tensor, features: Tensor, anchors: Tensor, valid: Tensor) -> Tensor:
         """Final-norm hidden states of every block slot: [B, N, bs, H].
@@ -254,8 +256,17 @@ class DFlashDrafter(nn.Module):
         input_ids [B, S], features [B, S, k*H], anchors/valid [B, N]. Block b = [input_ids[anchor],
         MASK x (bs-1)] at positions anchor + [0..bs-1]; context keys sit at positions 0..S-1.
         """
+        return self._final_norm(self._layers_out(input_ids, features, anchors, valid), anchors.shape[1])
+
+    def _final_norm(self, x: Tensor, n: int) -> Tensor:
+        """x [B, N_pad*bs, H] (last layer's output) -> [B, N, bs, H] after the final norm."""
+        bsz, bs = x.shape[0], self.cfg.block_size
+        return self.norm(x).view(bsz, -1, bs, x.shape[-1])[:, :n]
+
+    def _layers_out(self, input_ids: Tensor, features: Tensor, anchors: Tensor, valid: Tensor) -> Tensor:
+        """The last draft layer's output before the final norm: [B, N_pad*bs, H]."""
         cfg, bs = self.cfg, self.cfg.block_size
-        bsz, n = anchors.shape
+        bsz = anchors.shape[0]
         device = input_ids.device
         backend = self.backend(device)
         if backend == "flex":
@@ -284,10 +295,10 @@ class DFlashDrafter(nn.Module):
             )
         else:
             attend = sdpa_attend(dense_mask(anchors, valid, seq_len, bs))
-        self._compile_layers_once(device)
+        run = _compiled_layer() if self._compiles_layers(device) else _run_layer
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, attend)
-        return self.norm(x).view(bsz, n_pad, bs, -1)[:, :n]
+            x = self.checkpointing.run_layer(run, layer, x, ctx, rope_q, rope_k, attend)
+        return x
 
     def forward(
         self,
@@ -309,7 +320,21 @@ class DFlashDrafter(nn.Module):
             mask_token_id=cfg.mask_token_id,
             gamma=cfg.gamma,
         )
-        hidden = self.block_hidden(input_ids, features, anchors, valid)  # [B, N, bs, H]
-        return drafter_loss(
-            hidden, targets, self.lm_head.weight, chunk=self.ce_chunk, num_anchors=int(valid.sum().item())
+        x = self._layers_out(input_ids, features, anchors, valid)  # [B, N_pad*bs, H]
+        n, num_anchors = anchors.shape[1], int(valid.sum().item())
+
+        def head_loss(x: Tensor) -> tuple[Tensor, ...]:
+            hidden = self._final_norm(x, n)  # [B, N, bs, H]
+            out = drafter_loss(
+                hidden, targets, self.lm_head.weight, chunk=self.ce_chunk, num_anchors=num_anchors
+            )
+            return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_total
+
+        loss_sum, weight_sum, slot_correct, slot_total = self.checkpointing.run_loss(head_loss, x)
+        return DrafterOutput(
+            loss_sum=loss_sum,
+            weight_sum=weight_sum.detach(),
+            slot_correct=slot_correct.detach(),
+            slot_total=slot_total.detach(),
+            num_anchors=num_anchors,
         )

@@ -27,7 +27,11 @@ class TrainConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the drafter's flex attention and block mask: auto = on for CUDA, off on CPU."""
+    """torch.compile the drafter: its decoder layers whole, plus the flex attention kernel and block mask
+    (flex path). auto = on for CUDA, off on CPU."""
+    activation_checkpointing: Literal["none", "layers", "loss", "all"] = "none"
+    """Recompute in backward instead of keeping: the draft layers' activations, the final norm + LM-head
+    loss, or both (less memory, more compute; see drafter/checkpointing.py)."""
     log_every: int = 10
 
     def __post_init__(self) -> None:
@@ -50,5 +54,10 @@ class TrainConfig:
             raise ValueError(f"train.max_steps must be >= 1 or unset, got {self.max_steps}.")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"train.compile must be auto, on or off, got {self.compile!r}.")
+        if self.activation_checkpointing not in ("none", "layers", "loss", "all"):
+            raise ValueError(
+                "train.activation_checkpointing must be none, layers, loss or all, "
+                f"got {self.activation_checkpointing!r}."
+            )
         if self.log_every < 1:
             raise ValueError(f"train.log_every must be >= 1, got {self.log_every}.")

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,6 +31,73 @@ class ProducerRefusedError(RuntimeError):
     """The producer answered with an error or a rejection instead of work."""
 
 
+class Replicas(Protocol):
+    """The drafter replicas of one group member and how they run one step's forward/backward."""
+
+    width: int
+    """Batches this member trains per step (one per replica)."""
+
+    def local_pass(self, s: WorkerSession, batches: list[m.Batch]) -> torch.Tensor:
+        """Forward/backward of ``batches``; leaves their summed gradients on ``s.model``, returns the totals."""
+        ...
+
+    def sync(self) -> None:
+        """After the weights of ``s.model`` changed: every other replica copies them."""
+        ...
+
+    def alone(self) -> contextlib.AbstractContextManager:
+        """Context in which the caller may run the drafter while no replica does (evaluation)."""
+        ...
+
+
+class OneReplica:
+    """Process mode: this process trains one drafter."""
+
+    width = 1
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def local_pass(self, s: WorkerSession, batches: list[m.Batch]) -> torch.Tensor:
+        return forward_backward(s, self.model, batches[0], device=s.device, virtual_rank=s.rank)
+
+    def sync(self) -> None:
+        return None
+
+    def alone(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def forward_backward(
+    s: WorkerSession,
+    model: torch.nn.Module,
+    batch: m.Batch,
+    *,
+    device: torch.device,
+    virtual_rank: int,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+) -> torch.Tensor:
+    """One replica's share of a step: its gradients accumulate on ``model``; returns the step totals
+    [weight, loss, tokens, correct per slot, seen per slot]. ``virtual_rank`` seeds the anchor sampling: a
+    threaded member's replica i samples exactly like process rank ``rank * width + i`` would."""
+    inputs = unpack(batch.tensors, batch.lengths, device, feature_size=s.feature_size)
+    generator = torch.Generator(device=device).manual_seed(_step_seed(s.train.seed, s.step, virtual_rank))
+    with _autocast(device):
+        out = model(inputs.input_ids, inputs.features, inputs.loss_mask, generator=generator)
+    backward(out.loss_sum)
+    totals = _zero_totals(s.block_size)
+    totals[0] = float(out.weight_sum)
+    totals[1] = float(out.loss_sum.detach())
+    totals[2] = inputs.tokens
+    totals[3 : 3 + s.block_size] = out.slot_correct.detach().double().cpu()
+    totals[3 + s.block_size :] = out.slot_total.detach().double().cpu()
+    return totals
+
+
+def _zero_totals(block_size: int) -> torch.Tensor:
+    return torch.zeros(3 + 2 * block_size, dtype=torch.float64)
+
+
 @dataclass(slots=True)
 class WorkerSession:
     """Everything one worker's loop needs, built by the worker process before training starts."""
@@ -38,6 +105,7 @@ class WorkerSession:
     link: ProducerLink
     group: DrafterGroup
     model: torch.nn.Module
+    """The drafter the optimizer steps (in threaded mode, replica 0)."""
     optimizer: torch.optim.Optimizer
     ledger: Ledger
     train: TrainConfig
@@ -50,6 +118,12 @@ class WorkerSession:
     block_size: int = 16
     feature_size: int | None = None
     """k*H: the width every BATCH's features must have."""
+    replicas: Replicas | None = None
+    """Who runs forward/backward: ``OneReplica`` (process mode, the default) or ``train.threads``."""
+
+    def __post_init__(self) -> None:
+        if self.replicas is None:
+            self.replicas = OneReplica(self.model)
 
     @property
     def rank(self) -> int:
@@ -79,22 +153,23 @@ def run_training(s: WorkerSession, leave_requested: Callable[[], bool]) -> LoopR
     done_reason: str | None = None
     last_checkpoint: Path | None = None
     first_step_done = False
-    generator = torch.Generator(device=s.device)
     while True:
         done_reason = _collect(s, pending, wait=not pending and done_reason is None) or done_reason
         stop_reason = done_reason
         if s.train.max_steps is not None and s.step >= s.train.max_steps:
             stop_reason = stop_reason or f"reached max_steps={s.train.max_steps}"
         leave = leave_requested()
-        batch = pending.popleft() if pending and stop_reason is None and not leave else None
-        pairs = _id_pairs(batch)
+        batches = []
+        while pending and stop_reason is None and not leave and len(batches) < s.replicas.width:
+            batches.append(pending.popleft())
+        pairs = _id_pairs(batches)
         try:
             vote = s.group.vote(
-                has_batch=batch is not None, stop=stop_reason is not None, leave=leave, num_ids=len(pairs)
+                has_batch=bool(batches), stop=stop_reason is not None, leave=leave, num_ids=len(pairs)
             )
             everyone_leaves = all(vote.leaving) and vote.waiting == 0
-            if (vote.stop or everyone_leaves or vote.regroup) and batch is not None:
-                pending.appendleft(batch)
+            if vote.stop or everyone_leaves or vote.regroup:
+                pending.extendleft(reversed(batches))
             if vote.stop or everyone_leaves:
                 reason = stop_reason or ("interrupted" if leave else "stopped by another worker")
                 return LoopResult(s.step, reason, last_checkpoint)
@@ -105,16 +180,15 @@ def run_training(s: WorkerSession, leave_requested: Callable[[], bool]) -> LoopR
                 continue
             if vote.active == 0:
                 continue
-            totals, weight, grad_norm = _train_step(s, batch, pairs, vote, generator)
+            totals, weight, grad_norm = _train_step(s, batches, pairs, vote)
         except GroupBrokenError as exc:
-            if batch is not None:
-                pending.appendleft(batch)
+            pending.extendleft(reversed(batches))
             s.optimizer.zero_grad(set_to_none=False)
             regroup(s, str(exc))
             continue
-        if batch is not None:
-            s.link.send(m.Ack(batch_ids=[batch.batch_id], step=s.step))
-            s.link.send(m.Ready(credits=1))
+        if batches:
+            s.link.send(m.Ack(batch_ids=[b.batch_id for b in batches], step=s.step))
+            s.link.send(m.Ready(credits=len(batches)))
         if not first_step_done:
             first_step_done = True
             s.link.send(m.Metrics(step=s.step, values={"time_to_first_step_s": time.time() - s.started_at}))
@@ -127,22 +201,11 @@ def run_training(s: WorkerSession, leave_requested: Callable[[], bool]) -> LoopR
 
 
 def _train_step(
-    s: WorkerSession, batch: m.Batch | None, pairs: torch.Tensor, vote: StepVote, generator: torch.Generator
+    s: WorkerSession, batches: list[m.Batch], pairs: torch.Tensor, vote: StepVote
 ) -> tuple[torch.Tensor, float, float]:
-    """Forward/backward of this rank's batch, the group's sums, one optimizer step. The weights move only
+    """Forward/backward of this member's batches, the group's sums, one optimizer step. The weights move only
     after every collective of the step succeeded, so a failed step leaves them untouched."""
-    totals = torch.zeros(3 + 2 * s.block_size, dtype=torch.float64)
-    if batch is not None:
-        inputs = unpack(batch.tensors, batch.lengths, s.device, feature_size=s.feature_size)
-        generator.manual_seed(_step_seed(s.train.seed, s.step, s.rank))
-        with _autocast(s.device):
-            out = s.model(inputs.input_ids, inputs.features, inputs.loss_mask, generator=generator)
-        out.loss_sum.backward()
-        totals[0] = float(out.weight_sum)
-        totals[1] = float(out.loss_sum.detach())
-        totals[2] = inputs.tokens
-        totals[3 : 3 + s.block_size] = out.slot_correct.detach().double().cpu()
-        totals[3 + s.block_size :] = out.slot_total.detach().double().cpu()
+    totals = s.replicas.local_pass(s, batches) if batches else _zero_totals(s.block_size)
     trained = s.group.gather_ids(pairs, vote.counts)
     totals = s.group.sum_vector(totals)
     s.group.sum_gradients(s.params)
@@ -155,6 +218,7 @@ def _train_step(
             grad_norm = float(torch.nn.utils.clip_grad_norm_(s.params, s.train.grad_clip))
         set_lr(s.optimizer, lr_at(s.ledger.progress(), s.train))
         s.optimizer.step()
+        s.replicas.sync()
     s.optimizer.zero_grad(set_to_none=False)
     s.step += 1
     for epoch in trained[:, 0].unique().tolist():
@@ -171,6 +235,7 @@ def regroup(s: WorkerSession, why: str) -> None:
             s.step, s.ledger, source = hand_over(
                 s.group, params=s.params, optimizer=s.optimizer, step=s.step, ledger=s.ledger
             )
+            s.replicas.sync()
             break
         except GroupBrokenError as exc:  # someone died during the hand-over itself: next round
             why = str(exc)
@@ -222,7 +287,7 @@ def evaluate(s: WorkerSession) -> dict[str, Any]:
     s.model.eval()
     generator = torch.Generator(device=s.device).manual_seed(s.train.seed + 17)
     counts = None
-    with _autocast(s.device):
+    with s.replicas.alone(), _autocast(s.device):
         for b in s.eval_batches:
             c = acceptance(
                 s.model,
@@ -257,11 +322,10 @@ def _collect(s: WorkerSession, pending: deque, *, wait: bool) -> str | None:
         deadline = time.monotonic()
 
 
-def _id_pairs(batch: m.Batch | None) -> torch.Tensor:
-    if batch is None:
-        return torch.zeros(0, 2, dtype=torch.int64)
-    ids = torch.tensor(batch.sample_ids, dtype=torch.int64)
-    return torch.stack([torch.full_like(ids, batch.epoch), ids], dim=1)
+def _id_pairs(batches: list[m.Batch]) -> torch.Tensor:
+    """[n, 2] int64 (epoch, sample id) of every sample in ``batches``."""
+    rows = [(b.epoch, i) for b in batches for i in b.sample_ids]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:

@@ -3,6 +3,9 @@
 Inductor's cache is safe to share but does not deduplicate work: workers that start together on an empty
 cache each compile everything (DESIGN.md, "Compile cache"). A lock plus a marker file turns N cold
 compiles into one cold and N-1 warm ones.
+
+In threaded mode the worker warms each replica in turn before its threads start, with single-sample
+batches too: every variant compiled here is one the threads never have to compile (DESIGN.md, "Threaded mode").
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 import torch
 from filelock import FileLock
 
+from dflash_pipe.drafter.compile_guard import backward_with_settings
+
 
 def warm_up(
     model: torch.nn.Module,
@@ -24,38 +29,48 @@ def warm_up(
     cache_dir: Path,
     device: torch.device,
     seq_len: int,
+    batch_sizes: tuple[int, ...] = (2,),
 ) -> dict[str, float]:
     """Runs synthetic steps so every compiled variant exists before real batches arrive."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(
-        json.dumps([drafter_config, torch.__version__, str(device.type)], sort_keys=True).encode()
+        json.dumps(
+            [drafter_config, torch.__version__, str(device.type), batch_sizes], sort_keys=True
+        ).encode()
     ).hexdigest()[:16]
     marker = cache_dir / f"warm-{key}"
     t0 = time.time()
     waited = 0.0
     if marker.exists():
-        _synthetic_steps(model, drafter_config, device, seq_len)
+        _synthetic_steps(model, drafter_config, device, seq_len, batch_sizes)
         return {"warmup_s": time.time() - t0, "warmup_waited_s": 0.0, "warmup_cold": 0.0}
     with FileLock(str(cache_dir / "warmup.lock")):
         waited = time.time() - t0
         cold = not marker.exists()
-        _synthetic_steps(model, drafter_config, device, seq_len)
+        _synthetic_steps(model, drafter_config, device, seq_len, batch_sizes)
         marker.write_text(f"{time.time()}\n")
     return {"warmup_s": time.time() - t0, "warmup_waited_s": waited, "warmup_cold": float(cold)}
 
 
-def _synthetic_steps(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device, seq_len: int) -> None:
+def _synthetic_steps(
+    model: torch.nn.Module,
+    cfg: dict[str, Any],
+    device: torch.device,
+    seq_len: int,
+    batch_sizes: tuple[int, ...],
+) -> None:
     k = len(cfg["target_layer_ids"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     # Batch 2 and two lengths: dynamic shapes specialise on size 1, so B=1 alone would leave the real
     # (multi-sample) batches to compile on the first training step.
-    for length in (seq_len, max(seq_len // 2, 8)):
-        ids = torch.randint(0, cfg["vocab_size"], (2, length), device=device)
-        feats = torch.randn(2, length, k * cfg["hidden_size"], device=device, dtype=dtype)
-        mask = torch.ones(2, length, dtype=torch.bool, device=device)
+    shapes = [(b, length) for b in batch_sizes for length in (seq_len, max(seq_len // 2, 8))]
+    for b, length in shapes:
+        ids = torch.randint(0, cfg["vocab_size"], (b, length), device=device)
+        feats = torch.randn(b, length, k * cfg["hidden_size"], device=device, dtype=dtype)
+        mask = torch.ones(b, length, dtype=torch.bool, device=device)
         with autocast:
             out = model(ids, feats, mask, generator=torch.Generator(device=device).manual_seed(0))
-        out.loss_sum.backward()
+        backward_with_settings(out.loss_sum)
     for p in model.parameters():
         p.grad = None

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, load_frozen_target_parts
+from dflash_pipe.drafter.checkpointing import CheckpointPolicy
+from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
 from dflash_pipe.train.batches import unpack
 from dflash_pipe.train.checkpoint import load_checkpoint
 from dflash_pipe.train.config import TrainConfig
@@ -27,6 +29,7 @@ from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink
 from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
+from dflash_pipe.train.threads import ThreadedReplicas
 from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.shm import ShmRing, host_identity, shm_supported
@@ -118,37 +121,32 @@ def _serve(
     group: DrafterGroup | None = None
     welcome: m.Welcome | None = None
     ring: ShmRing | None = None
+    replicas: ThreadedReplicas | None = None
     try:
         welcome = _handshake(link, name=name, device=device, timeout_s=timeout_s)
         link.heartbeat_s = welcome.heartbeat_s
         link.peer_timeout_s = welcome.peer_timeout_s
-        dev = torch.device(device)
+        devs = [torch.device(d) for d in device.split(",")]
+        dev = devs[0]
         ring = link.map_ring(welcome.ring, dev)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         drafter_cfg = DrafterConfig.from_dict(welcome.drafter)
         train_cfg = TrainConfig(**welcome.train)
-        feature_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        embed, head = load_frozen_target_parts(welcome.target_path, dtype=feature_dtype, device=dev)
-        compile_on = train_cfg.compile == "on" or (train_cfg.compile == "auto" and dev.type == "cuda")
-        model = DFlashDrafter(drafter_cfg, embed, head, compile_attention=compile_on).to(dev)
-        model.train()
+        models, warm = _build_replicas(welcome, drafter_cfg, train_cfg, devs)
+        model = models[0]
         optimizer = build_optimizer(model.trainable_parameters(), train_cfg)
         ledger = Ledger(welcome.num_samples, train_cfg.epochs)
         step = 0
         if welcome.resume_from and Path(welcome.resume_from).exists():
             state = load_checkpoint(Path(welcome.resume_from), model=model, optimizer=optimizer)
             step, ledger = state.step, Ledger.from_dict(state.ledger)
-        warm = {}
-        if compile_on:
-            warm = warm_up(
-                model,
-                drafter_config=welcome.drafter,
-                cache_dir=Path(
-                    os.environ.get("TORCHINDUCTOR_CACHE_DIR", Path(welcome.run_dir) / "compile-cache")
-                ),
-                device=dev,
-                seq_len=min(1024, drafter_cfg.max_position_embeddings),
+        if len(devs) > 1:
+            replicas = ThreadedReplicas(models, devs)
+            print(
+                f"dflash-pipe worker {name}: {len(devs)} drafter threads on {', '.join(map(str, devs))}",
+                file=sys.stderr,
+                flush=True,
             )
         # Join the group only once warm: members never wait in a collective for someone compiling.
         group = DrafterGroup(
@@ -172,12 +170,13 @@ def _serve(
             started_at=started_at,
             block_size=drafter_cfg.block_size,
             feature_size=drafter_cfg.feature_size,
+            replicas=replicas,
         )
         if warm:
             link.send(m.Metrics(step=step, values=warm))
         _receive_eval_set(session, welcome)
         regroup(session, "joining")
-        link.send(m.Ready(credits=welcome.credits, shm=ring is not None))
+        link.send(m.Ready(credits=welcome.credits * len(devs), shm=ring is not None))
         result = run_training(session, leave.is_set)
         if result.left:
             link.send_and_flush(m.Bye(reason=f"{name} left (interrupted)"))
@@ -201,11 +200,50 @@ def _serve(
             traceback.print_exc()
         return 2 if isinstance(exc, HandshakeError) else 1
     finally:
+        if replicas is not None:
+            replicas.close()
         link.close()
         if ring is not None:
             ring.close()
         if group is not None:
             group.close()
+
+
+def _build_replicas(
+    welcome: m.Welcome, drafter_cfg: DrafterConfig, train_cfg: TrainConfig, devices: list[torch.device]
+) -> tuple[list[DFlashDrafter], dict[str, float]]:
+    """One drafter per device (several: threaded mode), each warmed in turn before any thread starts."""
+    threaded = len(devices) > 1
+    policy = CheckpointPolicy(train_cfg.activation_checkpointing, mode="threaded" if threaded else "process")
+    apply_dynamo_settings()
+    models, warm, parts = [], {}, {}
+    for dev in devices:
+        feature_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if str(dev) not in parts:  # the frozen embedding and head are read-only: one copy per device
+            parts[str(dev)] = load_frozen_target_parts(welcome.target_path, dtype=feature_dtype, device=dev)
+        embed, head = parts[str(dev)]
+        compile_on = train_cfg.compile == "on" or (train_cfg.compile == "auto" and dev.type == "cuda")
+        model = DFlashDrafter(
+            drafter_cfg,
+            embed,
+            head,
+            compile_attention=compile_on,
+            compile_layers=compile_on,
+            checkpointing=policy,
+        )
+        model.to(dev).train()
+        if compile_on:
+            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", Path(welcome.run_dir) / "compile-cache")
+            warm = warm_up(
+                model,
+                drafter_config=welcome.drafter,
+                cache_dir=Path(cache),
+                device=dev,
+                seq_len=min(1024, drafter_cfg.max_position_embeddings),
+                batch_sizes=(2, 1) if threaded else (2,),
+            )
+        models.append(model)
+    return models, warm
 
 
 def _handshake(link: ProducerLink, *, name: str, device: str, timeout_s: float) -> m.Welcome:

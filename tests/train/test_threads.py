@@ -1,0 +1,174 @@
+"""Threaded mode trains exactly like process mode: 2 drafter threads in one member == 2 member processes.
+
+Both run the real ``run_training`` and ``DrafterGroup`` (gloo, elastic rendezvous on a local TCPStore) on the
+same batches, fed by an in-process stand-in for the producer link. The threaded member's layers are
+torch.compile'd (SDPA path) through the compile guard, on a fresh inductor cache; the process members run
+eager.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash_pipe.drafter import DFlashDrafter
+from dflash_pipe.drafter.checkpointing import CheckpointPolicy
+from dflash_pipe.drafter.compile_guard import GUARD
+from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.train.distributed import DrafterGroup
+from dflash_pipe.train.ledger import Ledger
+from dflash_pipe.train.loop import WorkerSession, regroup, run_training
+from dflash_pipe.train.optim import build_optimizer
+from dflash_pipe.train.threads import ThreadedReplicas
+from dflash_pipe.wire import messages as m
+from tests.drafter.conftest import tiny_config
+
+NUM_BATCHES = 6
+WIDTH = 2
+
+
+class FakeLink:
+    """The producer's side of the wire, in process: batches on request, DONE once all are acked."""
+
+    def __init__(self, batches: list[m.Batch]) -> None:
+        self.batches = list(batches)
+        self.expected = len(batches)
+        self.acked: list[int] = []
+        self.sent: list[object] = []
+        self.done_sent = False
+
+    def get(self, timeout_s: float) -> object | None:
+        if self.batches:
+            return self.batches.pop(0)
+        if len(self.acked) == self.expected and not self.done_sent:
+            self.done_sent = True
+            return m.Done(reason="all acked")
+        time.sleep(min(timeout_s, 0.01))
+        return None
+
+    def send(self, msg: object) -> None:
+        self.sent.append(msg)
+        if isinstance(msg, m.Ack):
+            self.acked += msg.batch_ids
+
+    def losses(self) -> list[float]:
+        return [
+            msg.values["loss"] for msg in self.sent if isinstance(msg, m.Metrics) and "loss" in msg.values
+        ]
+
+
+def make_batches() -> list[m.Batch]:
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for b in range(NUM_BATCHES):
+        lengths = [20 + 3 * b, 12 + b] if b % 2 == 0 else [16 + 2 * b]
+        total = sum(lengths)
+        tensors = {
+            "input_ids": torch.randint(0, 49, (total,), generator=gen),
+            "loss_mask": torch.ones(total, dtype=torch.bool),
+            "features": torch.randn(total, 2 * 32, generator=gen),
+        }
+        batches.append(
+            m.Batch(
+                batch_id=b,
+                epoch=0,
+                sample_ids=list(range(3 * b, 3 * b + len(lengths))),
+                lengths=lengths,
+                tensors=tensors,
+            )
+        )
+    return batches
+
+
+def make_drafter(*, compile_layers: bool, mode: str) -> DFlashDrafter:
+    cfg = tiny_config(attention_backend="sdpa")
+    torch.manual_seed(1)
+    embed, head = (
+        nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+        nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False),
+    )
+    model = DFlashDrafter(
+        cfg, embed, head, compile_layers=compile_layers, checkpointing=CheckpointPolicy("layers", mode=mode)
+    )
+    torch.manual_seed(2)
+    model.reset_parameters()  # same weights in every member and replica
+    return model
+
+
+def train(
+    port: int, models: list[DFlashDrafter], run_dir: Path, pick: slice | None
+) -> tuple[list[float], float]:
+    """One group member; ``pick`` selects this member's batches by its rank (process mode), None = all."""
+    devices = [torch.device("cpu")] * len(models)
+    group = DrafterGroup(
+        f"tcp://127.0.0.1:{port}", run_id="t", device=devices[0], timeout_s=60, join_timeout_s=120
+    )
+    replicas = ThreadedReplicas(models, devices) if len(models) > 1 else None
+    try:
+        train_cfg = TrainConfig(lr=1e-2, warmup_ratio=0.0, log_every=1, checkpoint_every=1000, epochs=1)
+        s = WorkerSession(
+            link=FakeLink([]),
+            group=group,
+            model=models[0],
+            optimizer=build_optimizer(models[0].trainable_parameters(), train_cfg),
+            ledger=Ledger(3 * NUM_BATCHES, 1),
+            train=train_cfg,
+            drafter_config=tiny_config().to_dict(),
+            run_dir=run_dir,
+            device=devices[0],
+            block_size=4,
+            feature_size=64,
+            replicas=replicas,
+        )
+        regroup(s, "joining")
+        batches = make_batches()
+        s.link = link = FakeLink(batches if pick is None else batches[s.rank :: group.world_size])
+        result = run_training(s, lambda: False)
+        assert result.stop_reason == "all acked", result
+        checksum = float(sum(p.detach().double().sum() for p in s.params))
+        return link.losses() if s.rank == 0 else [], checksum
+    finally:
+        if replicas is not None:
+            replicas.close()
+        group.close()
+
+
+def _process_member(port: int, run_dir: str, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    out.put(
+        train(port, [make_drafter(compile_layers=False, mode="process")], Path(run_dir), pick=slice(None))
+    )
+
+
+def test_threads_match_processes(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile
+    torch.set_num_threads(1)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_process_member, args=(store.port, str(tmp_path), out)) for _ in range(WIDTH)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    process_losses = next(r[0] for r in results if r[0])
+    assert results[0][1] == results[1][1]  # the two process members hold the same weights
+
+    threaded_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    models = [make_drafter(compile_layers=True, mode="threaded") for _ in range(WIDTH)]
+    before = GUARD.exclusive_runs
+    thread_losses, thread_checksum = train(threaded_store.port, models, tmp_path, pick=None)
+
+    assert len(thread_losses) == NUM_BATCHES // WIDTH == len(process_losses)
+    torch.testing.assert_close(thread_losses, process_losses, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(thread_checksum, results[0][1], rtol=1e-4, atol=1e-4)
+    # Nothing was warmed: the first step of each thread compiled, alone.
+    assert GUARD.exclusive_runs > before
+    for p0, p1 in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p0, p1)  # replicas stay identical after every step
