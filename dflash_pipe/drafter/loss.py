@@ -97,7 +97,7 @@ def _grad_terms(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor
 
 @functools.cache
 def _fused_grad_terms():
-    return torch.compile(_grad_terms, dynamic=True)
+    return torch.compile(_grad_terms, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
 
 
 def _eager_grad_terms(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:

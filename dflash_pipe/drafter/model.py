@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpointing import CheckpointPolicy
+from .compile_guard import needs_compile
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
@@ -150,7 +152,19 @@ def _run_layer(layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, atten
 def _compiled_layer() -> Callable:
     """One compiled function for every draft layer: the layer's weights are inputs, not constants, and a
     fresh ``attend`` closure each step reuses the graph (its mask is an input too)."""
-    return torch.compile(_run_layer, dynamic=True)
+    return torch.compile(_run_layer, dynamic=True, options=INDUCTOR_OPTIONS)
+
+
+INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
+"""Inductor's coalescing tiling analysis asserts on some dynamic-shape graphs of these layers (torch 2.11,
+an H 2048 drafter at 2048 tokens); by its own note it does not apply to dynamic shapes anyway."""
+
+
+def _compiler_errors() -> tuple[type[BaseException], ...]:
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
 
 
 @functools.cache
@@ -214,6 +228,7 @@ class DFlashDrafter(nn.Module):
         self._target_parts = (embed_tokens, lm_head)
         self.compile_attention = compile_attention  # None = compile on CUDA
         self.compile_layers = compile_layers
+        self._layer_compile_failed = False
         self.checkpointing = checkpointing or CheckpointPolicy()
         self.ce_chunk = ce_chunk
         # fp32 angles on purpose: a plain attribute, so model.to(bfloat16) cannot round it.
@@ -249,6 +264,28 @@ class DFlashDrafter(nn.Module):
 
     def _compiles_layers(self, device: torch.device) -> bool:
         return self.compile_layers if self.compile_layers is not None else self._compiles_attention(device)
+
+    def _run_compiled_layer(
+        self, layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, attend
+    ) -> Tensor:
+        """The compiled layer; if Inductor fails on it, the layers run eagerly (around the compiled attention)
+        from then on, with one warning, instead of the run dying on a compiler bug."""
+        if not self._layer_compile_failed:
+            try:
+                return _compiled_layer()(layer, x, ctx, rope_q, rope_k, attend)
+            except _compiler_errors() as exc:
+                if needs_compile(exc):  # threaded mode's guard asks for an exclusive re-run: not a failure
+                    raise
+                self._layer_compile_failed = True
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                warnings.warn(
+                    f"torch.compile of the drafter layers failed ({type(exc).__name__}: {first}); they run "
+                    "uncompiled from now on (slower steps, same results). Set train.compile=off to skip the "
+                    "attempt, or report it with your torch version.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return _run_layer(layer, x, ctx, rope_q, rope_k, attend)
 
     def block_hidden(self, input_ids: Tensor, features: Tensor, anchors: Tensor, valid: Tensor) -> Tensor:
         """Final-norm hidden states of every block slot: [B, N, bs, H].
@@ -295,7 +332,7 @@ class DFlashDrafter(nn.Module):
             )
         else:
             attend = sdpa_attend(dense_mask(anchors, valid, seq_len, bs))
-        run = _compiled_layer() if self._compiles_layers(device) else _run_layer
+        run = self._run_compiled_layer if self._compiles_layers(device) else _run_layer
         for layer in self.layers:
             x = self.checkpointing.run_layer(run, layer, x, ctx, rope_q, rope_k, attend)
         return x

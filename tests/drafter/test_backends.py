@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from dflash_pipe.drafter.masks import sample_anchors, training_eligible
@@ -93,3 +94,30 @@ def test_compiled_layers_keep_names_and_match_eager() -> None:
     torch.testing.assert_close(losses[1], losses[0])
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_a_failing_layer_compile_falls_back_to_eager_with_one_warning(monkeypatch) -> None:
+    """An Inductor bug on the layers must cost speed, not the run: eager layers, same loss, one warning."""
+    from dflash_pipe.drafter import model as model_module
+
+    class CompilerBug(Exception):
+        pass
+
+    calls = []
+
+    def broken(*_args):
+        calls.append(1)
+        raise CompilerBug("AssertionError in tiling_utils")
+
+    monkeypatch.setattr(model_module, "_compiled_layer", lambda: broken)
+    monkeypatch.setattr(model_module, "_compiler_errors", lambda: (CompilerBug,))
+    cfg = dataclasses.replace(tiny_config(block_size=4, max_anchors=5), attention_backend="sdpa")
+    eager, compiled = tiny_drafter(cfg), tiny_drafter(cfg)
+    compiled.compile_layers = True
+    ids, feats, loss_mask = _inputs(cfg)
+    want = eager(ids, feats, loss_mask, generator=torch.Generator().manual_seed(4)).loss
+    with pytest.warns(RuntimeWarning, match="drafter layers failed"):
+        got = compiled(ids, feats, loss_mask, generator=torch.Generator().manual_seed(4)).loss
+    torch.testing.assert_close(got, want)
+    compiled(ids, feats, loss_mask, generator=torch.Generator().manual_seed(5))  # no second attempt
+    assert calls == [1]
