@@ -39,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="cold-cache threaded runs")
     p.add_argument("--cold-checkpointing", default="all", choices=["none", "layers", "loss", "all"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument(
+        "--parts",
+        default="cold,checkpointing,versus",
+        help="comma-separated sections to run: cold, checkpointing, versus (threads vs processes)",
+    )
     p.add_argument("--role", default=None, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--checkpointing", default="none", help=argparse.SUPPRESS)
     p.add_argument("--warmup-steps", type=int, default=2, help=argparse.SUPPRESS)
@@ -235,34 +240,37 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    cold = []
-    for r in range(args.repeats):
+    parts = set(args.parts.split(","))
+    cold, checkpointing, vs = [], [], {}
+    for r in range(args.repeats if "cold" in parts else 0):
         cache = tempfile.mkdtemp(prefix="dflash-bench-cold-")
         row = collect(spawn(args, "threads", cache=cache, checkpointing=args.cold_checkpointing))
         cold.append({"repeat": r, **row})
         print(f"cold threaded run {r}: {row}", file=sys.stderr, flush=True)
     warm_cache = tempfile.mkdtemp(prefix="dflash-bench-warm-")
-    checkpointing = []
-    for what in ("none", "layers", "loss", "all"):
+    for what in ("none", "layers", "loss", "all") if "checkpointing" in parts else ():
         row = collect(spawn(args, "single", cache=warm_cache, checkpointing=what))
         checkpointing.append({"checkpointing": what, **row})
         print(f"checkpointing {what}: {row}", file=sys.stderr, flush=True)
-    threads = collect(spawn(args, "threads", cache=warm_cache, checkpointing="none"))
-    barrier = tempfile.mkdtemp(prefix="dflash-bench-barrier-")
-    procs = [
-        spawn(args, "single", cache=warm_cache, checkpointing="none", barrier=barrier)
-        for _ in range(args.threads)
-    ]
-    processes = [collect(p) for p in procs]
-    vs = {
-        "threads": threads,
-        "processes": {
-            "per_process": processes,
-            "step_s": statistics.median([p["step_s"] for p in processes if "step_s" in p] or [float("nan")]),
-            "steps_per_s": sum(1 / p["step_s"] for p in processes if p.get("step_s")),  # timed together
-        },
-    }
-    print(f"threads vs processes: {vs}", file=sys.stderr, flush=True)
+    if "versus" in parts:
+        threads = collect(spawn(args, "threads", cache=warm_cache, checkpointing="none"))
+        barrier = tempfile.mkdtemp(prefix="dflash-bench-barrier-")
+        procs = [
+            spawn(args, "single", cache=warm_cache, checkpointing="none", barrier=barrier)
+            for _ in range(args.threads)
+        ]
+        processes = [collect(p) for p in procs]
+        vs = {
+            "threads": threads,
+            "processes": {
+                "per_process": processes,
+                "step_s": statistics.median(
+                    [p["step_s"] for p in processes if "step_s" in p] or [float("nan")]
+                ),
+                "steps_per_s": sum(1 / p["step_s"] for p in processes if p.get("step_s")),  # timed together
+            },
+        }
+        print(f"threads vs processes: {vs}", file=sys.stderr, flush=True)
     result = {
         "name": "threads_vs_processes",
         "config": {**vars(args), "out": str(args.out), "shapes": shapes(args.tiny)},
@@ -272,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads_vs_processes": vs,
         "summary": {
             "cold_runs_clean": all(r.get("clean") for r in cold),
+            "parts": sorted(parts),
             "wall_s": time.time() - t0,
         },
     }
