@@ -119,8 +119,9 @@ def main() -> None:
 @click.option(
     "--compile",
     "compile_mode",
-    type=click.Choice(["auto", "on", "off"]),
-    help="torch.compile the drafter's flex attention (auto: on CUDA).",
+    type=click.Choice(["auto", "on", "off", "full"]),
+    help="torch.compile the drafter's flex attention (auto: on CUDA); full: also its layers and CE terms "
+    "(faster; see docs/performance.md before using it).",
 )
 @click.option(
     "--activation-checkpointing",
@@ -595,7 +596,9 @@ _OUT_OPTION = click.option(
 @click.option("--max-length", type=int, help="Longer samples are truncated (as `launch`).")
 @click.option("--draft-layers", type=int, help="Drafter depth (as `launch`).")
 @click.option("--max-anchors", type=int, help="Sampled blocks per sequence (as `launch`).")
-@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]), help="As `launch`.")
+@click.option(
+    "--compile", "compile_mode", type=click.Choice(["auto", "on", "off", "full"]), help="As `launch`."
+)
 @click.option("--seconds", type=float, default=3.0, show_default=True, help="Measured seconds per stage.")
 @click.option("--compare", is_flag=True, help="Also run offline (features via disk) and threaded drafters.")
 @_OUT_OPTION

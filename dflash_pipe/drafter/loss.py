@@ -119,12 +119,14 @@ class _FrozenHeadCE(torch.autograd.Function):
     The head is frozen, so the only gradient needed is d(loss)/d(hidden) = ((softmax - onehot) * w) @ W.
     The forward computes it chunk by chunk while that chunk's logits are live and keeps only the [R, H]
     result: two matmuls per chunk instead of the three of a checkpointed recompute, and never more than
-    one chunk of [r, V] logits in memory. On CUDA the softmax/CE terms run as one compiled (fused) kernel.
+    one chunk of [r, V] logits in memory. With ``fused`` the softmax/CE terms run as one compiled kernel.
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor, chunk: int):
-        terms = _fused_grad_terms() if hidden.is_cuda else _eager_grad_terms
+    def forward(
+        ctx, hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor, chunk: int, fused: bool
+    ):
+        terms = _fused_grad_terms() if fused else _eager_grad_terms
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
@@ -141,22 +143,29 @@ class _FrozenHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total: Tensor, _grad_correct: Tensor | None):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None
 
 
 def chunked_lm_head_ce(
-    hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor, *, chunk: int = DEFAULT_CE_CHUNK
+    hidden: Tensor,
+    lm_weight: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    *,
+    chunk: int = DEFAULT_CE_CHUNK,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Weighted CE sum and per-row correctness without ever holding all [R, V] logits.
 
     hidden [R, H], lm_weight [V, H] (frozen), labels [R], weights [R]. With gradients, a custom autograd
     function computes d(loss)/d(hidden) during the forward (see ``_FrozenHeadCE``); it keeps no autograd
-    state across threads, so it is also safe in threaded mode.
+    state across threads, so it is also safe in threaded mode. ``fused``: compile the per-chunk softmax/CE
+    terms into one kernel (``train.compile=full``).
     """
     if lm_weight.requires_grad:
         raise ValueError("chunked_lm_head_ce expects the target's LM head frozen (requires_grad=False).")
     if hidden.requires_grad and torch.is_grad_enabled():
-        return _FrozenHeadCE.apply(hidden, lm_weight, labels, weights, chunk)
+        return _FrozenHeadCE.apply(hidden, lm_weight, labels, weights, chunk, fused)
     total = hidden.new_zeros((), dtype=torch.float32)
     correct = []
     for start in range(0, hidden.shape[0], chunk):
@@ -175,6 +184,7 @@ def drafter_loss(
     *,
     chunk: int = DEFAULT_CE_CHUNK,
     num_anchors: int,
+    fused: bool = False,
 ) -> DrafterOutput:
     """hidden [B, N, bs, H] (after the final norm) -> DrafterOutput over the scored slots only."""
     bsz, n, bs, width = hidden.shape
@@ -187,6 +197,7 @@ def drafter_loss(
         targets.labels.reshape(-1)[rows],
         flat_w[rows],
         chunk=chunk,
+        fused=fused,
     )
     if rows.numel() == 0:
         loss_sum = loss_sum + hidden.sum() * 0.0  # keep every parameter in the graph

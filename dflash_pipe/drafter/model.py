@@ -208,13 +208,16 @@ class DFlashDrafter(nn.Module):
         *,
         compile_attention: bool | None = None,
         compile_layers: bool | None = None,
+        fused_ce: bool = False,
         checkpointing: CheckpointPolicy | None = None,
         ce_chunk: int = DEFAULT_CE_CHUNK,
     ) -> None:
         """``compile_attention``: torch.compile the flex mask and kernel (None: on CUDA).
-        ``compile_layers``: also compile the decoder layers whole, so Inductor fuses the norms, RoPE and
-        SwiGLU around the matmuls (None: whenever attention is compiled; 25% faster steps on the H200, see
-        docs/performance.md). Dynamo's limits (recompile limit 64) are set by
+        ``compile_layers``: compile the decoder layers whole, so Inductor fuses the norms, RoPE and SwiGLU
+        around the matmuls (None: on the SDPA path when attention is compiled). ``fused_ce``: compile the
+        LM head's softmax/CE terms into one kernel. Both together are ``train.compile=full``: 1.33x faster
+        steps on the H200 at the Qwen3-8B shape, but torch 2.11's Inductor failed on them at another shape,
+        so they are opt-in (docs/performance.md). Dynamo's limits are set by
         ``compile_guard.apply_dynamo_settings`` in each thread that trains."""
         super().__init__()
         self.cfg = cfg
@@ -229,6 +232,7 @@ class DFlashDrafter(nn.Module):
         self.compile_attention = compile_attention  # None = compile on CUDA
         self.compile_layers = compile_layers
         self._layer_compile_failed = False
+        self.fused_ce = fused_ce
         self.checkpointing = checkpointing or CheckpointPolicy()
         self.ce_chunk = ce_chunk
         # fp32 angles on purpose: a plain attribute, so model.to(bfloat16) cannot round it.
@@ -263,7 +267,9 @@ class DFlashDrafter(nn.Module):
         return self.compile_attention if self.compile_attention is not None else device.type == "cuda"
 
     def _compiles_layers(self, device: torch.device) -> bool:
-        return self.compile_layers if self.compile_layers is not None else self._compiles_attention(device)
+        if self.compile_layers is not None:
+            return self.compile_layers
+        return self._compiles_attention(device) and self.backend(device) == "sdpa"
 
     def _run_compiled_layer(
         self, layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, attend
@@ -363,7 +369,12 @@ class DFlashDrafter(nn.Module):
         def head_loss(x: Tensor) -> tuple[Tensor, ...]:
             hidden = self._final_norm(x, n)  # [B, N, bs, H]
             out = drafter_loss(
-                hidden, targets, self.lm_head.weight, chunk=self.ce_chunk, num_anchors=num_anchors
+                hidden,
+                targets,
+                self.lm_head.weight,
+                chunk=self.ce_chunk,
+                num_anchors=num_anchors,
+                fused=self.fused_ce and hidden.is_cuda,
             )
             return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_total
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -165,6 +166,8 @@ class TargetThread(threading.Thread):
         self.replica = name
         self.staging = staging
         self.wire_dtype = wire_dtype
+        self.busy_s = 0.0
+        """Seconds spent launching forwards and waiting for their copies (not waiting for plans)."""
         self._pending: InFlight | None = None
 
     def run(self) -> None:
@@ -173,9 +176,11 @@ class TargetThread(threading.Thread):
                 torch.cuda.set_device(self.core.device)  # streams and events of this thread live there
             copier = FeatureCopier(self.core, self.staging, self.wire_dtype)
             while (plan := self._next_plan()) is not None:
+                t0 = time.perf_counter()
                 launched = copier.launch(plan, [self.samples[i] for i in plan.sample_ids], flush=self._finish)
                 self._finish()  # the previous batch's copy drained while this one was queued
                 self._pending = launched
+                self.busy_s += time.perf_counter() - t0
             self._finish()
         except BaseException as exc:  # reported by the main thread, never swallowed
             self.ready.put(TargetFailure(replica=self.replica, error=exc))

@@ -26,9 +26,11 @@ class TrainConfig:
     """Steps between acceptance (tau) evaluations; 0 evaluates only at the end."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
-    compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the drafter: its decoder layers whole, plus the flex attention kernel and block mask
-    (flex path). auto = on for CUDA, off on CPU."""
+    compile: Literal["auto", "on", "off", "full"] = "auto"
+    """torch.compile the drafter. on: the flex attention kernel and block mask (on the SDPA path: the layers);
+    auto = on for CUDA, off on CPU. full: also the decoder layers whole and the LM head's CE terms, 1.33x
+    faster steps at the Qwen3-8B shape on the H200, but torch 2.11's Inductor failed on it at another shape
+    (docs/performance.md): try it with `dflash-pipe bench throughput --compile full` first."""
     activation_checkpointing: Literal["none", "layers", "loss", "all"] = "none"
     """Recompute in backward instead of keeping: the draft layers' activations, the final norm + LM-head
     loss, or both (less memory, more compute; see drafter/checkpointing.py)."""
@@ -52,8 +54,8 @@ class TrainConfig:
             raise ValueError(f"train.eval_every must be >= 0, got {self.eval_every}.")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 or unset, got {self.max_steps}.")
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"train.compile must be auto, on or off, got {self.compile!r}.")
+        if self.compile not in ("auto", "on", "off", "full"):
+            raise ValueError(f"train.compile must be auto, on, off or full, got {self.compile!r}.")
         if self.activation_checkpointing not in ("none", "layers", "loss", "all"):
             raise ValueError(
                 "train.activation_checkpointing must be none, layers, loss or all, "

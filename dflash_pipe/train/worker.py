@@ -222,13 +222,15 @@ def _build_replicas(
         if str(dev) not in parts:  # the frozen embedding and head are read-only: one copy per device
             parts[str(dev)] = load_frozen_target_parts(welcome.target_path, dtype=feature_dtype, device=dev)
         embed, head = parts[str(dev)]
-        compile_on = train_cfg.compile == "on" or (train_cfg.compile == "auto" and dev.type == "cuda")
+        full = train_cfg.compile == "full"  # + layers whole and fused CE terms: opt-in (TrainConfig.compile)
+        compile_on = full or train_cfg.compile == "on" or (train_cfg.compile == "auto" and dev.type == "cuda")
         model = DFlashDrafter(
             drafter_cfg,
             embed,
             head,
             compile_attention=compile_on,
-            compile_layers=compile_on,
+            compile_layers=True if full else None,
+            fused_ce=full,
             checkpointing=policy,
         )
         model.to(dev).train()
