@@ -195,7 +195,8 @@ class ProducerProc:
         k, width = len(self.ctx.drafter.target_layer_ids), self.ctx.drafter.feature_size
         per_token = width * (1 if wire.wire_dtype == "fp8" else self.ctx.target_dtype.itemsize) + 4 * k
         replicas = max(1, len(self.cfg.layout.target_devices()))
-        slots = wire.ready_batches + 2 * replicas + wire.worker_credits * max(1, self.expected_workers) + 1
+        drafters = max(1, len(self.cfg.layout.worker_devices()))  # threaded mode: one process, many drafters
+        slots = wire.ready_batches + 2 * replicas + wire.worker_credits * drafters + 1
         try:
             return ShmRing.create(slots, tokens * per_token + 4096)
         except (RingUnavailable, OSError) as exc:
