@@ -148,16 +148,16 @@ def _run_layer(layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, atten
     return layer(x, ctx, rope_q, rope_k, attend)
 
 
+INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
+"""Inductor's coalescing tiling analysis asserts on some dynamic-shape graphs of these layers (torch 2.11,
+an H 2048 drafter at 2048 tokens); by its own note it does not apply to dynamic shapes anyway."""
+
+
 @functools.cache
 def _compiled_layer() -> Callable:
     """One compiled function for every draft layer: the layer's weights are inputs, not constants, and a
     fresh ``attend`` closure each step reuses the graph (its mask is an input too)."""
     return torch.compile(_run_layer, dynamic=True, options=INDUCTOR_OPTIONS)
-
-
-INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
-"""Inductor's coalescing tiling analysis asserts on some dynamic-shape graphs of these layers (torch 2.11,
-an H 2048 drafter at 2048 tokens); by its own note it does not apply to dynamic shapes anyway."""
 
 
 def _compiler_errors() -> tuple[type[BaseException], ...]:
