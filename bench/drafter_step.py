@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -326,29 +325,9 @@ def equality(args, sh, backends, device, dtype) -> dict:
     }
 
 
-def provenance() -> dict:
-    import torch
-    import transformers
-
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        sha = None
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {
-        "git_sha": sha,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "gpu": gpu,
-        "python": platform.python_version(),
-        "host": platform.node(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-
-
 def main(argv: list[str] | None = None) -> None:
+    from dflash_pipe.bench.save import provenance
+
     args = parse_args(argv)
     if args.first_step_only:
         first_step(args)

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from drafter_step import PEAK_TFLOPS, provenance
+from drafter_step import PEAK_TFLOPS
 from make_target import SHAPES, qwen3_config
 
 from dflash_pipe.bench import BenchResult
+from dflash_pipe.bench.save import provenance
 from dflash_pipe.data import Sample, plan_batches
 from dflash_pipe.data.config import DataConfig
 from dflash_pipe.drafter.config import default_target_layer_ids

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role:
         print(json.dumps(child(args)))
         return 0
-    import torch
+    from dflash_pipe.bench.save import provenance  # after the child branch: children set their env first
 
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -274,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "name": "threads_vs_processes",
         "config": {**vars(args), "out": str(args.out), "shapes": shapes(args.tiny)},
-        "provenance": _provenance(torch),
+        "provenance": provenance(),
         "cold": cold,
         "checkpointing": checkpointing,
         "threads_vs_processes": vs,
@@ -288,12 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return 0 if result["summary"]["cold_runs_clean"] else 1
-
-
-def _provenance(torch) -> dict:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"git_sha": sha, "torch": torch.__version__, "python": platform.python_version(), "gpu": gpu}
 
 
 if __name__ == "__main__":
