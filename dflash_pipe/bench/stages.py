@@ -21,7 +21,7 @@ import torch
 from dflash_pipe.bench.procs import Children, start_children
 from dflash_pipe.config import RunConfig
 from dflash_pipe.data import plan_batches
-from dflash_pipe.producer.features import TargetFailure, TargetThread, pack
+from dflash_pipe.producer.features import TargetFailure, TargetThread, load_replicas, pack
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext, prepare_run
 from dflash_pipe.producer.staging import PrivateStaging
@@ -103,20 +103,8 @@ def prepare_work(cfg: RunConfig) -> BenchWork:
 
 def start_target_threads(work: BenchWork, plans: queue.Queue, ready: queue.Queue) -> list[TargetThread]:
     """One TargetCore per replica, placed as the producer places them, each fed by its own thread."""
-    from dflash_pipe.target import TargetCore
-    from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_bytes
-
-    groups = plan_replicas(
-        work.cfg.layout.target_devices(),
-        weights=weight_bytes(work.ctx.target_path, work.ctx.target_dtype),
-        memory=cuda_memory,
-        mode=work.cfg.layout.target_parallel,
-    )
     threads = []
-    for group in groups:
-        core = TargetCore(
-            work.ctx.target_path, work.ctx.drafter.target_layer_ids, group, work.ctx.target_dtype
-        )
+    for core in load_replicas(work.ctx):
         thread = TargetThread(
             core,
             work.ctx.train_samples,

@@ -22,6 +22,7 @@ import torch
 
 from dflash_pipe.data import Sample
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
+from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.staging import HostSlot, HostStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
@@ -37,6 +38,19 @@ class TargetFailure:
 
     replica: str
     error: BaseException
+
+
+def load_replicas(ctx: RunContext) -> list[TargetCore]:
+    """One TargetCore per replica: a GPU each when the target fits, else one split over the target GPUs."""
+    from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_bytes
+
+    groups = plan_replicas(
+        ctx.cfg.layout.target_devices(),
+        weights=weight_bytes(ctx.target_path, ctx.target_dtype),
+        memory=cuda_memory,
+        mode=ctx.cfg.layout.target_parallel,
+    )
+    return [TargetCore(ctx.target_path, ctx.drafter.target_layer_ids, g, ctx.target_dtype) for g in groups]
 
 
 def pack(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -18,13 +18,12 @@ from typing import Any, Protocol
 import torch
 
 from dflash_pipe.data import plan_batches
-from dflash_pipe.producer.features import TargetFailure, TargetThread, build_batch
+from dflash_pipe.producer.features import TargetFailure, TargetThread, build_batch, load_replicas
 from dflash_pipe.producer.record import bind_address, write_record
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.staging import HostStaging, PrivateStaging
 from dflash_pipe.target import TargetCore
-from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_bytes
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, TimeShares, make_logger
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.errors import BadMessage, PeerGoneError
@@ -208,19 +207,9 @@ class ProducerProc:
     def start_targets(self) -> None:
         """One TargetCore per replica (a GPU, or a group of GPUs for a split target), each fed by its own
         thread."""
-        devices = self.cfg.layout.target_devices()
-        groups = plan_replicas(
-            devices,
-            weights=weight_bytes(self.ctx.target_path, self.ctx.target_dtype),
-            memory=cuda_memory,
-            mode=self.cfg.layout.target_parallel,
-        )
-        for group in groups:
-            core = TargetCore(
-                self.ctx.target_path, self.ctx.drafter.target_layer_ids, group, self.ctx.target_dtype
-            )
-            self._cores.append(core)
-        self._note(f"target: {len(groups)} replica(s) on {', '.join('+'.join(g) for g in groups)}")
+        self._cores = load_replicas(self.ctx)
+        placed = ", ".join("+".join(str(d) for d in core.devices) for core in self._cores)
+        self._note(f"target: {len(self._cores)} replica(s) on {placed}")
         for core in self._cores:
             thread = TargetThread(
                 core,
