@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .compile_guard import INDUCTOR_OPTIONS
+
 DEFAULT_CE_CHUNK = 4096  # rows of the LM head evaluated at once
 
 
@@ -78,6 +80,13 @@ def _ce_chunk(hidden: Tensor, lm_weight: Tensor, labels: Tensor, weights: Tensor
     return (ce * weights).sum(), correct
 
 
+def _ce_stats(lf: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 logits [r, V] -> logsumexp [r], the weighted CE sum, argmax hits [r]."""
+    lse = torch.logsumexp(lf, dim=-1)  # [r]
+    picked = lf.gather(1, labels[:, None]).squeeze(1)  # [r]
+    return lse, ((lse - picked) * weights).sum(), lf.argmax(dim=-1) == labels
+
+
 def _grad_terms(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk's weighted CE sum, argmax hits and d(loss)/d(logits) = (softmax - onehot) * w.
 
@@ -85,10 +94,7 @@ def _grad_terms(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor
     over the logits (eager needs about ten full fp32 passes); see ``_fused_grad_terms``.
     """
     lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)  # [r]
-    picked = lf.gather(1, labels[:, None]).squeeze(1)  # [r]
-    loss = ((lse - picked) * weights).sum()
-    correct = lf.argmax(dim=-1) == labels
+    lse, loss, correct = _ce_stats(lf, labels, weights)
     cols = torch.arange(lf.shape[1], device=lf.device)
     probs = torch.exp(lf - lse[:, None])
     dlogits = torch.where(cols[None, :] == labels[:, None], probs - 1.0, probs) * weights[:, None]
@@ -97,16 +103,13 @@ def _grad_terms(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor
 
 @functools.cache
 def _fused_grad_terms():
-    return torch.compile(_grad_terms, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
+    return torch.compile(_grad_terms, dynamic=True, options=INDUCTOR_OPTIONS)
 
 
 def _eager_grad_terms(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Same as ``_grad_terms`` with the fp32 logits reused in place (eager peak memory: one fp32 copy)."""
     lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)  # [r]
-    picked = lf.gather(1, labels[:, None]).squeeze(1)  # [r]
-    loss = ((lse - picked) * weights).sum()
-    correct = lf.argmax(dim=-1) == labels
+    lse, loss, correct = _ce_stats(lf, labels, weights)
     probs = lf.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
     probs.scatter_add_(1, labels[:, None], probs.new_full((probs.shape[0], 1), -1.0))
     probs.mul_(weights[:, None])

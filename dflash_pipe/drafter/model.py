@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpointing import CheckpointPolicy
-from .compile_guard import needs_compile
+from .compile_guard import INDUCTOR_OPTIONS, needs_compile
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
@@ -146,11 +146,6 @@ class DFlashLayer(nn.Module):
 
 def _run_layer(layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, attend: Attend) -> Tensor:
     return layer(x, ctx, rope_q, rope_k, attend)
-
-
-INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
-"""Inductor's coalescing tiling analysis asserts on some dynamic-shape graphs of these layers (torch 2.11,
-an H 2048 drafter at 2048 tokens); by its own note it does not apply to dynamic shapes anyway."""
 
 
 @functools.cache
