@@ -138,22 +138,20 @@ def build_drafter(spec: dict[str, Any], device: Any, *, compile_layers: bool = F
     compiles nothing: flex attention has no CPU backward, so there is no compiled attention)."""
     import torch
 
-    from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, load_frozen_target_parts
+    from dflash_pipe.drafter import DrafterConfig, load_frozen_target_parts
     from dflash_pipe.train.config import TrainConfig
     from dflash_pipe.train.optim import build_optimizer
+    from dflash_pipe.train.worker import make_drafter
 
     drafter_cfg = DrafterConfig.from_dict(spec["drafter"])
     train_cfg = TrainConfig(**spec["train"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed, head = load_frozen_target_parts(spec["target_path"], dtype=dtype, device=device)
-    compile_on = train_cfg.compile == "on" or (train_cfg.compile == "auto" and device.type == "cuda")
-    model = DFlashDrafter(drafter_cfg, embed, head, compile_attention=compile_on).to(device)
-    if compile_layers:
-        for layer in model.layers:
-            layer.compile(dynamic=True)
-    model.train()
+    model, compiled = make_drafter(
+        drafter_cfg, train_cfg, embed, head, device, compile_layers=True if compile_layers else None
+    )
     optimizer = build_optimizer(model.trainable_parameters(), train_cfg)
-    return model, optimizer, train_cfg, compile_on or compile_layers
+    return model, optimizer, train_cfg, compiled
 
 
 def warm(model: Any, spec: dict[str, Any], device: Any) -> dict[str, float]:

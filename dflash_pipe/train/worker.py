@@ -209,6 +209,35 @@ def _serve(
             group.close()
 
 
+def make_drafter(
+    drafter_cfg: DrafterConfig,
+    train_cfg: TrainConfig,
+    embed: torch.nn.Embedding,
+    head: torch.nn.Linear,
+    device: torch.device,
+    *,
+    checkpointing: CheckpointPolicy | None = None,
+    compile_layers: bool | None = None,
+) -> tuple[DFlashDrafter, bool]:
+    """The drafter on ``device``, compiled as ``train.compile`` says; and whether anything is compiled.
+
+    ``full`` adds the whole layers and the fused CE terms (opt-in, TrainConfig.compile); ``compile_layers``
+    overrides the layers' choice (the compile bench compiles them on CPU)."""
+    full = train_cfg.compile == "full"
+    compile_on = full or train_cfg.compile == "on" or (train_cfg.compile == "auto" and device.type == "cuda")
+    layers = compile_layers if compile_layers is not None else (True if full else None)
+    model = DFlashDrafter(
+        drafter_cfg,
+        embed,
+        head,
+        compile_attention=compile_on,
+        compile_layers=layers,
+        fused_ce=full,
+        checkpointing=checkpointing,
+    )
+    return model.to(device).train(), compile_on or bool(layers)
+
+
 def _build_replicas(
     welcome: m.Welcome, drafter_cfg: DrafterConfig, train_cfg: TrainConfig, devices: list[torch.device]
 ) -> tuple[list[DFlashDrafter], dict[str, float]]:
@@ -222,18 +251,7 @@ def _build_replicas(
         if str(dev) not in parts:  # the frozen embedding and head are read-only: one copy per device
             parts[str(dev)] = load_frozen_target_parts(welcome.target_path, dtype=feature_dtype, device=dev)
         embed, head = parts[str(dev)]
-        full = train_cfg.compile == "full"  # + layers whole and fused CE terms: opt-in (TrainConfig.compile)
-        compile_on = full or train_cfg.compile == "on" or (train_cfg.compile == "auto" and dev.type == "cuda")
-        model = DFlashDrafter(
-            drafter_cfg,
-            embed,
-            head,
-            compile_attention=compile_on,
-            compile_layers=True if full else None,
-            fused_ce=full,
-            checkpointing=policy,
-        )
-        model.to(dev).train()
+        model, compile_on = make_drafter(drafter_cfg, train_cfg, embed, head, dev, checkpointing=policy)
         if compile_on:
             cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", Path(welcome.run_dir) / "compile-cache")
             warm = warm_up(
