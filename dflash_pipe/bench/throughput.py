@@ -6,7 +6,7 @@ Stages (tokens/s of the run's real samples, batched by the run's own plans):
   transport alone  BATCH messages of the right size through the real wire to worker processes
   pipeline         a real `dflash-pipe launch` (producer + worker processes), bounded in steps
 With ``compare``: offline (features written to safetensors files, then read back for training, end to end)
-and the drafters as threads of the producer's process (``layout.drafter_mode = "threads"``, where built).
+and the drafters as threads of one worker process (``layout.drafter_mode = "threads"``).
 
 Pipeline efficiency = pipeline / the slowest stage alone (goal >= 0.95). Where the time went comes from the
 producer's own counters (idle target share, starved worker share, ready-queue depth).
@@ -80,16 +80,12 @@ def run_throughput_bench(
     say(f"pipeline: dflash-pipe launch for about {seconds:g} s of training")
     pipeline, waits = run_pipeline(work, seconds, rates[slowest].tokens_per_s, mode=None)
     rates["pipeline"] = pipeline
-    notes: list[str] = []
     if compare:
         say("offline: features to safetensors files, then training reads them back")
         rates["offline (disk)"] = offline(work, pipeline.tokens)
-        if "drafter_mode" in {f.name for f in dataclasses.fields(cfg.layout)}:
-            say("drafters as threads of the producer's process")
-            rates["threads"], _ = run_pipeline(work, seconds, rates[slowest].tokens_per_s, mode="threads")
-        else:
-            notes.append("threads: not available in this build (no layout.drafter_mode)")
-    return _result(work, rates, waits, slowest, seconds=seconds, compare=compare, notes=notes)
+        say("threads: every drafter a thread of one worker process (--drafter-mode threads)")
+        rates["threads"], _ = run_pipeline(work, seconds, rates[slowest].tokens_per_s, mode="threads")
+    return _result(work, rates, waits, slowest, seconds=seconds, compare=compare)
 
 
 def run_pipeline(
@@ -166,7 +162,6 @@ def _result(
     *,
     seconds: float,
     compare: bool,
-    notes: list[str],
 ) -> BenchResult:
     pipeline = rates["pipeline"].tokens_per_s
     rows = []
@@ -192,12 +187,13 @@ def _result(
             summary[f"pipeline_vs_{other.split()[0]}"] = round(pipeline / rates[other].tokens_per_s, 3)
     summary["goals"] = [goal("pipeline efficiency", summary["pipeline_efficiency"], at_least=EFFICIENCY_GOAL)]
     layout = work.cfg.layout
+    notes = []
     if layout.device == "cpu" or layout.shared_gpus():
-        notes = notes + [
+        notes.append(
             "each stage alone had its devices to itself; in the pipeline the target and the drafters share "
             + ("the CPU cores" if layout.device == "cpu" else f"GPU(s) {layout.shared_gpus()}")
             + ", so the efficiency here includes that sharing"
-        ]
+        )
     summary["notes"] = notes + [
         "target idle share: the target had nothing to compute (ready queue full, waiting for credits); "
         "workers starved share: workers held credits the producer could not fill (waiting for batches)"
