@@ -66,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--draft-layers", type=int, default=5, help="selected layers: the drafter default for this"
     )
     p.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
+    p.add_argument(
+        "--compile-layers",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="decoder layers through one compiled function (auto: TargetCore's default, on with CUDA flex)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -185,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     attention = None if args.attention == "auto" else args.attention
-    core = TargetCore(config, layer_ids, device, dtype, attention=attention)
+    compile_layers = {"auto": None, "on": True, "off": False}[args.compile_layers]
+    core = TargetCore(config, layer_ids, device, dtype, attention=attention, compile_layers=compile_layers)
     build_s = time.perf_counter() - t0
     samples, plans = make_batches(args, config.vocab_size)
     warm, timed = plans[: args.warmup], plans[args.warmup :]
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "layer_ids": list(layer_ids),
         "attention_used": core.attention,
+        "compile_layers_used": core.layers_compiled,
         "dtype": str(dtype).removeprefix("torch."),
         "timed_samples": len(lengths),
         "timed_tokens": tokens,

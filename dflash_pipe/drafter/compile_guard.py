@@ -41,6 +41,14 @@ apply to dynamic shapes anyway."""
 T = TypeVar("T")
 
 
+def compiler_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when Dynamo or Inductor fails on a graph (callers fall back to eager)."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
+
+
 def apply_dynamo_settings() -> None:
     """Sets ``DYNAMO_SETTINGS`` for the calling thread (overrides are per thread since torch 2.12)."""
     import torch._dynamo

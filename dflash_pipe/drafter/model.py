@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpointing import CheckpointPolicy
-from .compile_guard import INDUCTOR_OPTIONS, needs_compile
+from .compile_guard import INDUCTOR_OPTIONS, compiler_errors, needs_compile
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
@@ -155,13 +155,6 @@ def _compiled_layer() -> Callable:
     return torch.compile(_run_layer, dynamic=True, options=INDUCTOR_OPTIONS)
 
 
-def _compiler_errors() -> tuple[type[BaseException], ...]:
-    import torch._dynamo.exc
-    import torch._inductor.exc
-
-    return (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
-
-
 @functools.cache
 def _compiled_flex_attention() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
@@ -274,7 +267,7 @@ class DFlashDrafter(nn.Module):
         if not self._layer_compile_failed:
             try:
                 return _compiled_layer()(layer, x, ctx, rope_q, rope_k, attend)
-            except _compiler_errors() as exc:
+            except compiler_errors() as exc:
                 if needs_compile(exc):  # threaded mode's guard asks for an exclusive re-run: not a failure
                     raise
                 self._layer_compile_failed = True

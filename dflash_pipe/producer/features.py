@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipe.data import Sample
+from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.staging import HostSlot, HostStaging
@@ -188,6 +189,7 @@ class TargetThread(threading.Thread):
         try:
             if self.core.device.type == "cuda" and self.core.device.index is not None:
                 torch.cuda.set_device(self.core.device)  # streams and events of this thread live there
+            apply_dynamo_settings()  # per thread: the compiled target layers and flex functions
             copier = FeatureCopier(self.core, self.staging, self.wire_dtype)
             while (plan := self._next_plan()) is not None:
                 t0 = time.perf_counter()

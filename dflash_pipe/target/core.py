@@ -10,6 +10,8 @@ with position ids restarting per sample and attention blocked at sample boundari
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
+from dflash_pipe.drafter.compile_guard import compiler_errors
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
 from dflash_pipe.target.packing import (
     Attention,
@@ -24,10 +27,13 @@ from dflash_pipe.target.packing import (
     Packing,
     PaddedLayout,
     check_lengths,
+    compiled_layer_forward,
     plain_causal,
     register_flex_attention,
 )
 from dflash_pipe.target.placement import spread
+
+log = logging.getLogger("dflash_pipe.target")
 
 
 class _StopForward(Exception):
@@ -51,6 +57,7 @@ class TargetCore:
         *,
         packing: Packing = "packed",
         attention: Attention | None = None,
+        compile_layers: bool | None = None,
     ) -> None:
         """``model_path``: an HF model directory, or a config to build a randomly initialised target of that
         shape straight on ``device`` (benchmarks). ``device``: one device, or several to split the layers
@@ -59,6 +66,9 @@ class TargetCore:
         ``packing``: "packed" (one row, no padding) or "padded" (right-padded rows, the reference).
         ``attention`` (packed only): "flex" skips the masked tiles (compiled on CUDA), "sdpa" computes the
         dense ``[T, T]`` mask; None picks flex on CUDA when every layer is plain causal attention, else sdpa.
+        ``compile_layers``: run every decoder layer through one torch.compile'd function (fused norms, RoPE
+        and SwiGLU around the matmuls); None: on CUDA with packed flex attention. A compiler failure falls
+        back to eager layers with one warning.
         """
         devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
         self.device = devices[0]
@@ -98,6 +108,34 @@ class TargetCore:
         self.decoder: nn.Module = model.get_decoder() if hasattr(model, "get_decoder") else model
         self.num_layers: int = num_hidden_layers(self.config) or len(self.layers)
         self.layer_ids: tuple[int, ...] = _validate_layer_ids(layer_ids, self.num_layers, model_path)
+        if compile_layers is None:
+            compile_layers = self.device.type == "cuda" and self.attention == "flex" and packing == "packed"
+        self.compile_layers = compile_layers
+        self._layer_compile_failed = False
+        if compile_layers:
+            for layer in self.layers:
+                layer.forward = functools.partial(self._compiled_forward, layer)
+
+    @property
+    def layers_compiled(self) -> bool:
+        """Whether the decoder layers run compiled (asked for, and the compiler has not failed)."""
+        return self.compile_layers and not self._layer_compile_failed
+
+    def _compiled_forward(self, layer: nn.Module, *args: object, **kwargs: object) -> object:
+        """The layer through the shared compiled function; eager (with one warning) once that fails."""
+        if not self._layer_compile_failed:
+            try:
+                return compiled_layer_forward(layer, *args, **kwargs)
+            except compiler_errors() as exc:
+                self._layer_compile_failed = True
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                log.warning(
+                    "torch.compile of the target's decoder layers failed (%s: %s); they run uncompiled from "
+                    "now on (same features, lower throughput)",
+                    type(exc).__name__,
+                    first,
+                )
+        return type(layer).forward(layer, *args, **kwargs)
 
     @property
     def feature_size(self) -> int:

@@ -139,13 +139,35 @@ _COMPILE_LOCK = threading.Lock()
 _compiled_for: set[tuple[str, str, str]] = set()
 
 
-def _call_compiled(fn_name: str, length: int, device: torch.device, /, *args: Any, **kwargs: Any) -> Any:
-    """Calls a compiled function; the first call per (function, device, length class) holds a process-wide
-    lock, because compiling is not thread-safe and every target replica runs in its own thread. Length
-    classes are where Dynamo specialises despite dynamic=True: T == 1, and one flex tile (T <= 128)."""
+def _run_layer(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(layer).forward(layer, *args, **kwargs)  # the class's forward: hooks stay outside, eager
+
+
+@functools.cache
+def _compiled_layer() -> Callable:
+    """One compiled function for every decoder layer of every replica: the weights are inputs, not
+    constants, so all layers share one graph per length class; Inductor fuses the norms, RoPE and SwiGLU
+    around the matmuls (flex_attention, called inside, becomes part of the graph)."""
+    return torch.compile(_run_layer, dynamic=True)
+
+
+def compiled_layer_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``layer``'s forward through the shared compiled function (installed as its ``forward``)."""
+    states = kwargs.get("hidden_states", args[0] if args else None)
+    length = states.shape[-2] if isinstance(states, torch.Tensor) else 0
+    return _call_compiled(_compiled_layer(), length, states.device, layer, *args, **kwargs)
+
+
+def _call_compiled(
+    fn_name: str | Callable, length: int, device: torch.device, /, *args: Any, **kwargs: Any
+) -> Any:
+    """Calls a compiled function (a flex function's name, or the compiled function itself); the first call
+    per (function, device, length class) holds a process-wide lock, because compiling is not thread-safe and
+    every target replica runs in its own thread. Length classes are where Dynamo specialises despite
+    dynamic=True: T == 1, and one flex tile (T <= 128)."""
     size = "one" if length == 1 else "tile" if length <= 128 else "many"
-    key = (fn_name, str(device), size)
-    fn = _compiled(fn_name)
+    fn = _compiled(fn_name) if isinstance(fn_name, str) else fn_name
+    key = (fn_name if isinstance(fn_name, str) else "layer", str(device), size)
     if key in _compiled_for:
         return fn(*args, **kwargs)
     with _COMPILE_LOCK:
@@ -207,7 +229,9 @@ def packed_flex_attention(
             'path does not implement; build the TargetCore with attention="sdpa"'
         )
     options = {"block_mask": attention_mask, "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
-    if query.device.type == "cuda":
+    if torch.compiler.is_compiling():  # inside a compiled decoder layer: part of that graph
+        out = flex_attention(query, key, value, **options)
+    elif query.device.type == "cuda":
         out = _call_compiled("flex_attention", query.shape[2], query.device, query, key, value, **options)
     else:
         out = flex_attention(query, key, value, **options)  # [1, Hq, T, D]

@@ -106,3 +106,41 @@ def test_first_compiled_call_per_length_class_holds_the_compile_lock(monkeypatch
     for length, device in [(300, cuda0), (500, cuda0), (300, cuda1), (64, cuda0), (1, cuda0), (70, cuda0)]:
         packing._call_compiled("flex_attention", length, device)
     assert held == [True, False, True, True, True, False]
+
+
+def test_compiled_layers_give_the_eager_features(qwen3_dir):
+    """compile_layers runs every decoder layer through one compiled function (Inductor on CPU here): the
+    same features as eager layers, across batch shapes, with the forward still stopped by the hooks."""
+    eager = TargetCore(qwen3_dir, (0, 2), "cpu", torch.float32, compile_layers=False)
+    compiled = TargetCore(qwen3_dir, (0, 2), "cpu", torch.float32, compile_layers=True)
+    assert compiled.compile_layers and not eager.compile_layers
+    for seed, lengths in enumerate([LENGTHS, [40, 7]]):
+        ids = packed_batch(lengths, seed=seed)
+        torch.testing.assert_close(
+            compiled.features(ids, lengths), eager.features(ids, lengths), rtol=1e-5, atol=1e-5
+        )
+    assert compiled.layers_compiled
+
+
+def test_a_failing_layer_compile_falls_back_to_eager_layers(qwen3_dir, monkeypatch, caplog):
+    """An Inductor failure must not end the run: one warning, then eager layers with the same features."""
+    from torch._inductor.exc import InductorError
+
+    from dflash_pipe.target import core
+
+    calls = []
+
+    def failing(layer, *args, **kwargs):
+        calls.append(layer)
+        raise InductorError(RuntimeError("simulated Inductor bug"), None)
+
+    monkeypatch.setattr(core, "compiled_layer_forward", failing)
+    eager = TargetCore(qwen3_dir, LAYERS, "cpu", torch.float32, compile_layers=False)
+    broken = TargetCore(qwen3_dir, LAYERS, "cpu", torch.float32, compile_layers=True)
+    ids = packed_batch(LENGTHS, seed=1)
+    with caplog.at_level("WARNING", logger="dflash_pipe.target"):
+        for _ in range(2):
+            torch.testing.assert_close(broken.features(ids, LENGTHS), eager.features(ids, LENGTHS))
+    assert len(calls) == 1 and not broken.layers_compiled
+    assert [r.message for r in caplog.records if "simulated Inductor bug" in r.message]
+    assert TargetCore(qwen3_dir, LAYERS, "cpu", torch.float32).compile_layers is False  # None: CUDA only
