@@ -38,6 +38,10 @@ INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
 asserted on a layer graph on torch 2.11 (an H 2048 drafter at 2048 tokens); by its own note it does not
 apply to dynamic shapes anyway."""
 
+FLEX_MIN_HEAD_DIM = 16
+"""Inductor's flex_attention kernels refuse smaller head dims ("NYI: embedding dimension ... at least 16");
+below it the automatic attention choice is SDPA (tiny test and demo-sized models)."""
+
 T = TypeVar("T")
 
 

@@ -112,7 +112,9 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...]  # target layers whose outputs are the context features
     num_target_layers: int  # L of the target
     max_anchors: int = 512  # anchors (blocks) sampled per sequence in training
-    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"  # auto = flex on CUDA, sdpa on CPU
+    attention_backend: Literal["auto", "flex", "sdpa"] = (
+        "auto"  # auto = flex on CUDA (head_dim >= 16), else sdpa
+    )
     extra: dict = field(default_factory=dict)  # free-form provenance (e.g. target model name)
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpointing import CheckpointPolicy
-from .compile_guard import INDUCTOR_OPTIONS, compiler_errors, needs_compile
+from .compile_guard import FLEX_MIN_HEAD_DIM, INDUCTOR_OPTIONS, compiler_errors, needs_compile
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
@@ -249,7 +249,7 @@ class DFlashDrafter(nn.Module):
     def backend(self, device: torch.device) -> str:
         if self.cfg.attention_backend != "auto":
             return self.cfg.attention_backend
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" and self.cfg.head_dim >= FLEX_MIN_HEAD_DIM else "sdpa"
 
     def _compiles_attention(self, device: torch.device) -> bool:
         return self.compile_attention if self.compile_attention is not None else device.type == "cuda"

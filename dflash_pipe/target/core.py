@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from dflash_pipe.drafter.compile_guard import compiler_errors
+from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM, compiler_errors
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
 from dflash_pipe.target.packing import (
     Attention,
@@ -220,6 +220,7 @@ def _pick_attention(
     if attention not in (None, "flex", "sdpa"):
         raise ValueError(f'attention must be "flex", "sdpa" or None (pick), got {attention!r}')
     fits = plain_causal(text_config)
+    head_dim = _head_dim(text_config)
     if attention == "flex" and (packing == "padded" or not fits):
         why = (
             "padded rows use sdpa"
@@ -229,9 +230,20 @@ def _pick_attention(
         raise ValueError(
             f'attention="flex" needs packing="packed" and plain causal layers ({why}); use "sdpa"'
         )
+    if attention == "flex" and device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(
+            f'attention="flex" on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM} (compiled flex_attention kernels), '
+            f'this model has {head_dim}; use "sdpa"'
+        )
     if attention is None:
-        attention = "flex" if packing == "packed" and fits and device.type == "cuda" else "sdpa"
+        flex_ok = packing == "packed" and fits and device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
+        attention = "flex" if flex_ok else "sdpa"
     return attention
+
+
+def _head_dim(text_config: object) -> int:
+    explicit = getattr(text_config, "head_dim", None)
+    return int(explicit or text_config.hidden_size // text_config.num_attention_heads)
 
 
 def _validate_layer_ids(layer_ids: Sequence[int], num_layers: int, model_path: str | Path) -> tuple[int, ...]:

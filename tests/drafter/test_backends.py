@@ -110,7 +110,7 @@ def test_a_failing_layer_compile_falls_back_to_eager_with_one_warning(monkeypatc
         raise CompilerBug("AssertionError in tiling_utils")
 
     monkeypatch.setattr(model_module, "_compiled_layer", lambda: broken)
-    monkeypatch.setattr(model_module, "_compiler_errors", lambda: (CompilerBug,))
+    monkeypatch.setattr(model_module, "compiler_errors", lambda: (CompilerBug,))
     cfg = dataclasses.replace(tiny_config(block_size=4, max_anchors=5), attention_backend="sdpa")
     eager, compiled = tiny_drafter(cfg), tiny_drafter(cfg)
     compiled.compile_layers = True
@@ -121,3 +121,11 @@ def test_a_failing_layer_compile_falls_back_to_eager_with_one_warning(monkeypatc
     torch.testing.assert_close(got, want)
     compiled(ids, feats, loss_mask, generator=torch.Generator().manual_seed(5))  # no second attempt
     assert calls == [1]
+
+
+def test_auto_backend_is_flex_on_cuda_only_from_head_dim_16() -> None:
+    """Inductor's flex kernels refuse head_dim < 16 ("NYI"), so "auto" picks SDPA there (no GPU needed)."""
+    cuda = torch.device("cuda")
+    assert tiny_drafter(tiny_config(head_dim=8)).backend(cuda) == "sdpa"
+    assert tiny_drafter(tiny_config(head_dim=16)).backend(cuda) == "flex"
+    assert tiny_drafter(tiny_config(head_dim=16)).backend(torch.device("cpu")) == "sdpa"

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 
+from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM
 from tests.tiny_models import tiny_qwen3_config
 
 # Make the repo importable when the package is not installed (plain `pytest tests/target`).
@@ -27,7 +28,10 @@ def _save(model: torch.nn.Module, path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = tiny_qwen3_config(vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS, tie_word_embeddings=True)
+    # head_dim 16: the smallest Inductor's flex_attention kernels support, so the CUDA tests run flex.
+    cfg = tiny_qwen3_config(
+        vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS, tie_word_embeddings=True, head_dim=FLEX_MIN_HEAD_DIM
+    )
     torch.manual_seed(0)
     return _save(Qwen3ForCausalLM(cfg), tmp_path_factory.mktemp("qwen3"))
 
@@ -39,8 +43,8 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         hidden_size=48,
         intermediate_size=96,
         num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=3,  # head_dim 16 (see qwen3_dir)
+        num_key_value_heads=3,
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )

@@ -72,6 +72,20 @@ def test_attention_choice(qwen3_dir):
     assert not plain_causal(tiny_qwen3_config(use_sliding_window=True, sliding_window=8, max_window_layers=0))
 
 
+def test_flex_needs_head_dim_16_on_cuda():
+    """Inductor's flex kernels refuse head_dim < 16: the automatic choice is then SDPA, and asking for flex
+    on CUDA is an error that says so (the choice needs no GPU)."""
+    from dflash_pipe.target.core import _pick_attention
+
+    cuda = torch.device("cuda")
+    small, ok = tiny_qwen3_config(head_dim=8), tiny_qwen3_config(head_dim=16)
+    assert _pick_attention("packed", None, ok, cuda) == "flex"
+    assert _pick_attention("packed", None, small, cuda) == "sdpa"
+    with pytest.raises(ValueError, match="head_dim >= 16"):
+        _pick_attention("packed", "flex", small, cuda)
+    assert _pick_attention("packed", "flex", small, torch.device("cpu")) == "flex"  # eager flex is fine
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_flex_on_cuda_matches_padded_across_shapes(model_dir):
     """Compiled flex (dynamic shapes) against the padded reference for several batch shapes in a row."""
