@@ -155,8 +155,9 @@ def main() -> None:
 )
 @click.option(
     "--payload-path",
-    type=click.Choice(["auto", "socket", "shm"]),
-    help="auto: shared memory for same-host workers, frames for the rest (default); socket; shm only.",
+    type=click.Choice(["auto", "socket", "shm", "cuda_ipc"]),
+    help="auto: GPU memory (CUDA IPC) or shared memory for same-host workers, frames for the rest "
+    "(default); socket; shm only; cuda_ipc only.",
 )
 @click.option(
     "--log",
