@@ -175,8 +175,8 @@ class ProducerProc:
         self.cuda_ring = self._make_cuda_ring()
         self.ring = self._make_ring()
         self.staging: HostStaging = staging or self.cuda_ring or self.ring or PrivateStaging()
-        self._sent_by_ref = 0
-        """BATCHes whose features went through a ring (a slot reference) instead of socket frames."""
+        self._sent_by_ref = {"shm": 0, "cuda_ipc": 0}
+        """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -509,7 +509,8 @@ class ProducerProc:
             values.update(self._stage_rates())
             values["queue_depth"] = self.scheduler.ready_count()
             values["leased"] = self.scheduler.leased_count()
-            values["batches_via_shm"] = self._sent_by_ref
+            values["batches_via_shm"] = self._sent_by_ref["shm"]
+            values["batches_via_cuda_ipc"] = self._sent_by_ref["cuda_ipc"]
             waits = self.wait_report()
             values["wait/target_idle_share"] = waits["target_idle_share"]
             values["wait/workers_starved_share"] = waits["workers_starved_share"]
@@ -587,7 +588,8 @@ class ProducerProc:
         payload = payload_for(batch, ring, self.ring)
         self._send(peer.identity, payload, ring=ring)
         features = payload.tensors.get("features")
-        self._sent_by_ref += ring is not None and features is not None and ring.locate(features) is not None
+        if ring is not None and features is not None and ring.locate(features) is not None:
+            self._sent_by_ref[ring.PATH] += 1
 
     def _send(self, peer_id: bytes, msg: Any, *, ring: Any = None) -> None:
         """``ring``: the ring the peer opened, so tensors in its slots go by reference."""
