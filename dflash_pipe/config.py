@@ -131,6 +131,11 @@ class RunConfig:
             self.target_model = Path(self.target_model)
         if self.eval_samples < 0:
             raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples}.")
+        if self.wire.payload_path == "cuda_ipc" and self.layout.device != "cuda":
+            raise ValueError(
+                "wire.payload_path cuda_ipc needs the target and the drafters on CUDA (--device cuda); "
+                "use auto, shm or socket on CPU."
+            )
 
     @property
     def cache_dir(self) -> Path:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dflash_pipe.bench.transport import _summary
+from dflash_pipe.producer.payloads import payload_for
 from dflash_pipe.producer.proc import choose_offers
 from dflash_pipe.producer.scheduler import BatchScheduler, ReadyBatch
 from dflash_pipe.train.link import ProducerLink, ready_paths
@@ -242,6 +243,30 @@ def test_ring_views_round_trip_in_process_and_name_slots():
         ring.close()
         ring.close()  # safe twice
     assert ring.released
+
+
+@cuda
+@pytest.mark.skipif(not shm_supported(), reason="memfd and /proc are Linux-only")
+def test_workers_without_the_gpu_ring_get_one_host_copy_held_until_the_ack():
+    ring = CudaIpcRing.create(2, 64 << 10, "cuda:0")
+    shm = ShmRing.create(slots=2, slot_bytes=64 << 10, pin=True)
+    try:
+        msg, slot, feats, scales = staged(ring, seed=7)
+        ready = ReadyBatch(plan=None, payload=msg, tokens=100, slot=slot)
+        assert payload_for(ready, ring, shm) is msg  # a CUDA IPC worker gets the GPU slots by reference
+        host = payload_for(ready, shm, shm)  # a shm worker: one copy into a shm slot, sent by reference
+        assert shm.locate(host.tensors["features"]) is not None and shm.leased == 1
+        assert torch.equal(host.tensors["features"], feats) and torch.equal(
+            host.tensors["feature_scales"], scales
+        )
+        assert torch.equal(host.tensors["input_ids"], msg.tensors["input_ids"])
+        assert payload_for(ready, None, shm) is host  # a redelivery to a frames worker reuses the copy
+        assert len(encode(host)) == 2  # header (ids and the 800-byte scales inline) + features as a frame
+        ready.release()  # the ACK frees the GPU slot and the host copy together
+        assert ring.leased == 0 and shm.leased == 0
+    finally:
+        ring.close()
+        shm.close()
 
 
 @cuda
