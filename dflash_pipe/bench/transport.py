@@ -240,20 +240,17 @@ def _memcpy(nbytes: int, count: int) -> float:
 
 
 def _d2d(nbytes: int, count: int) -> float:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(count):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return _from_gpu(nbytes, count, pinned_host=False)
 
 
 def _d2h(nbytes: int, count: int) -> float:
+    return _from_gpu(nbytes, count, pinned_host=True)
+
+
+def _from_gpu(nbytes: int, count: int, *, pinned_host: bool) -> float:
+    """Seconds for ``count`` copies of ``nbytes`` from the GPU to pinned host memory or to the same GPU."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinned_host else torch.empty_like(src)
     dst.copy_(src)
     torch.cuda.synchronize()
     start = time.perf_counter()
