@@ -155,8 +155,9 @@ def main() -> None:
 )
 @click.option(
     "--payload-path",
-    type=click.Choice(["auto", "socket", "shm"]),
-    help="auto: shared memory for same-host workers, frames for the rest (default); socket; shm only.",
+    type=click.Choice(["auto", "socket", "shm", "cuda_ipc"]),
+    help="auto: GPU memory (CUDA IPC) or shared memory for same-host workers, frames for the rest "
+    "(default); socket; shm only; cuda_ipc only.",
 )
 @click.option(
     "--log",
@@ -649,7 +650,8 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_w
     type=click.Choice(["auto", "cpu", "cuda"]),
     default="auto",
     show_default=True,
-    help="cuda adds the GPU cases (device -> pinned host, GPU -> worker GPU); auto: when a GPU is present.",
+    help="cuda adds the GPU cases (device -> pinned host, GPU -> worker GPU through shm and through CUDA "
+    "IPC); auto: when a GPU is present.",
 )
 @_OUT_OPTION
 def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir: Path | None) -> None:
@@ -657,7 +659,8 @@ def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir
 
     \b
     Goals: the wire adds <= 5% over raw pyzmq at the same sizes and frames; the same-host ring moves GPU ->
-    worker GPU at >= 25 GB/s. Example:
+    worker GPU at >= 25 GB/s. With CUDA the summary also says which same-host GPU path (shm or cuda_ipc)
+    is faster. Example:
       dflash-pipe bench transport --sizes-mib 1,16,126 --budget-mib 2048
     """
     from dflash_pipe.bench.transport import run_transport_bench

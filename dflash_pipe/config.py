@@ -61,9 +61,12 @@ class WireConfig:
     wire_dtype: Literal["bf16", "fp8"] = "bf16"
     """Features on the wire: "bf16" keeps the target's dtype; "fp8" sends float8_e4m3fn with one fp32 scale
     per token and layer (about half the bytes of bf16), dequantised on the worker's device."""
-    payload_path: Literal["auto", "socket", "shm"] = "auto"
+    payload_path: Literal["auto", "socket", "shm", "cuda_ipc"] = "auto"
     """How BATCH payloads travel: "socket" as frames; "shm" through a shared-memory ring (same-host workers
-    only; others are refused); "auto": the ring for same-host workers, frames for the rest."""
+    only; others are refused); "cuda_ipc" through a ring in the target GPU's memory that same-host CUDA
+    workers open with CUDA IPC (others are refused; one that cannot open it gets frames); "auto": the CUDA
+    IPC ring for same-host CUDA workers when the target runs on CUDA, else the shared-memory ring for
+    same-host workers, frames for the rest."""
     frame_bytes: int = 1 << 20
     """Frame size for tensors sent on the socket (measured fastest by `dflash-pipe bench transport`)."""
 
@@ -73,8 +76,10 @@ class WireConfig:
 
         if self.wire_dtype not in ("bf16", "fp8"):
             raise ValueError(f"wire.wire_dtype must be bf16 or fp8, got {self.wire_dtype!r}.")
-        if self.payload_path not in ("auto", "socket", "shm"):
-            raise ValueError(f"wire.payload_path must be auto, socket or shm, got {self.payload_path!r}.")
+        if self.payload_path not in ("auto", "socket", "shm", "cuda_ipc"):
+            raise ValueError(
+                f"wire.payload_path must be auto, socket, shm or cuda_ipc, got {self.payload_path!r}."
+            )
         if self.frame_bytes < MIN_FRAME_BYTES:
             raise ValueError(
                 f"wire.frame_bytes must be >= {MIN_FRAME_BYTES} (64 KiB), got {self.frame_bytes}; "
@@ -126,6 +131,11 @@ class RunConfig:
             self.target_model = Path(self.target_model)
         if self.eval_samples < 0:
             raise ValueError(f"eval_samples must be >= 0, got {self.eval_samples}.")
+        if self.wire.payload_path == "cuda_ipc" and self.layout.device != "cuda":
+            raise ValueError(
+                "wire.payload_path cuda_ipc needs the target and the drafters on CUDA (--device cuda); "
+                "use auto, shm or socket on CPU."
+            )
 
     @property
     def cache_dir(self) -> Path:

@@ -11,7 +11,10 @@ acknowledges it. Paths:
 - ``wire tcp`` / ``wire ipc``: our codec and endpoints with ``frame_bytes`` frames (a remote worker's path).
 - ``wire shm``: our same-host path: the BATCH header names a ring slot, the receiver copies from the slot.
 - with CUDA: ``d2h pinned`` (device to pinned host, the GPU-side ceiling), and ``wire shm`` / ``wire ipc``
-  end to end from a GPU tensor on the sender to a GPU tensor on the receiver (``gpu->gpu``).
+  end to end from a GPU tensor on the sender to a GPU tensor on the receiver (``gpu->gpu``);
+  ``wire cuda-ipc gpu->gpu``: the sender copies into a slot of its GPU ring (``wire.cuda_ipc``), the
+  receiver copies from it to its own GPU (the same GPU with one, cuda:1 with several); and ``d2d`` (one
+  device-to-device copy in one process, that path's ceiling).
 
 ``python -m dflash_pipe.bench.transport --out DIR`` runs it alone and writes DIR/transport.json.
 Plain pyzmq is imported here only to measure the baseline; the product's sockets live in ``wire.transport``.
@@ -50,6 +53,7 @@ def _receiver(conn: Any) -> None:
     import zmq
 
     from dflash_pipe.wire import Ack, Heartbeat
+    from dflash_pipe.wire.cuda_ipc import CudaIpcOffer, CudaIpcRing
     from dflash_pipe.wire.shm import RingOffer, ShmRing
     from dflash_pipe.wire.transport import WorkerEndpoint
 
@@ -74,11 +78,11 @@ def _receiver(conn: Any) -> None:
             sock.close(linger=1000)
             ctx.term()
         else:
-            ring = (
-                ShmRing.attach(RingOffer.from_dict(opts["ring"]), pin=device.type == "cuda")
-                if opts.get("ring")
-                else None
-            )
+            ring = None
+            if opts.get("cuda_ring"):
+                ring = CudaIpcRing.attach(CudaIpcOffer.from_dict(opts["cuda_ring"]))
+            elif opts.get("ring"):
+                ring = ShmRing.attach(RingOffer.from_dict(opts["ring"]), pin=device.type == "cuda")
             with WorkerEndpoint(address) as ep:
                 ep.ring = ring
                 ep.alloc = lambda n, d=dest: d  # frames land straight in the destination (device) buffer
@@ -155,23 +159,33 @@ def _wire(
     shm: bool,
     device: str,
     receiver_device: str,
+    cuda_ipc: bool = False,
 ) -> float:
     """Our endpoints; on CUDA each payload starts on the sender's GPU and is copied device-to-host first
-    (into a ring slot, or a pinned private buffer), as the producer does."""
+    (into a ring slot, or a pinned private buffer), as the producer does; with ``cuda_ipc``
+    device-to-device into a slot of the GPU ring instead."""
     from dflash_pipe.wire import Batch
+    from dflash_pipe.wire.cuda_ipc import CudaIpcRing
     from dflash_pipe.wire.shm import ShmRing
     from dflash_pipe.wire.transport import ProducerEndpoint
 
     cuda = device.startswith("cuda")
     source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    ring = ShmRing.create(WINDOW + 1, nbytes, pin=cuda) if shm else None
+    ring: Any = None
+    if cuda_ipc:
+        ring = CudaIpcRing.create(WINDOW + 1, nbytes, device)
+    elif shm:
+        ring = ShmRing.create(WINDOW + 1, nbytes, pin=cuda)
     private = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(WINDOW + 1)]
     if not cuda:  # CPU: the bytes are already staged (the device-to-host copy is not part of the path)
         for buf in private:
             buf.copy_(source)
     leases: deque[Any] = deque()
     ep = ProducerEndpoint(address, frame_bytes=frame_bytes)
-    opts = {"device": receiver_device, "ring": ring.offer().to_dict() if ring else None}
+    opts = {
+        "device": receiver_device,
+        ("cuda_ring" if cuda_ipc else "ring"): ring.offer().to_dict() if ring else None,
+    }
     conn.send(("wire", ep.address, count + 1, nbytes, opts))
     got = ep.recv(timeout_s=120)
     if got is None:
@@ -225,9 +239,18 @@ def _memcpy(nbytes: int, count: int) -> float:
     return time.perf_counter() - start
 
 
+def _d2d(nbytes: int, count: int) -> float:
+    return _from_gpu(nbytes, count, pinned_host=False)
+
+
 def _d2h(nbytes: int, count: int) -> float:
+    return _from_gpu(nbytes, count, pinned_host=True)
+
+
+def _from_gpu(nbytes: int, count: int, *, pinned_host: bool) -> float:
+    """Seconds for ``count`` copies of ``nbytes`` from the GPU to pinned host memory or to the same GPU."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinned_host else torch.empty_like(src)
     dst.copy_(src)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -319,6 +342,9 @@ def run_transport_bench(
                 if shm_supported():
                     secs = _wire(conn, f"ipc://{tmp.name}/h", size, count, shm=True, **gpu)
                     row("wire shm gpu->gpu", size, secs, count, None)
+                row("d2d", size, _d2d(size, count), count, None)
+                secs = _wire(conn, f"ipc://{tmp.name}/c", size, count, shm=False, cuda_ipc=True, **gpu)
+                row("wire cuda-ipc gpu->gpu", size, secs, count, None)
     finally:
         conn.send(None)
         proc.join(30)
@@ -372,7 +398,20 @@ def _summary(rows: list[dict[str, Any]], cuda: bool, wire_frame_kib: int) -> dic
     if cuda and (g := best("wire shm gpu->gpu")):
         out["shm_gpu_to_gpu_gb_per_s"] = g["gb_per_s"]
         out["goal_gpu_to_gpu_25_gb_per_s"] = g["gb_per_s"] >= 25.0
+    if cuda and (c := best("wire cuda-ipc gpu->gpu")):
+        out["cuda_ipc_gpu_to_gpu_gb_per_s"] = c["gb_per_s"]
+        out.update(_faster_same_host_gpu_path(c, best("wire shm gpu->gpu")))
     return out
+
+
+def _faster_same_host_gpu_path(cuda_ipc: dict[str, Any], shm: dict[str, Any] | None) -> dict[str, Any]:
+    """Which same-host GPU -> GPU path moves the largest payload faster (keep cuda_ipc only if it wins)."""
+    if shm is None:
+        return {"faster_same_host_gpu_path": "cuda_ipc"}
+    return {
+        "cuda_ipc_vs_shm_gpu_to_gpu": round(cuda_ipc["gb_per_s"] / shm["gb_per_s"], 2),
+        "faster_same_host_gpu_path": "cuda_ipc" if cuda_ipc["gb_per_s"] > shm["gb_per_s"] else "shm",
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:

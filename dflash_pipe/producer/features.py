@@ -3,8 +3,9 @@
 Each thread owns one ``TargetCore`` on its own GPU, so every target GPU works in parallel (torch releases
 the GIL inside kernels). The producer's main thread never computes; it only routes.
 
-Features leave the GPU without stalling it: each batch's ``[T, k*H]`` features are copied into a host slot
-(``HostStaging``, pinned memory) on a side CUDA stream, and the thread launches the NEXT batch's forward
+Features leave the GPU without stalling it: each batch's ``[T, k*H]`` features are copied into a staging slot
+(``HostStaging``: pinned host memory, or GPU memory of the CUDA IPC ring, device to device) on a side CUDA
+stream, and the thread launches the NEXT batch's forward
 before it waits for that copy (double buffering). The wire message's ``features`` tensor is a view of the
 slot, which rides on the ``ReadyBatch`` until the scheduler releases it on the ACK. On CPU the same steps
 run with a plain synchronous copy into the slot.

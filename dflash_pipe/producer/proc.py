@@ -19,6 +19,7 @@ import torch
 
 from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, build_batch, load_replicas
+from dflash_pipe.producer.payloads import payload_for
 from dflash_pipe.producer.record import bind_address, write_record
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
@@ -26,8 +27,10 @@ from dflash_pipe.producer.staging import HostStaging, PrivateStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, TimeShares, make_logger
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.cuda_ipc import CudaIpcRing
 from dflash_pipe.wire.errors import BadMessage, PeerGoneError
-from dflash_pipe.wire.shm import RingUnavailable, ShmRing, host_identity
+from dflash_pipe.wire.ring import RingUnavailable
+from dflash_pipe.wire.shm import ShmRing, host_identity
 from dflash_pipe.wire.transport import ProducerEndpoint
 
 _TICK_S = 0.02
@@ -69,8 +72,11 @@ class Peer:
     first_step_s: float | None = None
     left: bool = False
     ring_offered: bool = False
+    cuda_offered: bool = False
     shm: bool = False
-    """The worker mapped the ring: its BATCH headers name slots instead of carrying frames."""
+    """The worker mapped the shared-memory ring: its BATCH headers name slots instead of carrying frames."""
+    cuda_ipc: bool = False
+    """The worker opened the CUDA IPC ring: its BATCH headers name slots in the target GPU's memory."""
 
 
 @dataclass(slots=True)
@@ -107,9 +113,9 @@ class ProducerProc:
         live: bool | None = None,
         staging: HostStaging | None = None,
     ) -> None:
-        """``staging``: host memory the target threads copy features into (default: the shared-memory ring
-        when there is one, so same-host workers read the slots directly, else private pinned buffers); the
-        producer closes it."""
+        """``staging``: memory the target threads copy features into (default: the CUDA IPC ring when there
+        is one, else the shared-memory ring, so same-host workers read the slots directly, else private
+        pinned buffers); the producer closes it."""
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.expected_workers = expected_workers
@@ -166,10 +172,11 @@ class ProducerProc:
         self._eval_batches: list[m.Batch] = []
         self._lost: list[str] = []
         """One line per worker that died or vanished (the run went on without it)."""
+        self.cuda_ring = self._make_cuda_ring()
         self.ring = self._make_ring()
-        self.staging: HostStaging = staging or self.ring or PrivateStaging()
-        self._sent_by_ref = 0
-        """BATCHes whose features went through the ring (a slot reference) instead of socket frames."""
+        self.staging: HostStaging = staging or self.cuda_ring or self.ring or PrivateStaging()
+        self._sent_by_ref = {"shm": 0, "cuda_ipc": 0}
+        """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
 
     # --- set-up ----------------------------------------------------------------------------------------
 
@@ -179,15 +186,11 @@ class ProducerProc:
             lengths, self.cfg.data.token_budget, seed=self.cfg.train.seed, epoch=epoch, exclude=exclude
         )
 
-    def _make_ring(self) -> ShmRing | None:
-        """The shared-memory ring same-host workers read payloads from (None with payload_path "socket").
-
-        A slot holds the largest possible batch; there are enough slots for the batches computed ahead, those
-        in the target threads and every launched worker's credits, so the ring rarely applies back-pressure.
-        """
+    def _ring_shape(self) -> tuple[int, int]:
+        """(slots, slot bytes) of a payload ring. A slot holds the largest possible batch; there are enough
+        slots for the batches computed ahead, those in the target threads and every launched worker's
+        credits, so the ring rarely applies back-pressure."""
         wire = self.cfg.wire
-        if wire.payload_path == "socket":
-            return None
         tokens = max(
             [self.cfg.data.token_budget, *(int(s.input_ids.numel()) for s in self.ctx.train_samples)]
         )
@@ -196,12 +199,38 @@ class ProducerProc:
         replicas = max(1, len(self.cfg.layout.target_devices()))
         drafters = max(1, len(self.cfg.layout.worker_devices()))  # threaded mode: one process, many drafters
         slots = wire.ready_batches + 2 * replicas + wire.worker_credits * drafters + 1
+        return slots, tokens * per_token + 4096
+
+    def _make_ring(self) -> ShmRing | None:
+        """The shared-memory ring same-host workers read payloads from (with payload_path auto or shm)."""
+        wire = self.cfg.wire
+        if wire.payload_path not in ("auto", "shm"):
+            return None
         try:
-            return ShmRing.create(slots, tokens * per_token + 4096)
+            return ShmRing.create(*self._ring_shape())
         except (RingUnavailable, OSError) as exc:
             if wire.payload_path == "shm":
                 raise RunAborted(f"wire.payload_path is shm, but no shared-memory ring: {exc}") from exc
             self._note(f"shared-memory ring unavailable ({exc}); payloads go as frames")
+            return None
+
+    def _make_cuda_ring(self) -> CudaIpcRing | None:
+        """The ring in the (first) target GPU's memory that same-host CUDA workers open with CUDA IPC (with
+        payload_path auto or cuda_ipc, when the target runs on CUDA). Target replicas on other GPUs copy
+        into it peer to peer."""
+        wire = self.cfg.wire
+        if wire.payload_path not in ("auto", "cuda_ipc"):
+            return None
+        device = torch.device(self.cfg.layout.target_devices()[0])
+        try:
+            if device.type != "cuda":
+                raise RingUnavailable(f"the target runs on {device}, not on a GPU")
+            return CudaIpcRing.create(*self._ring_shape(), device)
+        except (RingUnavailable, RuntimeError) as exc:
+            if wire.payload_path == "cuda_ipc":
+                raise RunAborted(f"wire.payload_path is cuda_ipc, but no CUDA IPC ring: {exc}") from exc
+            if device.type == "cuda":
+                self._note(f"CUDA IPC ring unavailable ({exc}); same-host payloads use shared memory")
             return None
 
     def start_targets(self) -> None:
@@ -366,16 +395,19 @@ class ProducerProc:
         if self._done_sent:
             self.endpoint.reject(peer_id, "this run is finishing; attach to the next one")
             return None
-        same_host = "shm" in msg.capabilities and bool(self.host_id) and msg.host_id == self.host_id
-        if self.cfg.wire.payload_path == "shm" and not same_host:
-            self.endpoint.reject(
-                peer_id,
-                "wire.payload_path is shm, but this worker cannot share the producer's memory (another "
-                "host, container or pid namespace); launch with --payload-path auto to send it frames",
+        try:
+            cuda_offered, ring_offered = choose_offers(
+                self.cfg.wire.payload_path,
+                msg.capabilities,
+                same_host=bool(self.host_id) and msg.host_id == self.host_id,
+                cuda_ring=self.cuda_ring is not None,
+                shm_ring=self.ring is not None,
             )
+        except ValueError as exc:
+            self.endpoint.reject(peer_id, str(exc))
             return None
         peer = Peer(identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid)
-        peer.ring_offered = same_host and self.ring is not None
+        peer.cuda_offered, peer.ring_offered = cuda_offered, ring_offered
         self.peers[peer_id] = peer
         # Ranks come from the drafters' rendezvous, not from here: WELCOME's rank/world_size are the
         # arrival order, for logs. Every worker gets the eval set, since any of them may become rank 0.
@@ -417,6 +449,9 @@ class ProducerProc:
             eval_batches=eval_batches,
             wire_dtype=self.cfg.wire.wire_dtype,
             ring=self.ring.offer().to_dict() if peer.ring_offered and self.ring is not None else {},
+            cuda_ring=(
+                self.cuda_ring.offer().to_dict() if peer.cuda_offered and self.cuda_ring is not None else {}
+            ),
         )
 
     def _handle(self, peer_id: bytes, msg: Any) -> None:
@@ -429,9 +464,10 @@ class ProducerProc:
             return
         peer.last_heard = time.monotonic()
         if isinstance(msg, m.Ready):
+            if peer.state == "starting":  # the first READY says which ring the worker could open
+                self._ready_paths(peer, msg)
             peer.credits += msg.credits
             peer.state = "training"
-            peer.shm = peer.shm or (msg.shm and peer.ring_offered)  # said once, in the first READY
         elif isinstance(msg, m.Ack):
             tokens_before = self.scheduler.stats.acked_tokens
             self.scheduler.ack(peer_id, msg.batch_ids)
@@ -473,7 +509,8 @@ class ProducerProc:
             values.update(self._stage_rates())
             values["queue_depth"] = self.scheduler.ready_count()
             values["leased"] = self.scheduler.leased_count()
-            values["batches_via_shm"] = self._sent_by_ref
+            values["batches_via_shm"] = self._sent_by_ref["shm"]
+            values["batches_via_cuda_ipc"] = self._sent_by_ref["cuda_ipc"]
             waits = self.wait_report()
             values["wait/target_idle_share"] = waits["target_idle_share"]
             values["wait/workers_starved_share"] = waits["workers_starved_share"]
@@ -525,8 +562,7 @@ class ProducerProc:
                 batch = self.scheduler.lease_next(peer.identity, time.monotonic())
                 if batch is None:
                     return
-                self._send(peer.identity, batch.payload, shm=peer.shm)
-                self._sent_by_ref += peer.shm and batch.slot is not None and batch.slot.slot_id is not None
+                self._send_batch(peer, batch)
                 peer.credits -= 1
                 self.wire_rate.add(batch.tokens)
 
@@ -536,10 +572,29 @@ class ProducerProc:
             if not peer.left:
                 self._send(peer.identity, m.Done(reason=reason))
 
-    def _send(self, peer_id: bytes, msg: Any, *, shm: bool = False) -> None:
-        """``shm``: the peer mapped the ring, so tensors in its slots go by reference."""
+    def _ready_paths(self, peer: Peer, msg: m.Ready) -> None:
+        peer.cuda_ipc = msg.cuda_ipc and peer.cuda_offered
+        peer.shm = msg.shm and peer.ring_offered and not peer.cuda_ipc
+        if peer.cuda_offered and not peer.cuda_ipc:
+            fallback = "shared memory" if peer.shm else "frames"
+            self._note(
+                f"warning: {peer.name} could not open the CUDA IPC ring (see its log); its payloads go "
+                f"through {fallback}"
+            )
+
+    def _send_batch(self, peer: Peer, batch: ReadyBatch) -> None:
+        """A BATCH by reference into the ring ``peer`` opened, else as a host copy (``payload_for``)."""
+        ring = self.cuda_ring if peer.cuda_ipc else self.ring if peer.shm else None
+        payload = payload_for(batch, ring, self.ring)
+        self._send(peer.identity, payload, ring=ring)
+        features = payload.tensors.get("features")
+        if ring is not None and features is not None and ring.locate(features) is not None:
+            self._sent_by_ref[ring.PATH] += 1
+
+    def _send(self, peer_id: bytes, msg: Any, *, ring: Any = None) -> None:
+        """``ring``: the ring the peer opened, so tensors in its slots go by reference."""
         try:
-            self.endpoint.send(peer_id, msg, ring=self.ring if shm else None)
+            self.endpoint.send(peer_id, msg, ring=ring)
         except PeerGoneError:
             peer = self.peers.get(peer_id)
             if peer is not None and not peer.left:
@@ -639,8 +694,30 @@ class ProducerProc:
         self.metrics.close()
         self.endpoint.close()
         self.staging.close()
-        if self.ring is not None:
-            self.ring.close()
+        for ring in (self.ring, self.cuda_ring):  # closing the staging twice is a no-op
+            if ring is not None:
+                ring.close()
+
+
+def choose_offers(
+    payload_path: str, capabilities: list[str], *, same_host: bool, cuda_ring: bool, shm_ring: bool
+) -> tuple[bool, bool]:
+    """(offer the CUDA IPC ring, offer the shared-memory ring) to a worker that says HELLO with
+    ``capabilities``; ``ValueError`` (the reason to REJECT it) when ``payload_path`` demands a ring the
+    worker cannot share. The worker opens the first it can (CUDA IPC, then shm) and says which in READY."""
+    can_shm = same_host and "shm" in capabilities
+    can_cuda = same_host and "cuda_ipc" in capabilities
+    if payload_path == "shm" and not can_shm:
+        raise ValueError(
+            "wire.payload_path is shm, but this worker cannot share the producer's memory (another "
+            "host, container or pid namespace); launch with --payload-path auto to send it frames"
+        )
+    if payload_path == "cuda_ipc" and not can_cuda:
+        raise ValueError(
+            "wire.payload_path is cuda_ipc, but this worker cannot open the producer's GPU memory (another "
+            "host, container or pid namespace, or it trains on CPU); launch with --payload-path auto"
+        )
+    return can_cuda and cuda_ring, can_shm and shm_ring
 
 
 def _train_dict(cfg: Any) -> dict[str, Any]:

@@ -31,6 +31,16 @@ class ReadyBatch:
     tokens: int
     slot: Any = None
     """The ``HostSlot`` the payload's bytes live in, if any: released when the batch is ACKed."""
+    host_payload: Any = None
+    """A host copy of a payload staged in GPU memory, made for a worker that cannot open the GPU ring."""
+    host_slot: Any = None
+    """The ``HostSlot`` of that copy: released with ``slot``."""
+
+    def release(self) -> None:
+        """Gives back the staging memory (on the ACK; never while a lost worker's copy may be redelivered)."""
+        for slot in (self.slot, self.host_slot):
+            if slot is not None:
+                slot.release()
 
 
 @dataclass(slots=True)
@@ -113,8 +123,7 @@ class BatchScheduler:
                 self.stats.unknown_acks += 1
                 continue
             del self._leases[batch_id]
-            if lease.batch.slot is not None:
-                lease.batch.slot.release()
+            lease.batch.release()
             self._outstanding -= 1
             self.stats.acked += 1
             self.stats.acked_tokens += lease.batch.tokens

@@ -3,7 +3,9 @@
 The target thread asks a ``HostStaging`` for a ``HostSlot`` big enough for one batch, copies the features
 into it, and hands the slot to the scheduler with the batch; the scheduler releases it on the ACK (a lost
 worker's batch keeps its slot until the redelivered copy is ACKed). Implementations decide where the bytes
-live: process-private memory (``PrivateStaging``) or a shared-memory ring a same-host worker reads from.
+live: process-private memory (``PrivateStaging``), a shared-memory ring a same-host worker reads from, or
+a ring in the target GPU's memory that same-host CUDA workers open (``wire.cuda_ipc``; despite the name,
+its slots are device memory).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 @dataclass(slots=True)
 class HostSlot:
-    """``nbytes`` of host memory (pinned when CUDA is in use); ``slot_id`` names it in a shared ring."""
+    """``nbytes`` of host memory (pinned when CUDA is in use), or of GPU memory in the CUDA IPC ring;
+    ``slot_id`` names it in a shared ring."""
 
     buffer: torch.Tensor  # uint8 [capacity] on the host
     nbytes: int

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.cuda_ipc import CudaIpcOffer, CudaIpcRing
 from dflash_pipe.wire.errors import TransportError
-from dflash_pipe.wire.shm import RingOffer, RingUnavailable, ShmRing
+from dflash_pipe.wire.ring import RingUnavailable, SlotRing
+from dflash_pipe.wire.shm import RingOffer, ShmRing
 from dflash_pipe.wire.transport import WorkerEndpoint
 
 
@@ -48,20 +50,32 @@ class ProducerLink:
         self._thread = threading.Thread(target=self._run, name="producer-link", daemon=True)
         self._thread.start()
 
-    def map_ring(self, offer: dict[str, Any], device: torch.device) -> ShmRing | None:
-        """Maps the ring WELCOME offered (pinned when ``device`` is CUDA) so BATCH headers may name its
-        slots; None if none was offered or it cannot be mapped (the producer then sends frames). Call before
-        the first READY, which tells the producer (``Ready.shm``); close the ring after the link."""
+    def map_ring(self, welcome: m.Welcome, device: torch.device) -> SlotRing | None:
+        """Opens the first ring WELCOME offered that this process can share, the CUDA IPC ring (GPU memory)
+        before the shared-memory one (pinned when ``device`` is CUDA), so BATCH headers may name its slots;
+        None if none was offered or none opens (the producer then sends frames). Prints one line saying why
+        a ring could not be opened. Call before the first READY, which tells the producer
+        (``ready_paths``); close the ring after the link."""
         cuda = device.type == "cuda"
         if cuda:  # multi-frame tensors land in pinned memory, so their host-to-device copy is async
             self._endpoint.alloc = _pinned
-        if not offer:
-            return None
-        try:
-            ring = ShmRing.attach(RingOffer.from_dict(offer), pin=cuda)
-        except (RingUnavailable, ValueError) as exc:
-            print(f"dflash-pipe worker: payloads come as frames: {exc}", file=sys.stderr, flush=True)
-            return None
+        ring: SlotRing | None = None
+        if welcome.cuda_ring:
+            try:
+                ring = CudaIpcRing.attach(CudaIpcOffer.from_dict(welcome.cuda_ring))
+            except (RingUnavailable, ValueError) as exc:
+                fallback = "through shared memory" if welcome.ring else "as frames"
+                print(
+                    f"dflash-pipe worker: cannot open the producer's CUDA IPC ring ({exc}); payloads come "
+                    f"{fallback}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if ring is None and welcome.ring:
+            try:
+                ring = ShmRing.attach(RingOffer.from_dict(welcome.ring), pin=cuda)
+            except (RingUnavailable, ValueError) as exc:
+                print(f"dflash-pipe worker: payloads come as frames: {exc}", file=sys.stderr, flush=True)
         self._endpoint.ring = ring  # read by the IO thread on its next receive
         return ring
 
@@ -137,6 +151,11 @@ class ProducerLink:
             self._on_lost(reason)
         else:
             print(f"dflash-pipe worker: {reason}", file=sys.stderr)
+
+
+def ready_paths(ring: SlotRing | None) -> dict[str, bool]:
+    """The first READY's ``shm`` / ``cuda_ipc`` flags for the ring ``map_ring`` opened."""
+    return {"shm": isinstance(ring, ShmRing), "cuda_ipc": isinstance(ring, CudaIpcRing)}
 
 
 def _pinned(nbytes: int) -> torch.Tensor:

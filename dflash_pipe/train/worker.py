@@ -26,16 +26,19 @@ from dflash_pipe.train.checkpoint import load_checkpoint
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, RendezvousLostError
 from dflash_pipe.train.ledger import Ledger
-from dflash_pipe.train.link import ProducerLink
+from dflash_pipe.train.link import ProducerLink, ready_paths
 from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.threads import ThreadedReplicas
 from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
-from dflash_pipe.wire.shm import ShmRing, host_identity, shm_supported
+from dflash_pipe.wire.cuda_ipc import cuda_ipc_supported
+from dflash_pipe.wire.ring import SlotRing
+from dflash_pipe.wire.shm import host_identity, shm_supported
 
 CAPABILITIES = ["frames", "shm"] if shm_supported() else ["frames"]
-""""frames": payloads on the socket; "shm": can map a same-host producer's shared-memory ring."""
+""""frames": payloads on the socket; "shm": can map a same-host producer's shared-memory ring. A worker on
+a CUDA device adds "cuda_ipc": it can open a same-host producer's ring in GPU memory."""
 
 
 class HandshakeError(RuntimeError):
@@ -120,7 +123,7 @@ def _serve(
         return 2
     group: DrafterGroup | None = None
     welcome: m.Welcome | None = None
-    ring: ShmRing | None = None
+    ring: SlotRing | None = None
     replicas: ThreadedReplicas | None = None
     try:
         welcome = _handshake(link, name=name, device=device, timeout_s=timeout_s)
@@ -128,7 +131,7 @@ def _serve(
         link.peer_timeout_s = welcome.peer_timeout_s
         devs = [torch.device(d) for d in device.split(",")]
         dev = devs[0]
-        ring = link.map_ring(welcome.ring, dev)
+        ring = link.map_ring(welcome, dev)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         drafter_cfg = DrafterConfig.from_dict(welcome.drafter)
@@ -176,7 +179,7 @@ def _serve(
             link.send(m.Metrics(step=step, values=warm))
         _receive_eval_set(session, welcome)
         regroup(session, "joining")
-        link.send(m.Ready(credits=welcome.credits * len(devs), shm=ring is not None))
+        link.send(m.Ready(credits=welcome.credits * len(devs), **ready_paths(ring)))
         result = run_training(session, leave.is_set)
         if result.left:
             link.send_and_flush(m.Bye(reason=f"{name} left (interrupted)"))
@@ -274,7 +277,7 @@ def _handshake(link: ProducerLink, *, name: str, device: str, timeout_s: float) 
             host=socket.gethostname(),
             pid=os.getpid(),
             device=device,
-            capabilities=CAPABILITIES,
+            capabilities=CAPABILITIES + (["cuda_ipc"] if cuda_ipc_supported(device.split(",")[0]) else []),
             host_id=host_identity(),
         )
     )

@@ -8,8 +8,9 @@ Header (frame 0, a msgpack map with exactly these keys):
        - int i: raw frame i (frames 1..N, each used by exactly one tensor);
        - [i, n] (n >= 2): the n raw frames i..i+n-1 back to back (a tensor over `frame_bytes`, sent as
          frames of that size: pyzmq moves a few MiB per frame several times faster than one huge frame);
-       - {"s": slot, "o": offset}: in slot `slot` of the shared-memory ring the handshake mapped
-         (`wire.shm`), `offset` bytes in. No frame: the bytes never cross the socket.
+       - {"s": slot, "o": offset}: in slot `slot` of the ring the handshake set up for this peer (host
+         shared memory, `wire.shm`, or one GPU allocation, `wire.cuda_ipc`), `offset` bytes in. No frame:
+         the bytes never cross the socket.
 
 Zero-copy rules:
 - `encode` returns memoryviews of the tensors' own storage (non-contiguous tensors are made contiguous
@@ -23,8 +24,9 @@ Zero-copy rules:
 - A tensor sent in several frames is reassembled by copying each frame into its slice of one buffer from
   `alloc` (pinned host memory on a CUDA worker, so the host-to-device copy that follows is async; or a
   device tensor, which then receives each frame straight from the zmq buffer): one copy per byte.
-- A tensor in a ring slot is a view of the shared mapping, valid until the batch is ACKed (the producer
-  reuses the slot after that): copy it to the device before acknowledging.
+- A tensor in a ring slot is a view of the shared mapping (a CUDA tensor for the CUDA IPC ring), valid
+  until the batch is ACKed (the producer reuses the slot after that): copy it to the device before
+  acknowledging. Encoding sends a CUDA tensor only by reference: one outside the ring is an error.
 
 Every size the header declares is checked against the frames and against `max_tensor_bytes` before any
 tensor is built; msgpack runs with `raw=False`, `strict_map_key=True`, explicit length limits and no
@@ -88,13 +90,14 @@ Alloc = Callable[[int], torch.Tensor]
 
 
 class SharedRing(Protocol):
-    """What the codec needs of the shared-memory ring (`wire.shm.ShmRing`)."""
+    """What the codec needs of a payload ring (`wire.shm.ShmRing`, `wire.cuda_ipc.CudaIpcRing`)."""
 
     slots: int
     slot_bytes: int
 
     def locate(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """(slot, offset) of a contiguous tensor lying wholly inside one slot, else None."""
+        """(slot, offset) of a contiguous tensor lying wholly inside one slot (on the ring's device), else
+        None."""
         ...
 
     def view(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
@@ -127,7 +130,9 @@ def _tensor_bytes(name: str, tensor: torch.Tensor) -> memoryview:
     if tensor.layout != torch.strided:
         raise ProtocolError(f"tensor {name!r}: layout {tensor.layout} cannot travel; send a dense tensor")
     if tensor.device.type != "cpu":
-        raise ProtocolError(f"tensor {name!r} is on {tensor.device}; copy it to (pinned) CPU memory first")
+        raise ProtocolError(
+            f"tensor {name!r} is on {tensor.device} outside the peer's ring; copy it to (pinned) CPU memory first"
+        )
     flat = tensor.detach().contiguous().reshape(-1)  # [numel]
     # numpy has no bf16/fp8: reinterpret as bytes, which also makes 0-d and bool tensors uniform.
     return memoryview(flat.view(torch.uint8).numpy())
@@ -171,7 +176,7 @@ def encode(
         for name, tensor in msg.tensors.items():
             if tensor.dim() > MAX_RANK:
                 raise ProtocolError(f"tensor {name!r}: rank {tensor.dim()} exceeds {MAX_RANK}")
-            where = ring.locate(tensor) if ring is not None and tensor.device.type == "cpu" else None
+            where = ring.locate(tensor) if ring is not None else None
             if where is not None:
                 loc: Any = {"s": where[0], "o": where[1]}
                 table.append([name, dtype_name(tensor.dtype), list(tensor.shape), loc])

@@ -27,7 +27,7 @@ import torch
 
 from dflash_pipe.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any change to the header layout, a kind's fields or their meaning."""
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
@@ -296,7 +296,7 @@ class Hello(Message):
     host: str
     pid: int = bounded(ge=0)
     device: str  # e.g. "cuda:0", "cpu"
-    capabilities: list[str] = field(default_factory=list)  # "frames"; "shm" if it can map a ring
+    capabilities: list[str] = field(default_factory=list)  # "frames"; "shm"; "cuda_ipc" (a CUDA device)
     host_id: str = ""  # wire.shm.host_identity(): equal on both sides means the ring can be shared
     protocol_version: int = bounded(ge=0, default=PROTOCOL_VERSION)
 
@@ -328,6 +328,7 @@ class Welcome(Message):
     eval_batches: int = bounded(ge=0)  # held-out eval BATCHes sent to rank 0 right after WELCOME
     wire_dtype: str = "bf16"  # "bf16": features in feature_dtype; "fp8": e4m3 + "feature_scales" [T, k]
     ring: dict[str, Any] = field(default_factory=dict)  # wire.shm.RingOffer for a same-host worker, or {}
+    cuda_ring: dict[str, Any] = field(default_factory=dict)  # wire.cuda_ipc.CudaIpcOffer, or {}
 
     def _check(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
@@ -354,7 +355,8 @@ class Ready(Message):
     """Credit-based flow: the worker accepts up to `credits` more BATCHes."""
 
     credits: int = bounded(ge=1)
-    shm: bool = False  # the worker mapped the ring WELCOME offered: BATCH headers may name its slots
+    shm: bool = False  # the worker mapped the shm ring WELCOME offered: BATCH headers may name its slots
+    cuda_ipc: bool = False  # the worker opened the CUDA IPC ring instead (said once, in the first READY)
 
 
 @register(Kind.BATCH)

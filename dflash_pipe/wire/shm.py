@@ -25,14 +25,12 @@ import mmap
 import os
 import secrets
 import socket
-import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dflash_pipe.producer.staging import HostSlot
+from dflash_pipe.wire.ring import RingUnavailable, SlotRing, round_up
 
 log = logging.getLogger("dflash_pipe.wire.shm")
 
@@ -44,10 +42,6 @@ _OFFER_KEYS = frozenset({"pid", "fd", "slots", "slot_bytes", "token"})
 # Fault every page in at map time: a slot touched for the first time costs a page fault per 4 KiB, which
 # made the ring slower than plain pyzmq on 2 cores (each slot of a fresh ring is first-touch).
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-
-class RingUnavailable(RuntimeError):
-    """This process cannot map the producer's ring (another host, pid namespace or user); use frames."""
 
 
 def host_identity() -> str:
@@ -97,28 +91,20 @@ class RingOffer:
         return cls(**data)
 
 
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-class ShmRing:
+class ShmRing(SlotRing):
     """A ring of ``slots`` slots of ``slot_bytes`` each; a ``HostStaging`` on the producer, a read-only
     view source (``codec.SharedRing``) on both sides. Use ``create`` or ``attach``."""
+
+    PATH = "shm"
 
     def __init__(
         self, fd: int, mm: mmap.mmap, slots: int, slot_bytes: int, token: bytes, *, owner: bool, pin: bool
     ):
-        self.slots, self.slot_bytes = slots, slot_bytes
         self.token = token
-        self.owner = owner
         self._fd = fd  # producer: kept open so workers can open /proc/<pid>/fd/<fd>; worker: -1
         self._mm = mm
         self._all = torch.frombuffer(mm, dtype=torch.uint8)  # [header + slots * slot_bytes]
-        self._data = self._all[_HEADER_BYTES:]
-        self._base = self._data.data_ptr()
-        self._free: deque[int] = deque(range(slots))
-        self._cond = threading.Condition()
-        self._closed = False
+        self._init_slots(self._all[_HEADER_BYTES:], slots, slot_bytes, owner=owner)
         self.pinned = False
         if pin:
             self._pin()
@@ -132,7 +118,7 @@ class ShmRing:
             raise ValueError(f"a ring needs slots >= 1 and slot_bytes >= 1, got {slots} x {slot_bytes}")
         if not hasattr(os, "memfd_create"):
             raise RingUnavailable("os.memfd_create is not available on this system (Linux only)")
-        slot_bytes = _round_up(slot_bytes, _PAGE)
+        slot_bytes = round_up(slot_bytes, _PAGE)
         size = _HEADER_BYTES + slots * slot_bytes
         fd = os.memfd_create("dflash-pipe-ring", os.MFD_CLOEXEC)
         try:
@@ -165,11 +151,9 @@ class ShmRing:
         if mm[: len(_MAGIC) + _TOKEN_BYTES] != _MAGIC + bytes.fromhex(offer.token):
             mm.close()
             raise RingUnavailable(f"{path} is not this run's ring (token mismatch: a recycled pid?)")
-        ring = cls(
+        return cls(
             -1, mm, offer.slots, offer.slot_bytes, bytes.fromhex(offer.token), owner=False, pin=_want_pin(pin)
         )
-        ring._free.clear()  # the producer owns the slots; a worker only reads them
-        return ring
 
     def offer(self) -> RingOffer:
         if not self.owner:
@@ -178,63 +162,8 @@ class ShmRing:
             pid=os.getpid(), fd=self._fd, slots=self.slots, slot_bytes=self.slot_bytes, token=self.token.hex()
         )
 
-    # --- HostStaging -------------------------------------------------------------------------------------
-
-    def acquire(self, nbytes: int, timeout_s: float | None = None) -> HostSlot:
-        """A free slot (blocks while all are leased: back-pressure, never overwrite). A batch larger than a
-        slot gets process-private memory instead, so it travels as frames."""
-        if self._closed:
-            raise RuntimeError("the shared-memory ring is closed")
-        if nbytes > self.slot_bytes:
-            log.warning(
-                "a %d-byte batch does not fit a %d-byte ring slot; it goes as frames", nbytes, self.slot_bytes
-            )
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-            return HostSlot(buffer=buffer, nbytes=nbytes)
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._free or self._closed, timeout=timeout_s):
-                raise TimeoutError(
-                    f"every one of the {self.slots} ring slots stayed leased for {timeout_s} s"
-                )
-            if self._closed:
-                raise RuntimeError("the shared-memory ring was closed while waiting for a slot")
-            slot = self._free.popleft()
-        start = slot * self.slot_bytes
-        return HostSlot(
-            buffer=self._data[start : start + self.slot_bytes],
-            nbytes=nbytes,
-            slot_id=slot,
-            _on_release=self._give_back,
-        )
-
-    def _give_back(self, slot: HostSlot) -> None:
-        with self._cond:
-            if slot.slot_id in self._free:
-                raise RuntimeError(f"ring slot {slot.slot_id} released twice")
-            self._free.append(slot.slot_id)
-            self._cond.notify()
-
-    @property
-    def leased(self) -> int:
-        """Slots handed out and not yet released (producer side)."""
-        with self._cond:
-            return self.slots - len(self._free)
-
-    # --- codec.SharedRing --------------------------------------------------------------------------------
-
-    def locate(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or self._closed:
-            return None
-        start = tensor.data_ptr() - self._base
-        nbytes = tensor.numel() * tensor.element_size()
-        if start < 0 or start >= self.slots * self.slot_bytes:
-            return None
-        slot, offset = divmod(start, self.slot_bytes)
-        return (slot, offset) if offset + nbytes <= self.slot_bytes else None
-
-    def view(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
-        start = slot * self.slot_bytes + offset
-        return self._data[start : start + nbytes]
+    def _private(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     # --- lifetime ----------------------------------------------------------------------------------------
 
@@ -253,11 +182,8 @@ class ShmRing:
     def close(self) -> None:
         """Unpins and unmaps; the producer also closes the fd. Safe to call twice. The kernel frees the
         segment once no process maps it, whatever way the processes end."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
+        if not self._close_slots():
+            return
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self._all.data_ptr())
             self.pinned = False

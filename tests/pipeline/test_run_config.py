@@ -60,3 +60,25 @@ def test_reconnect_timeout_reaches_the_launched_workers(tmp_path: Path):
     cmd = WorkerPool(cfg, "tcp://127.0.0.1:5555").worker_command("worker0", "cpu")
     assert cmd[cmd.index("--reconnect-timeout") + 1] == "42.0"
     assert cmd[cmd.index("--connect") + 1] == "tcp://127.0.0.1:5555"
+
+
+def test_cuda_ipc_payload_path_needs_cuda(tmp_path: Path):
+    from dflash_pipe.config import WireConfig
+
+    data = DataConfig(path=tmp_path / "d.jsonl")
+    with pytest.raises(ValueError, match="cuda_ipc needs the target and the drafters on CUDA"):
+        RunConfig(
+            run_dir=tmp_path,
+            data=data,
+            wire=WireConfig(payload_path="cuda_ipc"),
+            layout=LayoutConfig(device="cpu"),
+        )
+    cfg = RunConfig(
+        run_dir=tmp_path,
+        data=data,
+        wire=WireConfig(payload_path="cuda_ipc"),
+        layout=LayoutConfig(device="cuda", target_gpus=(0,), drafter_gpus=(0,)),
+    )
+    assert cfg.wire.payload_path == "cuda_ipc"
+    with pytest.raises(ValueError, match="auto, socket, shm or cuda_ipc"):
+        WireConfig(payload_path="gpu")

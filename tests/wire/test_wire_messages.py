@@ -35,7 +35,7 @@ def test_registry_covers_every_kind_once(messages):
 
 def test_kind_bytes_are_pinned():
     # Golden: kind bytes are part of the protocol; changing one needs a PROTOCOL_VERSION bump.
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3
     assert {k.name: k.value for k in Kind} == {
         "HELLO": 1, "WELCOME": 2, "REJECT": 3, "READY": 4, "BATCH": 5, "ACK": 7,
         "METRICS": 8, "CHECKPOINT": 9, "HEARTBEAT": 10, "ERROR": 11, "DONE": 12, "BYE": 13,
@@ -51,10 +51,10 @@ def test_field_names_are_pinned():
             "run_id", "rank", "world_size", "rendezvous", "run_dir", "target_path", "feature_dtype",
             "hidden_size", "target_layer_ids", "vocab_size", "mask_token_id", "block_size", "drafter",
             "train", "resume_from", "heartbeat_s", "peer_timeout_s", "num_samples", "credits", "eval_batches",
-            "wire_dtype", "ring",
+            "wire_dtype", "ring", "cuda_ring",
         ],
         "REJECT": ["reason"],
-        "READY": ["credits", "shm"],
+        "READY": ["credits", "shm", "cuda_ipc"],
         "BATCH": ["batch_id", "epoch", "sample_ids", "lengths", "tensors", "for_eval"],
         "ACK": ["batch_ids", "step"],
         "METRICS": ["step", "values"],

@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from dflash_pipe.producer.scheduler import BatchScheduler, ReadyBatch
 from dflash_pipe.wire import Batch, ProtocolError, decode, encode
 from dflash_pipe.wire.shm import RingOffer, RingUnavailable, ShmRing, host_identity, shm_supported
 from dflash_pipe.wire.transport import ProducerEndpoint, WorkerEndpoint
+from tests.wire.ring_checks import check_back_pressure
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="memfd and /proc are Linux-only")
 
@@ -50,20 +50,7 @@ def staged_batch(ring: ShmRing, tokens: int = 100, width: int = 64, seed: int = 
 
 
 def test_acquire_blocks_while_every_slot_is_leased(ring):
-    slots = [ring.acquire(1000) for _ in range(3)]
-    assert sorted(s.slot_id for s in slots) == [0, 1, 2] and ring.leased == 3
-    with pytest.raises(TimeoutError, match="stayed leased"):
-        ring.acquire(1000, timeout_s=0.05)
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(ring.acquire(1000, timeout_s=5)))
-    waiter.start()
-    time.sleep(0.1)
-    assert not got  # still waiting: nothing was overwritten
-    slots[1].release()
-    waiter.join(5)
-    assert got and got[0].slot_id == 1
-    slots[1].release()  # a duplicate release is a no-op, never frees the re-leased slot
-    assert ring.leased == 3
+    check_back_pressure(ring)
 
 
 def test_oversized_batch_gets_private_memory(ring):
