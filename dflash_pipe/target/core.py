@@ -10,6 +10,7 @@ with position ids restarting per sample and attention blocked at sample boundari
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Sequence
@@ -76,7 +77,7 @@ class TargetCore:
         self.dtype = dtype
         self.packing: Packing = packing
         config = (
-            model_path
+            copy.deepcopy(model_path)  # from_config sets the attention implementation on the config it gets
             if isinstance(model_path, PreTrainedConfig)
             else AutoConfig.from_pretrained(str(model_path))
         )

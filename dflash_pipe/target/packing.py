@@ -88,9 +88,10 @@ class PaddedLayout:
 class PackedLayout:
     """All samples in one row ``[1, T]``; position ids restart per sample; no cross-sample attention."""
 
-    input_ids: torch.Tensor  # [1, T] int64
-    position_ids: torch.Tensor  # [1, T] int64, 0..len-1 within each sample
+    input_ids: torch.Tensor  # [1, T'] int64 (T' >= T: compiled flex pads to whole tiles)
+    position_ids: torch.Tensor  # [1, T'] int64, 0..len-1 within each sample (and within the padding)
     attention_mask: Any  # a flex BlockMask, or None (sdpa: transformers derives it from position_ids)
+    total: int  # T, the real tokens
 
     @classmethod
     def build(
@@ -102,15 +103,19 @@ class PackedLayout:
         *,
         compile: bool,
     ) -> PackedLayout:
+        total = sum(lengths)
+        ids = input_ids.detach().cpu().long()
+        pad = -total % FLEX_PAD_TO if attention == "flex" and compile else 0
+        if pad:  # one extra "sample" of padding tokens that nothing else attends to
+            lengths, ids = [*lengths, pad], torch.cat([ids, ids.new_zeros(pad)])
         lens = torch.as_tensor(list(lengths), dtype=torch.long)  # [B]
         starts = torch.cumsum(lens, 0) - lens  # [B]
-        total = int(lens.sum())
-        positions = torch.arange(total) - torch.repeat_interleave(starts, lens)  # [T]
-        sample = torch.repeat_interleave(torch.arange(len(lengths)), lens)  # [T]
+        positions = torch.arange(total + pad) - torch.repeat_interleave(starts, lens)  # [T']
+        sample = torch.repeat_interleave(torch.arange(len(lengths)), lens)  # [T']
         # One host tensor, one copy: ids, positions and sample index travel together.
-        rows = _to_device(torch.stack([input_ids.detach().cpu().long(), positions, sample]), device)  # [3, T]
+        rows = _to_device(torch.stack([ids, positions, sample]), device)  # [3, T']
         mask = packed_block_mask(rows[2], compile=compile) if attention == "flex" else None
-        return cls(input_ids=rows[0][None], position_ids=rows[1][None], attention_mask=mask)
+        return cls(input_ids=rows[0][None], position_ids=rows[1][None], attention_mask=mask, total=total)
 
     def model_inputs(self) -> dict[str, Any]:
         return {
@@ -120,11 +125,15 @@ class PackedLayout:
         }
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """``[1, T, ...]`` -> ``[T, ...]`` (a view: the row already holds the samples back to back)."""
-        return x[0]
+        """``[1, T', ...]`` -> ``[T, ...]`` (a view: the row already holds the samples back to back)."""
+        return x[0, : self.total]
 
 
 # --- flex_attention -------------------------------------------------------------------------------------
+
+FLEX_PAD_TO = 128
+"""Compiled flex rows are padded to whole 128-token tiles (at most 127 wasted tokens a batch): every
+compiled kernel then sees full tiles only, and the row lengths fall into fewer dynamic-shape variants."""
 
 
 @functools.cache
