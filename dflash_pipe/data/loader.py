@@ -17,8 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .config import DataConfig
 from .lines import Piece, Tokenized, tokenize_piece
 from .samples import DataError, LoadedData, Sample
@@ -133,6 +131,8 @@ def _advancing(
 
 def _merge(path: Path, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedData:
     """Tokenized pieces, in file order, to one dataset with dense sample ids."""
+    import torch  # here, not at the top: the tokenization workers import this package without torch
+
     samples: list[Sample] = []
     reasons: Counter[str] = Counter()
     truncated = dropped_short = 0
