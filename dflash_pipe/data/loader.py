@@ -46,10 +46,14 @@ def load_samples(cfg: DataConfig, tokenizer: Any, *, progress: bool | None = Non
 
 def tokenize_workers(cfg: DataConfig, size: int) -> int:
     """Worker processes for a file of ``size`` bytes; 0: tokenize in-process."""
-    workers = cfg.tokenize_workers
-    if workers is None:
-        workers = min(MAX_AUTO_WORKERS, _cpu_count() - 1)
+    workers = cfg.tokenize_workers if cfg.tokenize_workers is not None else auto_workers()
     return workers if workers >= 2 and size >= POOL_MIN_BYTES else 0
+
+
+def auto_workers() -> int:
+    """``tokenize_workers=None``: one per CPU core this process may use but one (the launcher's own thread
+    loads the target meanwhile), at most ``MAX_AUTO_WORKERS``."""
+    return min(MAX_AUTO_WORKERS, _cpu_count() - 1)
 
 
 class DataFuture:
