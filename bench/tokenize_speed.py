@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import resource
 import sys
 import tempfile
 import time
@@ -65,11 +66,17 @@ def write_conversations(path: Path, size_bytes: int, seed: int) -> int:
     return lines
 
 
-def timed_load(path: Path, tokenizer, workers: int, max_length: int) -> tuple[LoadedData, float]:
+def timed_load(path: Path, tokenizer, workers: int, max_length: int) -> tuple[LoadedData, float, float]:
+    """The load, its wall seconds and the CPU seconds it took (this process and its ended workers)."""
     cfg = DataConfig(path=path, max_length=max_length, tokenize_workers=workers)
-    start = time.perf_counter()
+    cpu0, start = _cpu_seconds(), time.perf_counter()
     data = load_samples(cfg, tokenizer, progress=False)
-    return data, time.perf_counter() - start
+    return data, time.perf_counter() - start, _cpu_seconds() - cpu0
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def check_same(a: LoadedData, b: LoadedData, what: str) -> None:
@@ -108,12 +115,12 @@ def main(argv: list[str] | None = None) -> None:
         path = Path(tmp) / "conversations.jsonl"
         lines = write_conversations(path, size, args.seed)
         nbytes = path.stat().st_size
-        serial, serial_s = timed_load(path, tokenizer, 1, args.max_length)
-        rows = [_row("in-process", 1, serial, serial_s, nbytes, serial_s)]
+        serial, serial_s, cpu_s = timed_load(path, tokenizer, 1, args.max_length)
+        rows = [_row("in-process", 1, serial, serial_s, cpu_s, nbytes, serial_s)]
         for workers in pools:
-            pooled, pooled_s = timed_load(path, tokenizer, workers, args.max_length)
+            pooled, pooled_s, cpu_s = timed_load(path, tokenizer, workers, args.max_length)
             check_same(serial, pooled, f"a pool of {workers}")
-            rows.append(_row(f"pool of {workers}", workers, pooled, pooled_s, nbytes, serial_s))
+            rows.append(_row(f"pool of {workers}", workers, pooled, pooled_s, cpu_s, nbytes, serial_s))
     best = max(rows[1:], key=lambda r: r["speedup"])
     result = BenchResult(
         name="tokenize_speed",
@@ -143,11 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     show_result(result, Console(stderr=True))
 
 
-def _row(mode: str, workers: int, data: LoadedData, seconds: float, nbytes: int, serial_s: float) -> dict:
+def _row(
+    mode: str, workers: int, data: LoadedData, seconds: float, cpu_s: float, nbytes: int, serial_s: float
+) -> dict:
     return {
         "mode": mode,
         "workers": workers,
         "seconds": seconds,
+        "cpu_seconds": cpu_s,
         "mb_per_s": nbytes / 1e6 / seconds,
         "samples_per_s": len(data.samples) / seconds,
         "tokens_per_s": data.num_tokens / seconds,
