@@ -86,7 +86,7 @@ def test_pool_equals_in_process(tok, write_jsonl, pooled):
     assert len(list(pool.split_lines(path, PIECE))) >= 8
     kw = {"path": path, "skip_bad_lines": True, "max_length": 40, "min_loss_tokens": 2}
     serial = load_samples(DataConfig(**kw, tokenize_workers=1), tok)
-    parallel = load_samples(DataConfig(**kw, tokenize_workers=2), tok)
+    parallel = load_samples(DataConfig(**kw, tokenize_workers=2), tok, progress=True)  # bar per piece
     same(serial, parallel)
     assert serial.skipped_lines > 0 and serial.truncated > 0 and serial.dropped_short > 0
     assert multiprocessing.active_children() == []  # the pool's processes are gone

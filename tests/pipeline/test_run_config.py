@@ -60,3 +60,17 @@ def test_reconnect_timeout_reaches_the_launched_workers(tmp_path: Path):
     cmd = WorkerPool(cfg, "tcp://127.0.0.1:5555").worker_command("worker0", "cpu")
     assert cmd[cmd.index("--reconnect-timeout") + 1] == "42.0"
     assert cmd[cmd.index("--connect") + 1] == "tcp://127.0.0.1:5555"
+
+
+def test_tokenize_workers_flag_including_zero(tmp_path: Path):
+    """--tokenize-workers N sets data.tokenize_workers; a typed 0 is a value (0 == False must not drop it),
+    and it may change on --resume (it does not change the samples)."""
+    cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu"})
+    assert cfg.data.tokenize_workers is None
+    cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu", "tokenize_workers": 0})
+    assert cfg.data.tokenize_workers == 0
+    cfg.save(tmp_path / "config.json")
+    resumed, _ = build_run_config({"resume_dir": tmp_path, "tokenize_workers": 4})
+    assert resumed.data.tokenize_workers == 4
+    with pytest.raises(ValueError, match="DataConfig.tokenize_workers must be >= 0"):
+        build_run_config({"run_dir": tmp_path / "x", "device": "cpu", "tokenize_workers": -2})
