@@ -8,6 +8,7 @@ in file order, so sample ids, counts and errors do not depend on how the file wa
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -19,13 +20,14 @@ from typing import Any
 
 from .config import DataConfig
 from .lines import Piece, Tokenized, tokenize_piece
+from .pool import piece_bytes, tokenized_pieces, worker_pool
 from .samples import DataError, LoadedData, Sample
 
 AUTO_PROGRESS_BYTES = 4 << 20
 """With ``progress=None``, files at least this big show a progress bar (when stderr is a terminal)."""
 POOL_MIN_BYTES = 4 << 20
-"""Smaller files are tokenized in-process: starting worker processes (each imports torch and transformers
-and receives the tokenizer) costs more than the pool saves on them."""
+"""Smaller files are tokenized in-process: starting worker processes (each imports transformers and receives
+the tokenizer, 1-2 s) costs more than the pool saves on them."""
 MAX_AUTO_WORKERS = 16
 """``tokenize_workers=None`` uses one worker per CPU core but one, at most this many."""
 
@@ -114,10 +116,8 @@ def _load(cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: thread
                     path, Piece(0, None, 1), cfg, tokenizer, advance=advance, cancel=cancel
                 )
                 return _merge(path, cfg, [whole])
-            from .pool import piece_bytes, tokenized_pieces, worker_pool
-
             target = piece_bytes(size, workers)
-            with worker_pool(path, cfg, tokenizer, min(workers, -(-size // target))) as pool:
+            with worker_pool(path, cfg, tokenizer, min(workers, math.ceil(size / target))) as pool:
                 return _merge(path, cfg, _advancing(tokenized_pieces(pool, path, target, cancel), advance))
     except OSError as e:
         raise DataError(

@@ -72,18 +72,26 @@ def tokenized_pieces(
 ) -> Iterator[tuple[Piece, Tokenized]]:
     """Every piece of ``path`` tokenized by ``pool``, in file order. A piece's ``DataError`` is raised when
     its turn comes (so the first bad line of the file is the one reported)."""
-    submitted = [(p, pool.submit(_tokenize_in_worker, p)) for p in split_lines(path, target_bytes)]
+    submitted = []
+    for piece in split_lines(path, target_bytes):  # the workers start on the first pieces meanwhile
+        _check_cancel(cancel, path)
+        submitted.append((piece, pool.submit(_tokenize_in_worker, piece)))
     for piece, future in submitted:
         while not wait([future], timeout=_POLL_S, return_when=FIRST_COMPLETED).done:
-            if cancel.is_set():
-                raise LoadCancelled(f"{path}: loading stopped: the run stopped waiting for it")
+            _check_cancel(cancel, path)
         try:
-            yield piece, future.result()
+            done = future.result()
         except BrokenProcessPool as e:
             raise DataError(
                 f"{path}: a tokenization worker process died ({e}). Tokenize in-process with "
                 "--tokenize-workers 1, or use fewer workers if the machine ran out of memory"
             ) from None
+        yield piece, done
+
+
+def _check_cancel(cancel: threading.Event, path: Path) -> None:
+    if cancel.is_set():
+        raise LoadCancelled(f"{path}: loading stopped: the run stopped waiting for it")
 
 
 def _init_worker(path: str, cfg: DataConfig, tokenizer: Any) -> None:

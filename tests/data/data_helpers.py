@@ -36,3 +36,15 @@ class SlowVocab:
 
         time.sleep(self.seconds)
         return self.size
+
+
+class DyingVocab:
+    """A stand-in tokenizer whose ``len()`` ends the process it runs in, if that is a worker process."""
+
+    def __len__(self) -> int:
+        import multiprocessing
+        import os
+
+        if multiprocessing.parent_process() is None:
+            raise RuntimeError("DyingVocab is only for pool workers")
+        os._exit(3)

@@ -6,7 +6,7 @@ import json
 import multiprocessing
 
 import pytest
-from data_helpers import SlowVocab, conv
+from data_helpers import DyingVocab, SlowVocab, conv
 
 from dflash_pipe.data import DataConfig, DataError, DataFuture, LoadedData, load_samples, loader, pool
 from dflash_pipe.data.lines import LoadCancelled
@@ -159,3 +159,12 @@ def test_worker_count(tmp_path, monkeypatch):
         DataConfig(path=tmp_path, tokenize_workers=-1)
     assert pool.piece_bytes(10 << 30, 4) == pool.MAX_PIECE_BYTES
     assert pool.piece_bytes(1000, 4) == pool.MIN_PIECE_BYTES
+
+
+def test_a_dead_worker_is_a_data_error(write_jsonl, pooled):
+    path = write_jsonl([{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}] * 100)
+    with pytest.raises(
+        DataError, match=f"^{path}: a tokenization worker process died .* --tokenize-workers 1"
+    ):
+        load_samples(DataConfig(path=path, tokenize_workers=2), DyingVocab())
+    assert multiprocessing.active_children() == []
