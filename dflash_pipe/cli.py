@@ -103,6 +103,12 @@ def main() -> None:
 @click.option(
     "--skip-bad-lines", is_flag=True, help="Skip and count malformed data lines instead of stopping."
 )
+@click.option(
+    "--tokenize-workers",
+    type=int,
+    help="Processes tokenizing --data in parallel, while the target loads (default: one per core but one; "
+    "0 or 1: in-process; files under 4 MiB always in-process).",
+)
 @click.option("--draft-layers", type=int, help="Drafter depth (default 5).")
 @click.option("--block-size", type=int, help="Draft block size (default 16).")
 @click.option("--mask-token-id", type=int, help="Mask token (default: a reserved token of the tokenizer).")

@@ -26,6 +26,7 @@ FLAG_FIELDS: dict[str, str] = {
     "token_budget": "data.token_budget",
     "max_length": "data.max_length",
     "skip_bad_lines": "data.skip_bad_lines",
+    "tokenize_workers": "data.tokenize_workers",
     "draft_layers": "drafter.num_layers",
     "block_size": "drafter.block_size",
     "mask_token_id": "drafter.mask_token_id",
@@ -68,6 +69,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 """Without --target-model (the built-in demo): a small drafter, one short epoch."""
 RESUME_OVERRIDES = {
+    "tokenize_workers",
     "keys",
     "peer_timeout",
     "reconnect_timeout",
@@ -106,7 +108,9 @@ def build_run_config(
 ) -> tuple[RunConfig, bool]:
     """``opts``: the flags the user gave (None or absent = not given); ``file_values``: `load_run_file`."""
     given = {
-        k: v for k, v in opts.items() if v not in (None, False, ()) and not (k == "device" and v == "auto")
+        k: v  # `is`, not `in`: 0 == False, and a typed 0 (--tokenize-workers 0, --seed 0) is a value
+        for k, v in opts.items()
+        if v is not None and v is not False and v != () and not (k == "device" and v == "auto")
     }
     if given.get("resume_dir"):
         if file_values:

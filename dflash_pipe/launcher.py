@@ -17,11 +17,15 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from dflash_pipe.config import RunConfig
+
+if TYPE_CHECKING:
+    from dflash_pipe.producer.setup import RunContext
 
 # NVLink multicast stays off on shared multi-GPU hosts (it can take the host's GPUs out of service).
 SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -185,13 +189,28 @@ def _tail(path: Path, lines: int = 15) -> str:
     return f"last lines of {path}:\n" + "\n".join("  " + line for line in text)
 
 
+def prepare(cfg: RunConfig, *, resume: bool, live: bool | None = None) -> tuple[RunContext, Future]:
+    """The run's context, with its target replicas loading: the data tokenizes in the background (worker
+    processes for a big file) while a thread puts the target's weights on its devices; only the set-up that
+    needs the data (ledger, train/eval split) waits for it. The future's ``result()`` is the replicas (or the
+    loading error); ``ProducerProc`` waits for it when it starts serving."""
+    from dflash_pipe.producer import features
+    from dflash_pipe.producer.setup import start_run
+
+    with start_run(cfg, resume=resume, progress=live) as pending:  # stops the tokenization on any error
+        loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
+        replicas = loader.submit(features.load_replicas, pending)
+        loader.shutdown(wait=False)  # the thread ends when the target is loaded
+        return pending.context(), replicas
+
+
 def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
-    """Prepares the run, starts producer and workers, and returns the producer's summary."""
+    """Prepares the run (the target loads while the data tokenizes), starts producer and workers, and
+    returns the producer's summary."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from dflash_pipe.producer.proc import ProducerProc, RunAborted
-    from dflash_pipe.producer.setup import prepare_run
 
     if cfg.layout.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.layout.num_workers + 1)))
@@ -206,10 +225,10 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     hf_logging.disable_progress_bar()
     from dflash_pipe.producer.record import read_record, write_record
 
-    ctx = prepare_run(cfg, resume=resume, progress=live)
+    ctx, replicas = prepare(cfg, resume=resume, live=live)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
     processes = len(cfg.layout.worker_processes())
-    producer = ProducerProc(ctx, expected_workers=processes, console=console, live=live)
+    producer = ProducerProc(ctx, expected_workers=processes, console=console, live=live, replicas=replicas)
     pool = WorkerPool(cfg, producer.address)
     console.print(
         f"[bold]dflash-pipe[/] run {ctx.run_id}: producer at {producer.address}, "

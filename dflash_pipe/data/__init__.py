@@ -4,8 +4,10 @@ Public API (the rest of the package imports only these names):
 
 - ``DataConfig``: where the data is and how to cut it (path, max_length, token_budget, skip_bad_lines).
 - ``Sample``: one tokenized sequence with its stable ``sample_id`` and ``loss_mask``.
-- ``load_samples(cfg, tokenizer) -> LoadedData``: read and tokenize a file; bad lines raise
-  ``DataError`` naming file, line and reason (or are skipped and counted with ``skip_bad_lines``).
+- ``load_samples(cfg, tokenizer) -> LoadedData``: read and tokenize a file (big files in a pool of worker
+  processes, same result); bad lines raise ``DataError`` naming file, line and reason (or are skipped and
+  counted with ``skip_bad_lines``).
+- ``DataFuture(cfg, tokenizer)``: the same load in a background thread; ``result()`` waits, ``close()`` stops.
 - ``plan_batches(lengths, token_budget, *, seed, epoch, exclude) -> list[list[int]]``: the epoch's
   batches as lists of sample ids, shuffled deterministically by (seed, epoch), skipping ``exclude``.
 - ``demo_tokenizer()`` / ``demo_data_path()``: the bundled tokenizer and sample dataset of the embedded demo.
@@ -14,12 +16,13 @@ Public API (the rest of the package imports only these names):
 from .batching import plan_batches
 from .config import DataConfig
 from .demo import demo_data_path, demo_tokenizer
-from .loader import load_samples
+from .loader import DataFuture, load_samples
 from .samples import DataError, LoadedData, Sample
 
 __all__ = [
     "DataConfig",
     "DataError",
+    "DataFuture",
     "LoadedData",
     "Sample",
     "demo_data_path",

@@ -20,6 +20,10 @@ class DataConfig:
     """Skip malformed lines (counted per reason) instead of raising ``DataError`` on the first one."""
     min_loss_tokens: int = 2
     """Samples with fewer trainable anchor positions (p with loss_mask[p] and loss_mask[p+1]) are dropped."""
+    tokenize_workers: int | None = None
+    """Worker processes that tokenize the file in parallel (pieces of lines, merged in file order, so the
+    samples are the same as in-process). None: one per CPU core but one, at most 16; 0 or 1: in-process.
+    Files under 4 MiB are always tokenized in-process (starting a worker costs more than it saves)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.path, str):
@@ -33,4 +37,9 @@ class DataConfig:
         if self.min_loss_tokens < 0:
             raise ValueError(
                 f"DataConfig.min_loss_tokens must be >= 0, got {self.min_loss_tokens}; use e.g. 2"
+            )
+        if self.tokenize_workers is not None and self.tokenize_workers < 0:
+            raise ValueError(
+                f"DataConfig.tokenize_workers must be >= 0 (0 or 1: in-process) or None (automatic), got "
+                f"{self.tokenize_workers}; leave it unset for one worker per core"
             )

@@ -1,25 +1,35 @@
-"""Read a JSONL file into tokenized samples: detect the format per line, render, mask, cut, count."""
+"""Read a JSONL file into tokenized samples: in-process or in a worker pool, now or in the background.
+
+``load_samples`` tokenizes a file and returns when it is done; ``DataFuture`` runs the same load in a
+background thread, so a launch can place the target on its devices while the data tokenizes. Big files
+are cut into pieces of lines that worker processes tokenize in parallel (``pool.py``); pieces are merged
+in file order, so sample ids, counts and errors do not depend on how the file was tokenized.
+"""
 
 from __future__ import annotations
 
-import json
+import math
+import os
 import sys
+import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from .config import DataConfig
-from .formats import Conversation, FormatError, PreTokenized, parse_record
-from .render import has_chat_template, render_conversation
+from .lines import Piece, Tokenized, tokenize_piece
+from .pool import piece_bytes, tokenized_pieces, worker_pool
 from .samples import DataError, LoadedData, Sample
 
 AUTO_PROGRESS_BYTES = 4 << 20
 """With ``progress=None``, files at least this big show a progress bar (when stderr is a terminal)."""
+POOL_MIN_BYTES = 4 << 20
+"""Smaller files are tokenized in-process: starting worker processes (each imports transformers and receives
+the tokenizer, 1-2 s) costs more than the pool saves on them."""
+MAX_AUTO_WORKERS = 16
+"""``tokenize_workers=None`` uses one worker per CPU core but one, at most this many."""
 
 
 def load_samples(cfg: DataConfig, tokenizer: Any, *, progress: bool | None = None) -> LoadedData:
@@ -29,47 +39,119 @@ def load_samples(cfg: DataConfig, tokenizer: Any, *, progress: bool | None = Non
     counted per reason. Samples longer than ``cfg.max_length`` are truncated; samples with fewer than
     ``cfg.min_loss_tokens`` trainable anchor positions (p with loss_mask[p] and loss_mask[p+1]) are dropped.
     ``tokenizer`` (an HF fast tokenizer) is needed for conversation lines and bounds pre-tokenized ids by
-    ``len(tokenizer)``; it may be None for pre-tokenized data. ``progress``: show a rich progress bar
-    (None: when stderr is a terminal and the file is large).
+    ``len(tokenizer)``; it may be None for pre-tokenized data. Files of at least ``POOL_MIN_BYTES`` are
+    tokenized by ``tokenize_workers(cfg, size)`` worker processes (the result is the same). ``progress``:
+    show a rich progress bar (None: when stderr is a terminal and the file is large).
     """
+    return _load(cfg, tokenizer, progress, threading.Event())
+
+
+def tokenize_workers(cfg: DataConfig, size: int) -> int:
+    """Worker processes for a file of ``size`` bytes; 0: tokenize in-process."""
+    workers = cfg.tokenize_workers if cfg.tokenize_workers is not None else auto_workers()
+    return workers if workers >= 2 and size >= POOL_MIN_BYTES else 0
+
+
+def auto_workers() -> int:
+    """``tokenize_workers=None``: one per CPU core this process may use but one (the launcher's own thread
+    loads the target meanwhile), at most ``MAX_AUTO_WORKERS``."""
+    return min(MAX_AUTO_WORKERS, _cpu_count() - 1)
+
+
+class DataFuture:
+    """``load_samples`` running in a background thread (with its worker processes, if any).
+
+    ``result()`` waits and returns the ``LoadedData`` or raises what loading raised (the same ``DataError``).
+    ``close()`` stops a load still running (the pool shut down, its processes ended) and waits for the
+    thread; it is safe to call twice and after ``result()``. Use it as a context manager.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, *, progress: bool | None = None) -> None:
+        self.path = cfg.path
+        self._cancel = threading.Event()
+        self._outcome: LoadedData | BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(cfg, tokenizer, progress), name="dflash-tokenize", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, cfg: DataConfig, tokenizer: Any, progress: bool | None) -> None:
+        try:
+            self._outcome = _load(cfg, tokenizer, progress, self._cancel)
+        except BaseException as e:  # handed to the thread that calls result()
+            self._outcome = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> LoadedData:
+        self._thread.join()
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        assert self._outcome is not None
+        return self._outcome
+
+    def close(self) -> None:
+        self._cancel.set()
+        self._thread.join()
+
+    def __enter__(self) -> DataFuture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _load(cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: threading.Event) -> LoadedData:
     path = Path(cfg.path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise DataError(f"{path}: the data file {what}. Pass an existing JSONL file as the data path")
-    vocab_size = len(tokenizer) if tokenizer is not None else None
-    samples: list[Sample] = []
-    reasons: Counter[str] = Counter()
-    truncated = dropped_short = 0
     try:
-        with open(path, "rb") as f, _progress_bar(path, progress) as advance:
-            for lineno, raw in enumerate(f, start=1):
-                advance(len(raw))
-                if not raw.strip():
-                    continue  # blank lines (e.g. a trailing newline) are not samples
-                try:
-                    ids, mask = _tokenize_line(raw, tokenizer, vocab_size, path, lineno)
-                except FormatError as e:
-                    if not cfg.skip_bad_lines:
-                        raise DataError(f"{path}:{lineno}: {e}") from None
-                    reasons[e.kind] += 1
-                    continue
-                if len(ids) > cfg.max_length:
-                    ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
-                    truncated += 1
-                if int(np.count_nonzero(mask[:-1] & mask[1:])) < cfg.min_loss_tokens:
-                    dropped_short += 1
-                    continue
-                samples.append(
-                    Sample(
-                        sample_id=len(samples),
-                        input_ids=torch.as_tensor(ids, dtype=torch.int64),  # [S]
-                        loss_mask=torch.from_numpy(np.ascontiguousarray(mask)),  # [S] bool
-                    )
+        size = path.stat().st_size
+        workers = tokenize_workers(cfg, size)
+        with _progress_bar(path, size, progress) as advance:
+            if not workers:
+                whole = tokenize_piece(
+                    path, Piece(0, None, 1), cfg, tokenizer, advance=advance, cancel=cancel
                 )
+                return _merge(path, cfg, [whole])
+            target = piece_bytes(size, workers)
+            with worker_pool(path, cfg, tokenizer, min(workers, math.ceil(size / target))) as pool:
+                return _merge(path, cfg, _advancing(tokenized_pieces(pool, path, target, cancel), advance))
     except OSError as e:
         raise DataError(
             f"{path}: cannot read the data file ({e.strerror or e}). Check its permissions"
         ) from None
+
+
+def _advancing(
+    pieces: Iterable[tuple[Piece, Tokenized]], advance: Callable[[int], None]
+) -> Iterator[Tokenized]:
+    for piece, done in pieces:
+        advance(piece.end - piece.start)
+        yield done
+
+
+def _merge(path: Path, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedData:
+    """Tokenized pieces, in file order, to one dataset with dense sample ids."""
+    import torch  # here, not at the top: the tokenization workers import this package without torch
+
+    samples: list[Sample] = []
+    reasons: Counter[str] = Counter()
+    truncated = dropped_short = 0
+    for part in pieces:
+        for ids, mask in part.samples:
+            samples.append(
+                Sample(
+                    sample_id=len(samples),
+                    input_ids=torch.from_numpy(ids),  # [S] int64
+                    loss_mask=torch.from_numpy(mask),  # [S] bool
+                )
+            )
+        reasons.update(part.reasons)
+        truncated += part.truncated
+        dropped_short += part.dropped_short
     skipped = sum(reasons.values())
     if not samples:
         raise DataError(
@@ -86,44 +168,16 @@ def load_samples(cfg: DataConfig, tokenizer: Any, *, progress: bool | None = Non
     )
 
 
-def _tokenize_line(
-    raw: bytes, tokenizer: Any, vocab_size: int | None, path: Path, lineno: int
-) -> tuple[list[int] | np.ndarray, np.ndarray]:
-    """One line -> (ids, bool mask); ``FormatError`` for a bad line, ``DataError`` for a bad tokenizer."""
+def _cpu_count() -> int:
     try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-        raise FormatError("not JSON", detail, "Write one JSON object per line (JSONL)") from None
-    record = parse_record(obj)
-    if isinstance(record, PreTokenized):
-        ids = np.asarray(record.input_ids, dtype=np.int64)
-        if vocab_size is not None and int(ids.max()) >= vocab_size:
-            raise FormatError(
-                "ids >= vocab size",
-                f"input_ids contains {int(ids.max())} but the tokenizer has {vocab_size} tokens",
-                "Pre-tokenize with the target's tokenizer",
-            )
-        return ids, np.asarray(record.loss_mask, dtype=bool)
-    assert isinstance(record, Conversation)
-    if tokenizer is None or not has_chat_template(tokenizer):
-        what = "no tokenizer was given" if tokenizer is None else "the tokenizer has no chat template"
-        raise DataError(
-            f"{path}:{lineno}: this line is a conversation, but {what}. Use the target's chat/instruct "
-            "tokenizer (one with a chat_template) or pre-tokenize the data (input_ids + loss_mask)"
-        )
-    if not getattr(tokenizer, "is_fast", False):
-        raise DataError(
-            f"{path}:{lineno}: rendering conversations needs a fast tokenizer (character offsets), got "
-            f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
-        )
-    return render_conversation(tokenizer, record.messages)
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 @contextmanager
-def _progress_bar(path: Path, show: bool | None) -> Iterator[Any]:
+def _progress_bar(path: Path, total: int, show: bool | None) -> Iterator[Callable[[int], None]]:
     """Yield ``advance(nbytes)``; draws a rich bar on stderr when asked (or automatically for big files)."""
-    total = path.stat().st_size
     if show is None:
         show = total >= AUTO_PROGRESS_BYTES and sys.stderr.isatty()
     if not show:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the tokenization workers import this package and need no torch (2 s per start)
+    import torch
 
 
 class DataError(ValueError):

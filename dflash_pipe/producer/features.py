@@ -24,7 +24,7 @@ import torch
 from dflash_pipe.data import Sample
 from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
-from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.producer.setup import PendingRun, RunContext
 from dflash_pipe.producer.staging import HostSlot, HostStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
@@ -42,8 +42,10 @@ class TargetFailure:
     error: BaseException
 
 
-def load_replicas(ctx: RunContext) -> list[TargetCore]:
-    """One TargetCore per replica: a GPU each when the target fits, else one split over the target GPUs."""
+def load_replicas(ctx: RunContext | PendingRun) -> list[TargetCore]:
+    """One TargetCore per replica: a GPU each when the target fits, else one split over the target GPUs.
+
+    Needs no data, so a launch runs it while the data still tokenizes (``PendingRun``)."""
     from dflash_pipe.target.placement import cuda_memory, plan_replicas, weight_bytes
 
     groups = plan_replicas(

@@ -11,6 +11,7 @@ import queue
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -112,10 +113,12 @@ class ProducerProc:
         console: Any = None,
         live: bool | None = None,
         staging: HostStaging | None = None,
+        replicas: Future[list[TargetCore]] | None = None,
     ) -> None:
         """``staging``: memory the target threads copy features into (default: the CUDA IPC ring when there
         is one, else the shared-memory ring, so same-host workers read the slots directly, else private
-        pinned buffers); the producer closes it."""
+        pinned buffers); the producer closes it. ``replicas``: the target already loading (``load_replicas``
+        started while the data tokenized); ``serve`` waits for it (default: loaded in ``serve``)."""
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.expected_workers = expected_workers
@@ -151,6 +154,7 @@ class ProducerProc:
         self._in_target = 0
         self._threads: list[TargetThread] = []
         self._cores: list[TargetCore] = []
+        self._replicas = replicas
         self._stop_requested = threading.Event()
         self._done_sent = False
         self._state = RunState()
@@ -236,7 +240,7 @@ class ProducerProc:
     def start_targets(self) -> None:
         """One TargetCore per replica (a GPU, or a group of GPUs for a split target), each fed by its own
         thread."""
-        self._cores = load_replicas(self.ctx)
+        self._cores = self._replicas.result() if self._replicas is not None else load_replicas(self.ctx)
         placed = ", ".join("+".join(str(d) for d in core.devices) for core in self._cores)
         self._note(f"target: {len(self._cores)} replica(s) on {placed}")
         for core in self._cores:

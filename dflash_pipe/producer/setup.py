@@ -1,4 +1,9 @@
-"""Everything resolved before the producer serves: target, tokenizer, data, drafter config, resume point."""
+"""Everything resolved before the producer serves: target, tokenizer, data, drafter config, resume point.
+
+``start_run`` resolves what does not need the data and starts tokenizing it in the background
+(``PendingRun``); the launcher loads the target meanwhile and calls ``PendingRun.context()`` where the data
+is needed (ledger, train/eval split, plans, WELCOME). ``prepare_run`` does both in one call.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipe.config import DrafterOptions, RunConfig
-from dflash_pipe.data import LoadedData, Sample, load_samples
+from dflash_pipe.data import DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.train.checkpoint import DRAFTER_CONFIG, latest_checkpoint, read_trainer_state
 from dflash_pipe.train.ledger import Ledger
@@ -47,7 +52,76 @@ class RunContext:
     resume_step: int
 
 
+@dataclass(slots=True)
+class PendingRun:
+    """A run resolved up to its data: target, tokenizer, drafter shape and resume point are known while the
+    data file tokenizes in the background (``data``). The target can be loaded from it (``load_replicas``)
+    meanwhile; ``context()`` waits for the data and completes the run. ``close()`` (or leaving a ``with``
+    block) stops the tokenization if it still runs; safe after ``context()``."""
+
+    cfg: RunConfig
+    run_id: str
+    target_path: Path
+    tokenizer: object
+    drafter: DrafterConfig
+    target_dtype: torch.dtype
+    data: DataFuture
+    resume_from: Path | None
+    resume_step: int
+    saved_ledger: Ledger | None
+    """The resumed checkpoint's ledger (None for a fresh run)."""
+
+    def context(self) -> RunContext:
+        """Waits for the data (raising its ``DataError``), then splits train/eval, builds or checks the ledger
+        and saves the config into the run dir."""
+        data = self.data.result()
+        n_eval = min(self.cfg.eval_samples, len(data.samples) // 10)
+        train_samples = data.samples[: len(data.samples) - n_eval]
+        # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the ledger.
+        eval_samples = data.samples[len(data.samples) - n_eval :]
+        ledger = self.saved_ledger
+        if ledger is None:
+            ledger = Ledger(len(train_samples), self.cfg.train.epochs)
+        elif ledger.num_samples != len(train_samples):
+            raise RunDirError(
+                f"--resume {self.cfg.run_dir}: the checkpoint was trained on {ledger.num_samples} samples but "
+                f"the data now gives {len(train_samples)}. Resume with the same --data and settings."
+            )
+        self.cfg.save(self.cfg.run_dir / CONFIG_FILE)
+        return RunContext(
+            cfg=self.cfg,
+            run_id=self.run_id,
+            target_path=self.target_path,
+            tokenizer=self.tokenizer,
+            data=data,
+            train_samples=train_samples,
+            eval_samples=eval_samples,
+            drafter=self.drafter,
+            target_dtype=self.target_dtype,
+            ledger=ledger,
+            resume_from=self.resume_from,
+            resume_step=self.resume_step,
+        )
+
+    def close(self) -> None:
+        self.data.close()
+
+    def __enter__(self) -> PendingRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def prepare_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> RunContext:
+    """Everything resolved before the producer serves, data included (``start_run`` + ``context()``)."""
+    with start_run(cfg, resume=resume, progress=progress) as pending:
+        return pending.context()
+
+
+def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> PendingRun:
+    """Checks the run dir, target and options and finds the resume point, with the data tokenizing in the
+    background from the moment the tokenizer is loaded. Raises ``SetupError`` (the tokenization stopped)."""
     from transformers import AutoConfig, AutoTokenizer
 
     run_dir = cfg.run_dir
@@ -64,52 +138,43 @@ def prepare_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -
             "(config.json + safetensors + tokenizer)."
         )
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    target_config = AutoConfig.from_pretrained(str(target_path))
-    data = load_samples(cfg.data, tokenizer, progress=progress)
-    n_eval = min(cfg.eval_samples, len(data.samples) // 10)
-    train_samples = data.samples[: len(data.samples) - n_eval]
-    # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the ledger.
-    eval_samples = data.samples[len(data.samples) - n_eval :]
-    opts = cfg.drafter
-    check_options_fit_target(opts, target_config, target_path)
-    drafter = DrafterConfig.from_target(
-        target_config,
-        tokenizer=tokenizer,
-        num_layers=opts.num_layers,
-        block_size=opts.block_size,
-        mask_token_id=opts.mask_token_id,
-        target_layer_ids=opts.target_layer_ids,
-        attention_backend=opts.attention_backend,
-        max_anchors=opts.max_anchors,
-    )
-    ledger = Ledger(len(train_samples), cfg.train.epochs)
-    resume_from, resume_step = None, 0
-    if resume:
-        resume_from = latest_checkpoint(run_dir)
-        if resume_from is not None:
-            check_checkpoint_fits(resume_from, drafter, run_dir)
-            state = read_trainer_state(resume_from)
-            ledger = Ledger.from_dict(state.ledger)
-            resume_step = state.step
-            if ledger.num_samples != len(train_samples):
-                raise RunDirError(
-                    f"--resume {run_dir}: the checkpoint was trained on {ledger.num_samples} samples but the data "
-                    f"now gives {len(train_samples)}. Resume with the same --data and settings."
-                )
-    cfg.save(run_dir / CONFIG_FILE)
-    return RunContext(
+    data = DataFuture(cfg.data, tokenizer, progress=progress)
+    try:
+        target_config = AutoConfig.from_pretrained(str(target_path))
+        opts = cfg.drafter
+        check_options_fit_target(opts, target_config, target_path)
+        drafter = DrafterConfig.from_target(
+            target_config,
+            tokenizer=tokenizer,
+            num_layers=opts.num_layers,
+            block_size=opts.block_size,
+            mask_token_id=opts.mask_token_id,
+            target_layer_ids=opts.target_layer_ids,
+            attention_backend=opts.attention_backend,
+            max_anchors=opts.max_anchors,
+        )
+        resume_from, resume_step, saved_ledger = None, 0, None
+        if resume:
+            resume_from = latest_checkpoint(run_dir)
+            if resume_from is not None:
+                check_checkpoint_fits(resume_from, drafter, run_dir)
+                state = read_trainer_state(resume_from)
+                saved_ledger = Ledger.from_dict(state.ledger)
+                resume_step = state.step
+    except BaseException:
+        data.close()
+        raise
+    return PendingRun(
         cfg=cfg,
         run_id=f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
         target_path=Path(target_path),
         tokenizer=tokenizer,
-        data=data,
-        train_samples=train_samples,
-        eval_samples=eval_samples,
         drafter=drafter,
         target_dtype=torch.bfloat16 if cfg.layout.device == "cuda" else torch.float32,
-        ledger=ledger,
+        data=data,
         resume_from=resume_from,
         resume_step=resume_step,
+        saved_ledger=saved_ledger,
     )
 
 

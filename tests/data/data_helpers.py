@@ -21,3 +21,30 @@ def trained_runs(ids: list[int], mask) -> list[list[int]]:
             runs[-1].append(int(t))
         prev = m
     return runs
+
+
+class SlowVocab:
+    """A stand-in tokenizer for pre-tokenized data whose ``len()`` (taken once per piece) sleeps, so a pool's
+    pieces take a while; picklable, for the spawned workers."""
+
+    def __init__(self, seconds: float, size: int = 10_000) -> None:
+        self.seconds = seconds
+        self.size = size
+
+    def __len__(self) -> int:
+        import time
+
+        time.sleep(self.seconds)
+        return self.size
+
+
+class DyingVocab:
+    """A stand-in tokenizer whose ``len()`` ends the process it runs in, if that is a worker process."""
+
+    def __len__(self) -> int:
+        import multiprocessing
+        import os
+
+        if multiprocessing.parent_process() is None:
+            raise RuntimeError("DyingVocab is only for pool workers")
+        os._exit(3)

@@ -187,6 +187,6 @@ def test_unreadable_file_names_the_file_and_the_fix(tok, write_jsonl, monkeypatc
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("dflash_pipe.data.loader.open", denied, raising=False)  # root ignores chmod 000
+    monkeypatch.setattr("dflash_pipe.data.lines.open", denied, raising=False)  # root ignores chmod 000
     with pytest.raises(DataError, match=f"^{path}: cannot read the data file \\(Permission denied\\). Check"):
         load_samples(DataConfig(path=path), tok)

@@ -82,3 +82,17 @@ def test_cuda_ipc_payload_path_needs_cuda(tmp_path: Path):
     assert cfg.wire.payload_path == "cuda_ipc"
     with pytest.raises(ValueError, match="auto, socket, shm or cuda_ipc"):
         WireConfig(payload_path="gpu")
+
+
+def test_tokenize_workers_flag_including_zero(tmp_path: Path):
+    """--tokenize-workers N sets data.tokenize_workers; a typed 0 is a value (0 == False must not drop it),
+    and it may change on --resume (it does not change the samples)."""
+    cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu"})
+    assert cfg.data.tokenize_workers is None
+    cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu", "tokenize_workers": 0})
+    assert cfg.data.tokenize_workers == 0
+    cfg.save(tmp_path / "config.json")
+    resumed, _ = build_run_config({"resume_dir": tmp_path, "tokenize_workers": 4})
+    assert resumed.data.tokenize_workers == 4
+    with pytest.raises(ValueError, match="DataConfig.tokenize_workers must be >= 0"):
+        build_run_config({"run_dir": tmp_path / "x", "device": "cpu", "tokenize_workers": -2})

@@ -1,0 +1,129 @@
+"""One piece of a JSONL file to tokenized samples: the per-line work, run in-process or in a worker process.
+
+A piece is a byte range that starts and ends at a line boundary, with the number of its first line, so a
+worker that tokenizes it reports bad lines as ``FILE:LINE`` exactly as a whole-file pass does. What a piece
+gives is plain numpy arrays and counters (cheap to pickle); the loader merges pieces in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import DataConfig
+from .formats import Conversation, FormatError, PreTokenized, parse_record
+from .render import has_chat_template, render_conversation
+from .samples import DataError
+
+
+class LoadCancelled(DataError):
+    """Loading stopped because the run stopped waiting for the data (``DataFuture.close``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes ``[start, end)`` of the data file (``end`` None: to the end of the file), starting at line
+    ``first_line`` (1-based)."""
+
+    start: int
+    end: int | None
+    first_line: int
+
+
+@dataclass(slots=True)
+class Tokenized:
+    """The samples a piece kept, in file order, and what it left out."""
+
+    samples: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    """(input_ids int64 [S], loss_mask bool [S]) per kept sample."""
+    reasons: Counter[str] = field(default_factory=Counter)
+    """Skipped bad lines by reason."""
+    truncated: int = 0
+    dropped_short: int = 0
+
+
+def tokenize_piece(
+    path: Path,
+    piece: Piece,
+    cfg: DataConfig,
+    tokenizer: Any,
+    *,
+    advance: Callable[[int], None] = lambda n: None,
+    cancel: threading.Event | None = None,
+) -> Tokenized:
+    """Tokenize the lines of ``piece``: truncate to ``cfg.max_length``, drop samples under
+    ``cfg.min_loss_tokens`` anchor positions, and skip bad lines (``cfg.skip_bad_lines``) or raise
+    ``DataError("FILE:LINE: reason. fix")`` on the first. ``advance(nbytes)`` is called per line."""
+    vocab_size = len(tokenizer) if tokenizer is not None else None
+    out = Tokenized()
+    with open(path, "rb") as f:
+        f.seek(piece.start)
+        left = piece.end - piece.start if piece.end is not None else None
+        for lineno, raw in enumerate(f, start=piece.first_line):
+            if left is not None:
+                if left <= 0:
+                    break
+                left -= len(raw)
+            advance(len(raw))
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled(
+                    f"{path}: loading stopped at line {lineno}: the run stopped waiting for it"
+                )
+            if not raw.strip():
+                continue  # blank lines (e.g. a trailing newline) are not samples
+            try:
+                ids, mask = _tokenize_line(raw, tokenizer, vocab_size, path, lineno)
+            except FormatError as e:
+                if not cfg.skip_bad_lines:
+                    raise DataError(f"{path}:{lineno}: {e}") from None
+                out.reasons[e.kind] += 1
+                continue
+            if len(ids) > cfg.max_length:
+                ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+                out.truncated += 1
+            if int(np.count_nonzero(mask[:-1] & mask[1:])) < cfg.min_loss_tokens:
+                out.dropped_short += 1
+                continue
+            out.samples.append((np.asarray(ids, dtype=np.int64), np.ascontiguousarray(mask, dtype=bool)))
+    return out
+
+
+def _tokenize_line(
+    raw: bytes, tokenizer: Any, vocab_size: int | None, path: Path, lineno: int
+) -> tuple[list[int] | np.ndarray, np.ndarray]:
+    """One line -> (ids, bool mask); ``FormatError`` for a bad line, ``DataError`` for a bad tokenizer."""
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise FormatError("not JSON", detail, "Write one JSON object per line (JSONL)") from None
+    record = parse_record(obj)
+    if isinstance(record, PreTokenized):
+        ids = np.asarray(record.input_ids, dtype=np.int64)
+        if vocab_size is not None and int(ids.max()) >= vocab_size:
+            raise FormatError(
+                "ids >= vocab size",
+                f"input_ids contains {int(ids.max())} but the tokenizer has {vocab_size} tokens",
+                "Pre-tokenize with the target's tokenizer",
+            )
+        return ids, np.asarray(record.loss_mask, dtype=bool)
+    assert isinstance(record, Conversation)
+    if tokenizer is None or not has_chat_template(tokenizer):
+        what = "no tokenizer was given" if tokenizer is None else "the tokenizer has no chat template"
+        raise DataError(
+            f"{path}:{lineno}: this line is a conversation, but {what}. Use the target's chat/instruct "
+            "tokenizer (one with a chat_template) or pre-tokenize the data (input_ids + loss_mask)"
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(
+            f"{path}:{lineno}: rendering conversations needs a fast tokenizer (character offsets), got "
+            f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
+        )
+    return render_conversation(tokenizer, record.messages)
