@@ -249,7 +249,12 @@ def summarize(
             "the same devices), and the goal is checked against that bound (pipeline_vs_shared_bound); "
             "pipeline_efficiency (against the slowest stage alone) includes the sharing"
         )
-        if layout.device == "cuda" and set(layout.target_gpus) != set(layout.drafter_gpus):
+        if layout.device == "cpu":
+            notes.append(
+                "CPU: each stage alone ran with a launch's per-process thread count, so it may not have "
+                "kept every core busy; the bound is then conservative and the ratio can exceed 1"
+            )
+        elif set(layout.target_gpus) != set(layout.drafter_gpus):
             notes.append(
                 "only some GPUs are shared: the bound assumes all are, so it is below this layout's best"
             )
