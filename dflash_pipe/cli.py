@@ -614,8 +614,10 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_w
     """Tokens/s of the producer, the drafters and the transport alone and of the whole pipeline.
 
     \b
-    All on the same data; pipeline efficiency = pipeline / slowest stage alone (goal >= 0.95), and where
-    time goes (target idle waiting for credits, workers waiting for batches, queue depth). Examples:
+    All on the same data; pipeline efficiency = pipeline / slowest stage alone (goal >= 0.95; when the
+    target and the drafters share devices, the goal is checked against the time-sharing bound
+    1 / (1/producer alone + 1/drafters alone)), and where time goes (target idle waiting for credits,
+    workers waiting for batches, queue depth). Examples:
       dflash-pipe bench throughput --seconds 3
       dflash-pipe bench throughput --target-model /models/Qwen3-8B --data chat.jsonl \\
           --target-gpus 0 --drafter-gpus 0 --seconds 20 --compare --out bench-results/h200
