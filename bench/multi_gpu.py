@@ -148,9 +148,7 @@ def scaling_drafters(args: argparse.Namespace, work_dir: Path, say: Callable[[st
         work_k.work_dir.mkdir(parents=True, exist_ok=True)
         say(f"{k} drafter worker(s): drafters alone, then a launch")
         alone = drafters_alone(work_k, args.seconds)
-        pipeline, waits = run_pipeline(
-            work_k, args.seconds, min(producer, alone.tokens_per_s), mode=None
-        )
+        pipeline, waits = run_pipeline(work_k, args.seconds, min(producer, alone.tokens_per_s), mode=None)
         rows.append(
             {
                 "workers": k,
@@ -173,12 +171,19 @@ def scaling_drafters(args: argparse.Namespace, work_dir: Path, say: Callable[[st
         "drafters_alone_efficiency": last["drafters_alone_efficiency"],
         "pipeline_efficiency": last["pipeline_efficiency"],
         "goals": [
-            goal("drafters alone scaling vs linear", last["drafters_alone_efficiency"], at_least=SCALING_GOAL),
+            goal(
+                "drafters alone scaling vs linear", last["drafters_alone_efficiency"], at_least=SCALING_GOAL
+            ),
             goal("pipeline drafter scaling vs linear", last["pipeline_efficiency"], at_least=SCALING_GOAL),
         ],
         "notes": _drafter_notes(work.cfg.layout, last, producer),
     }
-    chart = {"x": "workers", "y": "pipeline_tokens_per_s", "kind": "line", "title": "tokens/s by drafter workers"}
+    chart = {
+        "x": "workers",
+        "y": "pipeline_tokens_per_s",
+        "kind": "line",
+        "title": "tokens/s by drafter workers",
+    }
     return BenchResult(
         name="scaling-drafters", config=describe(args, work), rows=rows, summary=summary, chart=chart
     )
@@ -236,7 +241,12 @@ def scaling_producer(args: argparse.Namespace, work_dir: Path, say: Callable[[st
         "goals": [goal("producer scaling vs linear", rows[-1]["efficiency"], at_least=SCALING_GOAL)],
         "notes": notes,
     }
-    chart = {"x": "gpus", "y": "tokens_per_s", "kind": "line", "title": "producer alone tokens/s by target GPUs"}
+    chart = {
+        "x": "gpus",
+        "y": "tokens_per_s",
+        "kind": "line",
+        "title": "producer alone tokens/s by target GPUs",
+    }
     return BenchResult(
         name="scaling-producer", config=describe(args, work), rows=rows, summary=summary, chart=chart
     )
@@ -299,11 +309,23 @@ class Launch:
                     return row
             self._alive()
             time.sleep(0.1)
-        raise RuntimeError(f"{self.run_dir}/metrics.jsonl: no expected row within {timeout:.0f} s:\n{self.log()}")
+        raise RuntimeError(
+            f"{self.run_dir}/metrics.jsonl: no expected row within {timeout:.0f} s:\n{self.log()}"
+        )
 
     def _alive(self) -> None:
         if self.proc.poll() is not None:
             raise RuntimeError(f"launch exited with {self.proc.returncode}:\n{self.log()}")
+
+
+def first_samples(data: Path | None, n: int, out: Path) -> Path:
+    """The first ``n`` lines of ``data`` (default: the demo's), so one epoch stays short."""
+    from dflash_pipe.data import demo_data_path
+
+    with open(data or demo_data_path()) as f:
+        lines = [line for _, line in zip(range(n), f, strict=False)]
+    out.write_text("".join(lines))
+    return out
 
 
 def elastic_devices(args: argparse.Namespace) -> tuple[list[str], str]:
@@ -332,6 +354,8 @@ def elastic(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None]
     run_dir = work_dir / "elastic-run"
     argv = [*layout, "--epochs", "1", "--eval-samples", "0", "--reconnect-timeout", "5"]
     opts = run_opts(args)
+    if args.samples:
+        opts["data_path"] = first_samples(args.data, args.samples, work_dir / "data.jsonl")
     for flag, key in (
         ("--target-model", "target_model"),
         ("--data", "data_path"),
@@ -349,7 +373,7 @@ def elastic(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None]
     try:
         address = run.address(timeout=args.timeout)
         first = run.row(lambda r: "loss" in r, timeout=args.timeout)
-        launched = first["world_size"]
+        launched = int(first["world_size"])
         say(f"training with {launched} worker(s); attaching one on {free}")
         log = work_dir / "attached.log"
         cmd = [sys.executable, "-m", "dflash_pipe", "worker", "--connect", address, "--device", free]
@@ -357,7 +381,9 @@ def elastic(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None]
         t_attach = time.time()
         with open(log, "wb") as out:
             attached = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        joined = run.row(lambda r: r.get("world_size") == launched + 1 and "loss" in r, args.timeout, t_attach)
+        joined = run.row(
+            lambda r: r.get("world_size") == launched + 1 and "loss" in r, args.timeout, t_attach
+        )
         say(f"group of {launched + 1} trained step {joined['step']}; SIGKILL the attached worker")
         os.kill(attached.pid, signal.SIGKILL)
         t_kill = time.time()
@@ -403,7 +429,9 @@ def elastic(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None]
             "duplicates: samples trained twice because they were leased to the killed worker (<= released)",
         ],
     }
-    return BenchResult(name="elastic", config=describe_elastic(args, layout, free), rows=[row], summary=summary)
+    return BenchResult(
+        name="elastic", config=describe_elastic(args, layout, free), rows=[row], summary=summary
+    )
 
 
 def describe_elastic(args: argparse.Namespace, layout: list[str], free: str) -> dict[str, Any]:
@@ -459,6 +487,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-layers", type=int)
     p.add_argument("--max-anchors", type=int)
     p.add_argument("--compile", choices=["auto", "on", "off", "full"])
+    p.add_argument("--samples", type=int, help="Elastic: one epoch of the data's first N samples.")
     p.add_argument("--timeout", type=float, default=300.0, help="Elastic: seconds to wait for each event.")
     return p
 
