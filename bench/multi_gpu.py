@@ -474,6 +474,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=sorted(COMMANDS))
     p.add_argument("--out", type=Path, required=True, help="Results directory (OUT/<command>.json).")
+    p.add_argument("--work", type=Path, help="Scratch dir (run dirs, logs); default OUT/work-<command>.")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--target-model", type=Path, help="HF model dir (bench/make_target.py); default: demo.")
     p.add_argument("--data", type=Path, help="JSONL data (bench/make_data.py); default: the demo's.")
@@ -494,7 +495,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> tuple[BenchResult, dict[str, Path]]:
     """Runs one subcommand with its scratch under OUT/work-<command>; returns its result and files."""
-    work_dir = (args.out / f"work-{args.command}").resolve()
+    work_dir = (args.work or args.out / f"work-{args.command}").resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
