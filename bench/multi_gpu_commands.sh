@@ -37,7 +37,7 @@ run() { python3 bench/multi_gpu.py "$1" --work "$scratch/work-$1" "${@:2}" "${co
     rm -rf "$scratch/work-$1"; }
 case $part in
     part1|all) run scaling-producer "${producer[@]}"; run scaling-drafters "${drafters[@]}" ;;&
-    part2|all) run elastic --samples 300 --timeout 240 ;;&
+    part2|all) run elastic --samples 1000 --timeout 300 ;;&
     part3|all) run topology ;;
     part1|part2) ;;
     *) echo "unknown part $part: use part1, part2, part3 or all" >&2; exit 2 ;;

@@ -1,0 +1,98 @@
+"""bench/multi_gpu.py on CPU at tiny settings: each subcommand's JSON fields and sane values."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.bench.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+_spec = importlib.util.spec_from_file_location("multi_gpu", ROOT / "bench" / "multi_gpu.py")
+multi_gpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(multi_gpu)
+
+TINY = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
+
+
+def run(out: Path, *argv: str) -> dict:
+    args = multi_gpu.parser().parse_args([*argv, "--out", str(out), "--device", "cpu"])
+    result, paths = multi_gpu.run_command(args)
+    data = json.loads(paths["json"].read_text())
+    assert data["name"] == args.command and paths["json"] == out / f"{args.command}.json"
+    assert data["provenance"]["versions"]["torch"] and data["provenance"]["git_sha"]
+    assert data["config"]["safe_gpu_env"] == multi_gpu.SAFE_GPU_ENV
+    return data
+
+
+def test_the_safe_gpu_env_is_set_for_every_process():
+    for key, value in multi_gpu.SAFE_GPU_ENV.items():
+        assert os.environ[key] == value
+    assert multi_gpu._env()["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_design_topology_follows_the_issue():
+    assert multi_gpu.design_topology(2) == ((0,), (1,))
+    assert multi_gpu.design_topology(4) == ((0, 1), (2, 3))
+    assert multi_gpu.design_topology(8) == ((0, 1, 2, 3, 4), (5, 6, 7))
+    with pytest.raises(ValueError, match="--target-gpus"):
+        multi_gpu.design_topology(3)
+
+
+def test_scaling_runs_the_producer_and_1_and_2_drafter_workers(tmp_path: Path):
+    producer = run(tmp_path, "scaling-producer", "--seconds", "0.3", *TINY)
+    (row,) = producer["rows"]
+    assert row["tokens_per_s"] > 0 and row["efficiency"] == 1.0 and row["replicas"] == 1
+    drafters = run(tmp_path, "scaling-drafters", "--seconds", "0.5", "--workers", "2", *TINY)
+    rows = drafters["rows"]
+    assert [r["workers"] for r in rows] == [1, 2]
+    for key in ("drafters_alone", "pipeline"):
+        one = rows[0][f"{key}_tokens_per_s"]
+        assert one > 0 and rows[1][f"{key}_tokens_per_s"] > 0
+        assert rows[1][f"{key}_efficiency"] == pytest.approx(
+            rows[1][f"{key}_tokens_per_s"] / (2 * one), abs=1e-3
+        )
+    summary = drafters["summary"]
+    assert summary["pipeline_efficiency"] == rows[1]["pipeline_efficiency"]
+    assert summary["producer_alone_tokens_per_s"] > 0
+    assert [g["name"] for g in summary["goals"]] == [
+        "drafters alone scaling vs linear",
+        "pipeline drafter scaling vs linear",
+    ]
+
+
+def test_elastic_attaches_kills_and_loses_no_sample(tmp_path: Path):
+    data = run(
+        tmp_path,
+        "elastic",
+        "--workers",
+        "1",
+        "--samples",
+        "400",
+        "--max-length",
+        "256",
+        "--token-budget",
+        "1024",
+        "--timeout",
+        "120",
+    )
+    (row,) = data["rows"]
+    assert row["launched_workers"] == 1 and row["attached_device"] == "cpu"
+    assert row["join_step"] <= row["kill_step"] < row["final_step"]
+    assert 0 < row["recovery_s"] < 60 and row["join_s"] > 0
+    assert row["samples"] == 400 and row["samples_lost"] == 0 and row["epoch_complete"] is True
+    assert row["duplicates"] <= row["released_samples"]
+    assert data["summary"]["goals"][0]["met"] is True
+
+
+def test_topology_is_bench_throughput_compare_on_the_layout(tmp_path: Path):
+    data = run(tmp_path, "topology", "--seconds", "0.3", *TINY)
+    stages = {r["stage"]: r["tokens_per_s"] for r in data["rows"]}
+    assert stages["pipeline"] > 0 and stages["offline (disk)"] > 0
+    assert data["summary"]["pipeline_efficiency"] > 0 and "where_time_went" in data["summary"]
+    assert data["config"]["gradient_backend"] == "gloo" and data["config"]["payload_path"]
