@@ -75,11 +75,13 @@ def run_opts(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cpu":
         opts["workers"] = args.workers
     else:
-        import torch
+        target, drafters = args.target_gpus, args.drafter_gpus
+        if not (target and drafters):  # both given: any GPU count will do
+            import torch
 
-        target, drafters = design_topology(torch.cuda.device_count())
-        opts["target_gpus"] = args.target_gpus or gpu_spec(target)
-        opts["drafter_gpus"] = args.drafter_gpus or gpu_spec(drafters)
+            design = design_topology(torch.cuda.device_count())
+            target, drafters = target or gpu_spec(design[0]), drafters or gpu_spec(design[1])
+        opts["target_gpus"], opts["drafter_gpus"] = target, drafters
     return opts
 
 
