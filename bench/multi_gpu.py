@@ -456,7 +456,9 @@ def topology(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None
     from dflash_pipe.launch_options import build_run_config
 
     cfg, _ = build_run_config({**run_opts(args), "run_dir": work_dir / "prepare"})
-    result = run_throughput_bench(cfg, seconds=args.seconds, work_dir=work_dir, compare=True, progress=say)
+    result = run_throughput_bench(
+        cfg, seconds=args.seconds, work_dir=work_dir, compare=not args.no_compare, progress=say
+    )
     result.name = "topology"
     result.config["payload_path"] = cfg.wire.payload_path
     result.config["gradient_backend"] = "nccl" if cfg.layout.device == "cuda" else "gloo"
@@ -492,6 +494,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", choices=["auto", "on", "off", "full"])
     p.add_argument("--samples", type=int, help="Elastic: one epoch of the data's first N samples.")
     p.add_argument("--timeout", type=float, default=300.0, help="Elastic: seconds to wait for each event.")
+    p.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="Topology: the stages and the pipeline only (no offline/threads).",
+    )
     return p
 
 

@@ -90,9 +90,10 @@ def test_elastic_attaches_kills_and_loses_no_sample(tmp_path: Path):
     assert data["summary"]["goals"][0]["met"] is True
 
 
-def test_topology_is_bench_throughput_compare_on_the_layout(tmp_path: Path):
-    data = run(tmp_path, "topology", "--seconds", "0.3", *TINY)
+def test_topology_is_bench_throughput_on_the_layout(tmp_path: Path):
+    # --no-compare: the offline and threaded rows are bench throughput's own, tested in test_throughput_cli.
+    data = run(tmp_path, "topology", "--seconds", "0.3", "--no-compare", *TINY)
     stages = {r["stage"]: r["tokens_per_s"] for r in data["rows"]}
-    assert stages["pipeline"] > 0 and stages["offline (disk)"] > 0
+    assert stages["pipeline"] > 0 and "offline (disk)" not in stages
     assert data["summary"]["pipeline_efficiency"] > 0 and "where_time_went" in data["summary"]
     assert data["config"]["gradient_backend"] == "gloo" and data["config"]["payload_path"]
