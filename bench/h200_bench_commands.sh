@@ -23,7 +23,7 @@ python3 -m dflash_pipe bench throughput --target-model "$work/target" --data "$w
 # 2. Every transport against memcpy, landing on the GPU.
 python3 -m dflash_pipe bench transport --device cuda --sizes-mib 1,16,126 --out "$out" 2>&1 | log
 # 3. Time to first step: cold, warm, and 2 workers started together on one cache (both on GPU 0).
-python3 -m dflash_pipe bench compile --target-model "$work/target" --drafter-gpus 0 --workers 2 \
+python3 -m dflash_pipe bench compile --target-model "$work/target" --drafter-gpus 0 --workers 2 --compile-warmup once,each \
     --out "$out" 2>&1 | log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | log
 echo "bench/h200_bench_commands.sh: $(( $(date +%s) - start )) s in all; results in $out" | log

@@ -130,6 +130,12 @@ def main() -> None:
     "(faster; see docs/performance.md before using it).",
 )
 @click.option(
+    "--compile-warmup",
+    type=click.Choice(["once", "each"]),
+    help="Workers starting together on an empty compile cache: once = one compiles, the others wait and "
+    "start warm (default; least CPU); each = all compile at once (shorter wall time with enough cores).",
+)
+@click.option(
     "--activation-checkpointing",
     type=click.Choice(["none", "layers", "loss", "all"]),
     help="Recompute in backward: the draft layers, the LM-head loss, or both (default none).",
@@ -698,6 +704,13 @@ def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir
 @click.option(
     "--seq-len", type=int, help="Tokens of the warm-up and the first step (default: 256 CPU, 2048 CUDA)."
 )
+@click.option(
+    "--compile-warmup",
+    "warmups",
+    default="once",
+    show_default=True,
+    help="How the N together warm up (launch --compile-warmup): once, each, or once,each to compare both.",
+)
 @_OUT_OPTION
 @_KEEP_OPTION
 def bench_compile(
@@ -707,6 +720,7 @@ def bench_compile(
     workers: int,
     draft_layers: int | None,
     seq_len: int | None,
+    warmups: str,
     out_dir: Path | None,
     keep_work: bool,
 ) -> None:
@@ -739,6 +753,7 @@ def bench_compile(
                 workers=workers,
                 draft_layers=draft_layers,
                 seq_len=seq_len,
+                warmups=tuple(w.strip() for w in warmups.split(",") if w.strip()),
                 work_dir=Path(scratch),
                 progress=progress,
             )

@@ -38,6 +38,7 @@ FLAG_FIELDS: dict[str, str] = {
     "lr": "train.lr",
     "seed": "train.seed",
     "compile_mode": "train.compile",
+    "compile_warmup": "train.compile_warmup",
     "activation_checkpointing": "train.activation_checkpointing",
     "checkpoint_every": "train.checkpoint_every",
     "eval_every": "train.eval_every",
@@ -70,6 +71,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 """Without --target-model (the built-in demo): a small drafter, one short epoch."""
 RESUME_OVERRIDES = {
     "tokenize_workers",
+    "compile_warmup",
     "keys",
     "peer_timeout",
     "reconnect_timeout",

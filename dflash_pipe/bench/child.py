@@ -155,7 +155,8 @@ def build_drafter(spec: dict[str, Any], device: Any, *, compile_layers: bool = F
 
 
 def warm(model: Any, spec: dict[str, Any], device: Any) -> dict[str, float]:
-    """The worker's warm-up: one process compiles under the cache's lock, the others then start warm."""
+    """The worker's warm-up, as ``train.compile_warmup`` says: once (one process compiles under the cache's
+    lock, the others then start warm) or each (every process compiles at once)."""
     from dflash_pipe.drafter import DrafterConfig
     from dflash_pipe.train.warmup import warm_up
 
@@ -166,6 +167,7 @@ def warm(model: Any, spec: dict[str, Any], device: Any) -> dict[str, float]:
         cache_dir=Path(spec["cache_dir"]),
         device=device,
         seq_len=min(spec.get("warmup_seq_len", 1024), cfg.max_position_embeddings),
+        once=spec["train"].get("compile_warmup", "once") == "once",
     )
 
 

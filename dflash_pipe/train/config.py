@@ -31,6 +31,10 @@ class TrainConfig:
     auto = on for CUDA, off on CPU. full: also the decoder layers whole and the LM head's CE terms, 1.33x
     faster steps at the Qwen3-8B shape on the H200, but torch 2.11's Inductor failed on it at another shape
     (docs/performance.md): try it with `dflash-pipe bench throughput --compile full` first."""
+    compile_warmup: Literal["once", "each"] = "once"
+    """How workers that start together on an empty compile cache warm up. once: one compiles under the
+    cache's lock, the others wait and start warm (the least CPU work). each: every worker compiles at the
+    same time (no waiting; the shortest wall time when the host has cores for all the compiles)."""
     activation_checkpointing: Literal["none", "layers", "loss", "all"] = "none"
     """Recompute in backward instead of keeping: the draft layers' activations, the final norm + LM-head
     loss, or both (less memory, more compute; see drafter/checkpointing.py)."""
@@ -56,6 +60,8 @@ class TrainConfig:
             raise ValueError(f"train.max_steps must be >= 1 or unset, got {self.max_steps}.")
         if self.compile not in ("auto", "on", "off", "full"):
             raise ValueError(f"train.compile must be auto, on, off or full, got {self.compile!r}.")
+        if self.compile_warmup not in ("once", "each"):
+            raise ValueError(f"train.compile_warmup must be once or each, got {self.compile_warmup!r}.")
         if self.activation_checkpointing not in ("none", "layers", "loss", "all"):
             raise ValueError(
                 "train.activation_checkpointing must be none, layers, loss or all, "

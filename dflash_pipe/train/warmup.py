@@ -2,7 +2,8 @@
 
 Inductor's cache is safe to share but does not deduplicate work: workers that start together on an empty
 cache each compile everything (DESIGN.md, "Compile cache"). A lock plus a marker file turns N cold
-compiles into one cold and N-1 warm ones.
+compiles into one cold and N-1 warm ones. With ``train.compile_warmup="each"`` there is no lock: every
+worker compiles at once, which costs more CPU but no waiting (`dflash-pipe bench compile` measures both).
 
 In threaded mode the worker warms each replica in turn before its threads start, with single-sample
 batches too: every variant compiled here is one the threads never have to compile (DESIGN.md, "Threaded mode").
@@ -30,8 +31,10 @@ def warm_up(
     device: torch.device,
     seq_len: int,
     batch_sizes: tuple[int, ...] = (2,),
+    once: bool = True,
 ) -> dict[str, float]:
-    """Runs synthetic steps so every compiled variant exists before real batches arrive."""
+    """Runs synthetic steps so every compiled variant exists before real batches arrive. ``once``: under
+    the cache's lock, so workers that start together compile once (``train.compile_warmup``)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(
         json.dumps(
@@ -41,9 +44,12 @@ def warm_up(
     marker = cache_dir / f"warm-{key}"
     t0 = time.time()
     waited = 0.0
-    if marker.exists():
+    if marker.exists() or not once:
+        cold = not marker.exists()
         _synthetic_steps(model, drafter_config, device, seq_len, batch_sizes)
-        return {"warmup_s": time.time() - t0, "warmup_waited_s": 0.0, "warmup_cold": 0.0}
+        if cold:
+            marker.write_text(f"{time.time()}\n")
+        return {"warmup_s": time.time() - t0, "warmup_waited_s": 0.0, "warmup_cold": float(cold)}
     with FileLock(str(cache_dir / "warmup.lock")):
         waited = time.time() - t0
         cold = not marker.exists()

@@ -264,6 +264,7 @@ def _build_replicas(
                 device=dev,
                 seq_len=min(1024, drafter_cfg.max_position_embeddings),
                 batch_sizes=(2, 1) if threaded else (2,),
+                once=train_cfg.compile_warmup == "once",
             )
         models.append(model)
     return models, warm

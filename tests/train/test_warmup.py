@@ -1,0 +1,72 @@
+"""The compile warm-up: once (one worker compiles under the cache's lock) or each (no lock, no waiting)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from filelock import FileLock
+
+from dflash_pipe.bench.compile import together_summary
+from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.train.warmup import warm_up
+from tests.drafter.conftest import tiny_config, tiny_drafter
+
+
+def _warm(cache: Path, *, once: bool) -> dict[str, float]:
+    cfg = dataclasses.replace(tiny_config(), attention_backend="sdpa")
+    return warm_up(
+        tiny_drafter(cfg),
+        drafter_config=cfg.to_dict(),
+        cache_dir=cache,
+        device=torch.device("cpu"),
+        seq_len=16,
+        once=once,
+    )
+
+
+def test_once_compiles_first_then_starts_warm(tmp_path: Path):
+    first, second = _warm(tmp_path, once=True), _warm(tmp_path, once=True)
+    assert first["warmup_cold"] == 1.0 and second["warmup_cold"] == 0.0
+    assert second["warmup_waited_s"] == 0.0  # the marker exists: no lock needed
+
+
+def test_each_never_waits_for_the_lock(tmp_path: Path):
+    """With the lock held by another worker (here: this test), "each" warms up anyway and marks the cache;
+    "once" would block on it until the holder is done."""
+    with FileLock(str(tmp_path / "warmup.lock")):
+        got = _warm(tmp_path, once=False)
+    assert got["warmup_cold"] == 1.0 and got["warmup_waited_s"] == 0.0
+    assert _warm(tmp_path, once=True)["warmup_cold"] == 0.0  # the marker it left
+
+
+def test_compile_warmup_setting_is_validated():
+    assert TrainConfig().compile_warmup == "once"
+    with pytest.raises(ValueError, match="compile_warmup must be once or each"):
+        TrainConfig(compile_warmup="twice")  # type: ignore[arg-type]
+
+
+def test_bench_compile_reports_each_mode_against_cold():
+    s = together_summary({"once": 51.0, "each": 44.0}, cold_s=40.0)
+    assert s == {
+        "together_slowest_s": 51.0,
+        "together_vs_cold": 1.275,
+        "together_each_slowest_s": 44.0,
+        "together_each_vs_cold": 1.1,
+    }
+
+
+def test_compile_warmup_flag_and_bench_modes(tmp_path: Path):
+    from dflash_pipe.bench.compile import run_compile_bench
+    from dflash_pipe.launch_options import build_run_config
+
+    cfg, _ = build_run_config({"run_dir": tmp_path / "run", "device": "cpu", "compile_warmup": "each"})
+    assert cfg.train.compile_warmup == "each"
+    (tmp_path / "run").mkdir()
+    cfg.save(tmp_path / "run" / "config.json")
+    resumed, _ = build_run_config({"resume_dir": tmp_path / "run", "compile_warmup": "once"})
+    assert resumed.train.compile_warmup == "once"  # a start-up choice: it may change on --resume
+    with pytest.raises(ValueError, match="once and/or each"):
+        run_compile_bench(target_model=None, device="cpu", warmups=("twice",), work_dir=tmp_path)
