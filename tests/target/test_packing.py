@@ -158,3 +158,19 @@ def test_a_failing_layer_compile_falls_back_to_eager_layers(qwen3_dir, monkeypat
     assert len(calls) == 1 and not broken.layers_compiled
     assert [r.message for r in caplog.records if "simulated Inductor bug" in r.message]
     assert TargetCore(qwen3_dir, LAYERS, "cpu", torch.float32).compile_layers is False  # None: CUDA only
+
+
+def test_compiled_flex_rows_are_padded_to_whole_tiles():
+    """Compiled flex gets whole 128-token tiles (torch 2.11's compiled layers were wrong on partial ones):
+    the padding is its own sample, position ids restart in it, and pack() returns the real tokens only."""
+    ids = torch.arange(1, 301)
+    layout = PackedLayout.build(ids, [100, 150, 50], torch.device("cpu"), "flex", compile=True)
+    assert layout.input_ids.shape == (1, 384) and layout.total == 300
+    assert torch.equal(layout.input_ids[0, :300], ids) and not layout.input_ids[0, 300:].any()
+    assert torch.equal(layout.position_ids[0, 300:], torch.arange(84))
+    mask_mod, t = layout.attention_mask.mask_mod, torch.tensor
+    assert mask_mod(0, 0, t(320), t(310)) and mask_mod(0, 0, t(299), t(250))  # within the padding / a sample
+    assert not mask_mod(0, 0, t(320), t(299)) and not mask_mod(0, 0, t(299), t(320))  # never across them
+    assert torch.equal(layout.pack(torch.zeros(1, 384, 3)), torch.zeros(300, 3))
+    sdpa = PackedLayout.build(ids, [100, 150, 50], torch.device("cpu"), "sdpa", compile=False)
+    assert sdpa.input_ids.shape == (1, 300)  # only compiled flex pads
