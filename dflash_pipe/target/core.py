@@ -81,7 +81,9 @@ class TargetCore:
             if isinstance(model_path, PreTrainedConfig)
             else AutoConfig.from_pretrained(str(model_path))
         )
-        self.attention: Attention = _pick_attention(packing, attention, config.get_text_config(), self.device)
+        self.attention: Attention = _pick_attention(
+            packing, attention, config.get_text_config(), self.device, split=len(devices) > 1
+        )
         implementation = register_flex_attention() if self.attention == "flex" else "sdpa"
         if isinstance(model_path, PreTrainedConfig):
             with torch.device(self.device if len(devices) == 1 else "cpu"):
@@ -214,8 +216,15 @@ class TargetCore:
 
 
 def _pick_attention(
-    packing: Packing, attention: Attention | None, text_config: object, device: torch.device
+    packing: Packing,
+    attention: Attention | None,
+    text_config: object,
+    device: torch.device,
+    *,
+    split: bool = False,
 ) -> Attention:
+    """flex where it is known to work (packed rows of plain causal layers, head_dim >= 16, one device: the
+    BlockMask's mask function reads a tensor of the first device), else SDPA."""
     if packing not in ("packed", "padded"):
         raise ValueError(f'packing must be "packed" or "padded", got {packing!r}')
     if attention not in (None, "flex", "sdpa"):
@@ -236,8 +245,19 @@ def _pick_attention(
             f'attention="flex" on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM} (compiled flex_attention kernels), '
             f'this model has {head_dim}; use "sdpa"'
         )
+    if attention == "flex" and split:
+        raise ValueError(
+            'attention="flex" needs the target on one device (its block mask lives on the first); a target '
+            'split across devices uses "sdpa"'
+        )
     if attention is None:
-        flex_ok = packing == "packed" and fits and device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
+        flex_ok = (
+            packing == "packed"
+            and fits
+            and device.type == "cuda"
+            and head_dim >= FLEX_MIN_HEAD_DIM
+            and not split
+        )
         attention = "flex" if flex_ok else "sdpa"
     return attention
 

@@ -84,6 +84,9 @@ def test_flex_needs_head_dim_16_on_cuda():
     with pytest.raises(ValueError, match="head_dim >= 16"):
         _pick_attention("packed", "flex", small, cuda)
     assert _pick_attention("packed", "flex", small, torch.device("cpu")) == "flex"  # eager flex is fine
+    assert _pick_attention("packed", None, ok, cuda, split=True) == "sdpa"  # the mask lives on one device
+    with pytest.raises(ValueError, match="split across devices"):
+        _pick_attention("packed", "flex", ok, cuda, split=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
