@@ -3,7 +3,7 @@
 # a random-initialised Qwen3-1.7B-shaped target and the drafter workers share GPU 0.
 # Usage: bash bench/h200_bench_commands.sh OUT_DIR [SHAPE] [SECONDS]   (SHAPE from bench/make_target.py)
 # Writes OUT_DIR/{throughput,transport,compile}.{json,png} and OUT_DIR/run.log. On an H200 with SECONDS=6: throughput
-# 4.7 min, compile 2.4 min, transport ~1 min; the device tool allows 10 minutes a call, so split it there.
+# 4.7 min, compile (once,each) 3.6 min, transport ~1 min; the device tool allows 10 minutes a call, so split it there.
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${1:?output dir}; shape=${2:-qwen3-1.7b}; seconds=${3:-8}

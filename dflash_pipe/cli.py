@@ -132,8 +132,8 @@ def main() -> None:
 @click.option(
     "--compile-warmup",
     type=click.Choice(["once", "each"]),
-    help="Workers starting together on an empty compile cache: once = one compiles, the others wait and "
-    "start warm (default; least CPU); each = all compile at once (shorter wall time with enough cores).",
+    help="Workers starting together on an empty compile cache: each = all compile at once (default; "
+    "the shortest time to the first step); once = one compiles, the others wait and start warm (least CPU).",
 )
 @click.option(
     "--activation-checkpointing",
@@ -707,7 +707,7 @@ def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir
 @click.option(
     "--compile-warmup",
     "warmups",
-    default="once",
+    default="each",
     show_default=True,
     help="How the N together warm up (launch --compile-warmup): once, each, or once,each to compare both.",
 )

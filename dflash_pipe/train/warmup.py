@@ -1,9 +1,11 @@
-"""Compile once per run: the first worker compiles under a file lock, the others then start warm.
+"""The worker's compile warm-up, before real batches arrive: every worker at once, or one under a lock.
 
 Inductor's cache is safe to share but does not deduplicate work: workers that start together on an empty
-cache each compile everything (DESIGN.md, "Compile cache"). A lock plus a marker file turns N cold
-compiles into one cold and N-1 warm ones. With ``train.compile_warmup="each"`` there is no lock: every
-worker compiles at once, which costs more CPU but no waiting (`dflash-pipe bench compile` measures both).
+cache each compile everything (DESIGN.md, "Compile cache"). ``train.compile_warmup="each"`` (the default)
+lets them: more CPU, but nobody waits, and on an H200 host 2 workers started together reached their
+first step in 1.04x one cold worker's time. ``"once"`` takes a file lock plus a marker file, turning N
+cold compiles into one cold and N-1 warm ones: the least CPU, but the others wait for the whole compile
+and then still trace (1.26x). `dflash-pipe bench compile --compile-warmup once,each` measures both.
 
 In threaded mode the worker warms each replica in turn before its threads start, with single-sample
 batches too: every variant compiled here is one the threads never have to compile (DESIGN.md, "Threaded mode").
@@ -31,7 +33,7 @@ def warm_up(
     device: torch.device,
     seq_len: int,
     batch_sizes: tuple[int, ...] = (2,),
-    once: bool = True,
+    once: bool = False,
 ) -> dict[str, float]:
     """Runs synthetic steps so every compiled variant exists before real batches arrive. ``once``: under
     the cache's lock, so workers that start together compile once (``train.compile_warmup``)."""

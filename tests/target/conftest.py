@@ -10,15 +10,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 
 from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM
+from tests.target.inputs import NUM_LAYERS, VOCAB
 from tests.tiny_models import tiny_qwen3_config
 
 # Make the repo importable when the package is not installed (plain `pytest tests/target`).
 _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
-
-VOCAB = 97
-NUM_LAYERS = 5
 
 
 def _save(model: torch.nn.Module, path: Path) -> Path:
@@ -55,9 +53,3 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(params=["qwen3", "llama"])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")
-
-
-def packed_batch(lengths: list[int], seed: int = 0) -> torch.Tensor:
-    """Random packed input_ids [T] for samples of the given lengths."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (sum(lengths),), generator=g)

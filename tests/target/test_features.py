@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import NUM_LAYERS, packed_batch
 from transformers import AutoModelForCausalLM
 
 from dflash_pipe.target import TargetCore
+from tests.target.inputs import NUM_LAYERS, packed_batch
 
 LENGTHS = [7, 13, 1, 10]
 

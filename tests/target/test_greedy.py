@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from conftest import packed_batch
 
 from dflash_pipe.target import TargetCore
+from tests.target.inputs import packed_batch
 
 
 def test_greedy_next_equals_plain_argmax(model_dir):

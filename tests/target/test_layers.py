@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import NUM_LAYERS
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from dflash_pipe.target import TargetCore, find_decoder_layers
+from tests.target.inputs import NUM_LAYERS
 
 
 def test_finds_layers_of_common_architectures(qwen3_dir, llama_dir):

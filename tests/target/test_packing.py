@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import packed_batch
 
 from dflash_pipe.target import TargetCore, packing
 from dflash_pipe.target.packing import PackedLayout, plain_causal
+from tests.target.inputs import packed_batch
 from tests.tiny_models import tiny_qwen3_config
 
 LENGTHS = [9, 1, 14, 6]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import packed_batch
 
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.placement import HEADROOM, plan_replicas, weight_bytes
+from tests.target.inputs import packed_batch
 
 GIB = 1 << 30
 
