@@ -4,8 +4,8 @@ Each case starts fresh worker processes (``python -m dflash_pipe.bench.child com
 worker environment (one shared TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR, bounded compile threads), which
 build the drafter, run the worker's warm-up (``train.warmup.warm_up`` in each ``--compile-warmup`` mode:
 each, all compile at once; once, one compiles under the cache's lock while the others wait and start warm)
-and then one real training step. The figure is wall time
-from the process's start to the end of that step.
+and then one real training step. The figure is wall time from the process's start to the end of that
+step.
 
   together  N workers started at once on an empty cache, as `launch` starts them, per mode (run first)
   cold      one worker on another empty cache
