@@ -11,6 +11,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,17 +30,49 @@ from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, TimeShares, make_logger
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.cuda_ipc import CudaIpcRing
-from dflash_pipe.wire.errors import BadMessage, PeerGoneError
+from dflash_pipe.wire.errors import BadMessage, PeerGoneError, SendTimeoutError
 from dflash_pipe.wire.ring import RingUnavailable
 from dflash_pipe.wire.shm import ShmRing, host_identity
 from dflash_pipe.wire.transport import ProducerEndpoint
 
 _TICK_S = 0.02
+_MAX_MESSAGES_PER_TICK = 256
+"""Inbound messages handled per loop turn: all that are waiting (up to this), not one, so many fast workers
+never leave their ACKs and READYs queued behind the producer's other work."""
 _SHOW_EVERY_S = 0.5
 _EVAL_BATCH_SAMPLES = 4
 REQUIRED_CAPABILITIES = ("frames",)
 """What a worker must support: payloads as raw tensor frames on the socket."""
-"""Tensors of a batch at least this big go into its ring slot (features, fp8 scales); the rest are frames."""
+
+
+def drain(
+    recv: Callable[[float], tuple[bytes, Any] | None],
+    handle: Callable[[bytes, Any], None],
+    *,
+    limit: int,
+    wait_s: float = _TICK_S,
+) -> int:
+    """Handles every message already waiting, up to ``limit``: the first receive waits up to ``wait_s``,
+    the rest take only what is there. Returns how many were handled."""
+    handled = 0
+    got = recv(wait_s)
+    while got is not None:
+        handle(*got)
+        handled += 1
+        if handled >= limit:
+            break
+        got = recv(0.0)
+    return handled
+
+
+def gone_reason(exc: PeerGoneError, send_timeout_s: float) -> str:
+    """Why a send to a worker failed, in the words the run's summary shows."""
+    if isinstance(exc, SendTimeoutError):
+        return (
+            f"stopped reading: a message to it waited {send_timeout_s:.0f} s in a full queue "
+            "(its process hung, or starved of CPU)"
+        )
+    return "disconnected: its connection to the producer closed"
 
 
 class RunAborted(RuntimeError):
@@ -354,9 +387,7 @@ class ProducerProc:
                 self._send_done("interrupted by the user")
             self._take_ready()
             self._refill()
-            got = self._recv()
-            if got is not None:
-                self._handle(*got)
+            drain(self._recv, self._handle, limit=_MAX_MESSAGES_PER_TICK)
             self._dispatch()
             self._observe_waits()
             if self.scheduler.finished() and not self._done_sent:
@@ -377,9 +408,9 @@ class ProducerProc:
                     stop_reason = self._bye_reason or "every worker left"
                 return stop_reason
 
-    def _recv(self) -> tuple[bytes, Any] | None:
+    def _recv(self, timeout_s: float) -> tuple[bytes, Any] | None:
         try:
-            return self.endpoint.recv(timeout_s=_TICK_S)
+            return self.endpoint.recv(timeout_s=timeout_s)
         except BadMessage as exc:
             self._note(f"bad message from peer {exc.peer!r}: {exc}")
             if exc.peer is not None:
@@ -599,10 +630,10 @@ class ProducerProc:
         """``ring``: the ring the peer opened, so tensors in its slots go by reference."""
         try:
             self.endpoint.send(peer_id, msg, ring=ring)
-        except PeerGoneError:
+        except PeerGoneError as exc:
             peer = self.peers.get(peer_id)
             if peer is not None and not peer.left:
-                self._drop(peer, "disconnected")
+                self._drop(peer, gone_reason(exc, self.endpoint.send_timeout_s))
 
     # --- watching ----------------------------------------------------------------------------------------
 

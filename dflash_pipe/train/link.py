@@ -135,7 +135,11 @@ class ProducerLink:
                 if not isinstance(msg, m.Heartbeat):
                     self._inbox.put(msg)
             if now - last_sent >= self.heartbeat_s:
-                self._endpoint.send(m.Heartbeat(time=time.time()))
+                try:
+                    self._endpoint.send(m.Heartbeat(time=time.time()))
+                except TransportError as exc:  # as for any send: the link is lost, never a silent dead thread
+                    self._lose(str(exc))
+                    return
                 last_sent = now
             if now - last_heard > self.peer_timeout_s:
                 self._lose(

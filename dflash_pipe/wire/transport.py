@@ -147,6 +147,7 @@ class _Endpoint:
         if send_timeout_s < 0:
             raise ValueError(f"send_timeout_s={send_timeout_s} must be >= 0")
         self.max_tensor_bytes = max_tensor_bytes
+        self.send_timeout_s = send_timeout_s
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(kind)
         _configure(self._sock, max_tensor_bytes=max_tensor_bytes, hwm=hwm, send_timeout_s=send_timeout_s)

@@ -1,0 +1,38 @@
+"""The producer's inbox: every waiting message handled per loop turn, and a failed send named for its cause."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dflash_pipe.producer.proc import drain, gone_reason
+from dflash_pipe.wire.errors import PeerGoneError, SendTimeoutError
+
+
+def test_drain_handles_everything_waiting_and_waits_only_once():
+    waiting = deque((b"w%d" % (i % 3), i) for i in range(10))
+    waits: list[float] = []
+    handled: list[int] = []
+
+    def recv(timeout_s: float):
+        waits.append(timeout_s)
+        return waiting.popleft() if waiting else None
+
+    assert drain(recv, lambda _peer, msg: handled.append(msg), limit=100, wait_s=0.02) == 10
+    assert handled == list(range(10))  # in arrival order
+    assert waits[0] == 0.02 and set(waits[1:]) == {0.0}
+
+
+def test_drain_stops_at_the_limit_and_leaves_the_rest_queued():
+    waiting = deque((b"w", i) for i in range(10))
+    handled: list[int] = []
+    recv = lambda _t: waiting.popleft() if waiting else None  # noqa: E731
+    assert drain(recv, lambda _p, msg: handled.append(msg), limit=4) == 4
+    assert handled == [0, 1, 2, 3] and len(waiting) == 6
+    assert drain(lambda _t: None, lambda *_: None, limit=4) == 0
+
+
+def test_a_failed_send_says_whether_the_worker_hung_or_hung_up():
+    hung = gone_reason(SendTimeoutError(b"w", "queue full"), 10.0)
+    assert hung.startswith("stopped reading") and "10 s" in hung
+    closed = gone_reason(PeerGoneError(b"w", "no connection"), 10.0)
+    assert closed.startswith("disconnected")
