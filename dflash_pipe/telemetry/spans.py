@@ -130,6 +130,14 @@ class RateMeter:
             units = sum(n for et, n in list(self._events)[1:] if et <= t)
             return units / (t - ref_t) if t > ref_t and units else 0.0
 
+    def span(self, now: float | None = None) -> float:
+        """Seconds the rate is measured over (0.0 before the first event): a rate over a few milliseconds,
+        two workers' first ACKs say, is noise, not a throughput (see ``MIN_RATE_SPAN_S``)."""
+        t = time.monotonic() if now is None else now
+        with self._lock:
+            self._prune(t)
+            return max(0.0, t - self._events[0][0]) if self._events else 0.0
+
     def _prune(self, now: float) -> None:
         """Drop events older than the reference (the newest event at or before now - window_s)."""
         cutoff = now - self.window_s

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
+
+import pytest
 
 from dflash_pipe.producer.proc import drain, gone_reason
 from dflash_pipe.wire.errors import PeerGoneError, SendTimeoutError
@@ -36,3 +39,22 @@ def test_a_failed_send_says_whether_the_worker_hung_or_hung_up():
     assert hung.startswith("stopped reading") and "10 s" in hung
     closed = gone_reason(PeerGoneError(b"w", "no connection"), 10.0)
     assert closed.startswith("disconnected")
+
+
+def test_stage_rates_wait_until_a_meter_spans_a_second():
+    from types import SimpleNamespace
+
+    from dflash_pipe.producer.proc import MIN_RATE_SPAN_S, ProducerProc
+    from dflash_pipe.telemetry import RateMeter
+
+    now = time.monotonic()
+    fresh, steady = RateMeter(), RateMeter()
+    fresh.add(500, now=now - 0.002)
+    fresh.add(500, now=now - 0.001)  # two first ACKs: 1000 tokens over a millisecond or two
+    for i in range(5):
+        steady.add(100, now=now - 2.0 + i * 0.5)
+    producer = SimpleNamespace(train_rate=fresh, target_rate=steady, wire_rate=steady)
+    rates = ProducerProc._stage_rates(producer)  # type: ignore[arg-type]
+    assert set(rates) == {"tokens_per_s/producer", "tokens_per_s/wire"}
+    assert rates["tokens_per_s/producer"] == pytest.approx(400 / 2.0, rel=0.05)
+    assert MIN_RATE_SPAN_S >= 0.5

@@ -96,3 +96,15 @@ def test_rate_meter_edge_cases():
     assert meter.rate(now=3.0) == pytest.approx(50.0)
     with pytest.raises(ValueError, match="window_s"):
         RateMeter(window_s=0)
+
+
+def test_rate_meter_span_says_how_long_the_rate_is_measured_over():
+    meter = RateMeter(window_s=10)
+    assert meter.span(now=0.0) == 0.0
+    meter.add(500, now=1.0)
+    meter.add(500, now=1.001)  # two workers' first ACKs, a millisecond apart
+    assert meter.span(now=1.001) == pytest.approx(0.001)
+    assert meter.rate(now=1.001) == pytest.approx(500_000.0)  # why callers check span() first
+    for t in range(2, 30):
+        meter.add(100, now=float(t))
+    assert meter.span(now=29.0) == pytest.approx(10.0)  # the window, once it is full
