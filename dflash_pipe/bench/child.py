@@ -167,7 +167,7 @@ def warm(model: Any, spec: dict[str, Any], device: Any) -> dict[str, float]:
         cache_dir=Path(spec["cache_dir"]),
         device=device,
         seq_len=min(spec.get("warmup_seq_len", 1024), cfg.max_position_embeddings),
-        once=spec["train"].get("compile_warmup", "each") == "once",
+        once=spec["train"]["compile_warmup"] == "once",
     )
 
 

@@ -2,9 +2,9 @@
 
 The file is cut into byte ranges that end at line ends (``split_lines``; the parent counts the newlines, so
 each piece knows its first line number). Worker processes (spawn context: no forked torch or tokenizer
-state) each receive the tokenizer once, pickled, and run ``tokenize_piece`` on the pieces they are given;
-``tokenized_pieces`` yields the results in file order, so the merged samples, counts and the first bad
-line's error are exactly those of an in-process pass. Workers ignore SIGINT: a Ctrl-C reaches the launcher,
+state) each receive the tokenizer once, pickled over the pipe to their own parent only (docs/security.md),
+and run ``tokenize_piece`` on the pieces they are given; ``tokenized_pieces`` yields the results in file
+order, so the merged samples, counts and the first bad line's error are exactly those of an in-process pass. Workers ignore SIGINT: a Ctrl-C reaches the launcher,
 which shuts the pool down. A worker that dies (killed, out of memory) is a ``DataError``, never a hang.
 """
 
