@@ -6,10 +6,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .rope import TARGET_ONLY_ROPE_KEYS, rope_inv_freq, rope_type_of
+
 # gamma of the per-slot loss decay exp(-(k-1)/gamma) for the block sizes the DFlash recipes use.
 _KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-# RoPE variants the drafter implements itself (see model.rope_inv_freq).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Attention pattern of a draft layer, the names the serving engines read from config.json `layer_types`.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# SwiGLU width of a drafter for a target whose config has no dense `intermediate_size` (qwen3_5_moe): the
+# ratio qwen3_moe's configs carry (intermediate_size 6144 for hidden 2048), so MoE drafters match.
+MOE_FFN_RATIO = 3
+# KV heads of a drafter for an MLA target (DeepSeek-V3, Kimi): MLA has no GQA count to copy.
+MLA_KV_HEADS = 8
 # Token names tried, in order, for the MASK token when none is given (see resolve_mask_token_id).
 _MASK_TOKEN_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 _RESERVED_TOKEN_NAMES = ("<|reserved_special_token_0|>", "<|fim_pad|>", "<|reserved_0|>")
@@ -53,13 +61,9 @@ def read_rope(target_config: Any) -> tuple[float, dict | None]:
     if theta is None:
         theta = 10000.0
     if isinstance(scaling, dict):
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type == "default":
-            scaling = None
-        else:
-            scaling["rope_type"] = rope_type
-            scaling.pop("type", None)
+        scaling = {k: v for k, v in scaling.items() if k not in TARGET_ONLY_ROPE_KEYS}
+        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
     else:
         scaling = None
     return float(theta), scaling
@@ -105,8 +109,10 @@ class DrafterConfig:
     vocab_size: int  # target vocabulary (embedding / LM head rows)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    rope_scaling: dict | None = None  # None = plain RoPE; {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: dict | None = None  # None = plain RoPE; {"rope_type": "yarn"|"llama3"|..., ...} (rope.py)
     max_position_embeddings: int = 40960
+    layer_types: tuple[str, ...] | None = None  # one of LAYER_TYPES per draft layer; None = all full
+    sliding_window: int | None = None  # keys a sliding_attention query sees, itself included
     block_size: int = 16  # tokens per draft block: [anchor token, MASK x (bs-1)]
     mask_token_id: int  # id fed to the MASK slots (target embedding row)
     target_layer_ids: tuple[int, ...]  # target layers whose outputs are the context features
@@ -161,13 +167,39 @@ class DrafterConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r}: use 'auto', 'flex' or 'sdpa'")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps}: must be > 0")
+        self._check_layer_types()
         if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
+            self.rope_scaling = dict(self.rope_scaling)
+            if rope_type_of(self.rope_scaling) == "default":
+                self.rope_scaling = None
+        rope_inv_freq(self)  # raises a ValueError naming rope_scaling if transformers cannot build it
+
+    def _check_layer_types(self) -> None:
+        n = self.num_hidden_layers
+        types = tuple(self.layer_types) if self.layer_types is not None else (FULL_ATTENTION,) * n
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad or len(types) != n:
+            raise ValueError(
+                f"layer_types={list(types)}: give one of {LAYER_TYPES} per draft layer "
+                f"(num_hidden_layers={n})"
+            )
+        self.layer_types = types
+        if SLIDING_ATTENTION in types:
+            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
                 raise ValueError(
-                    f"rope_scaling={self.rope_scaling}: rope_type {rope_type!r} is not supported; "
-                    f"supported: {SUPPORTED_ROPE_TYPES}"
+                    f"sliding_window={self.sliding_window!r}: sliding_attention layers need a window of >= 1 "
+                    "keys (--sliding-window)"
                 )
+        elif self.sliding_window is not None:
+            raise ValueError(
+                f"sliding_window={self.sliding_window}: no layer is sliding_attention; set layer_types "
+                "(--layer-types) or leave the window out"
+            )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per draft layer: None for full_attention, the window for sliding_attention (masks.py)."""
+        return tuple(self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types)
 
     @property
     def gamma(self) -> float:
@@ -191,11 +223,24 @@ class DrafterConfig:
         target_layer_ids: tuple[int, ...] | list[int] | None = None,
         **overrides: Any,
     ) -> DrafterConfig:
-        """Drafter shapes from any HF causal-LM config (Qwen3Config, LlamaConfig, ...)."""
+        """Drafter shapes from any HF causal-LM config (Qwen3Config, LlamaConfig, multimodal wrappers, ...).
+
+        The drafter has the target's width (hidden size, heads, head_dim, KV heads, SwiGLU width, vocab,
+        RoPE). Where a family has no such field (docs/drafter.md, "Shapes from the target"): an MoE config
+        without a dense ``intermediate_size`` gives MOE_FFN_RATIO x hidden; an MLA config (DeepSeek-V3,
+        Kimi: ``kv_lora_rank``) gives head_dim = ``v_head_dim``, the target's head count, MLA_KV_HEADS KV
+        heads (or the largest divisor of the head count below it). gpt-oss's attention sinks and any
+        target's sliding windows are the target's attention, not the drafter's (its layer types are its own).
+        """
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = int(tc.num_attention_heads)
         hidden = int(tc.hidden_size)
         head_dim = getattr(tc, "head_dim", None) or hidden // heads
+        kv_heads = int(getattr(tc, "num_key_value_heads", None) or heads)
+        if getattr(tc, "kv_lora_rank", None):  # MLA
+            head_dim = int(tc.v_head_dim)
+            kv_heads = max(d for d in range(1, min(MLA_KV_HEADS, heads) + 1) if heads % d == 0)
+        ffn = getattr(tc, "intermediate_size", None) or MOE_FFN_RATIO * hidden
         num_target_layers = int(tc.num_hidden_layers)
         vocab_size = int(tc.vocab_size)
         if mask_token_id is None:
@@ -210,9 +255,9 @@ class DrafterConfig:
         theta, scaling = read_rope(tc)
         kwargs: dict[str, Any] = dict(
             hidden_size=hidden,
-            intermediate_size=int(tc.intermediate_size),
+            intermediate_size=int(ffn),
             num_attention_heads=heads,
-            num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            num_key_value_heads=kv_heads,
             head_dim=int(head_dim),
             num_hidden_layers=num_layers,
             vocab_size=vocab_size,
@@ -232,6 +277,7 @@ class DrafterConfig:
         """JSON-safe dict (tuples become lists)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["target_layer_ids"] = list(self.target_layer_ids)
+        out["layer_types"] = list(self.layer_types)
         out["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling is not None else None
         out["extra"] = dict(self.extra)
         return out

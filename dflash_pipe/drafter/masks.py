@@ -1,9 +1,17 @@
 """Anchor sampling and the DFlash training attention mask (dense boolean for SDPA, mask_mod for flex).
 
 Layout: keys = [context 0..S-1 | block 0 (bs keys) | block 1 | ...], queries = the N*bs block tokens.
-A query of block b sees context keys at positions strictly before anchor[b] (only when the anchor slot is
-real) and every key of its own block (bidirectional). Padded anchor slots see only their own block, so no
-row is ever fully masked (a fully masked row is NaN in SDPA).
+Query slot j of block b sits at position anchor[b] + j. What it sees depends on the layer type, exactly as
+vLLM, SGLang and the reference run that type at serving time (docs/drafter.md has the sources):
+
+- ``full_attention`` (window None): context keys at positions strictly before anchor[b] (only when the
+  anchor slot is real) and every key of its own block (bidirectional).
+- ``sliding_attention`` (window W): the same, further limited to keys at positions p with
+  (anchor[b] + j) - p < W (the window includes the query itself), and causal inside the block: slot j sees
+  slots j' <= j of its own block.
+
+Padded anchor slots see only their own block (at least the query itself), so no row is ever fully masked
+(a fully masked row is NaN in SDPA).
 """
 
 from __future__ import annotations
@@ -80,8 +88,11 @@ def key_block_table(seq_len: int, num_anchors: int, block_size: int, device: tor
     return torch.cat([ctx, blocks])
 
 
-def make_mask_mod(anchors: Tensor, valid: Tensor, kv_block: Tensor, block_size: int) -> Callable:
-    """flex_attention mask_mod for the DFlash training layout.
+def make_mask_mod(
+    anchors: Tensor, valid: Tensor, kv_block: Tensor, block_size: int, window: int | None = None
+) -> Callable:
+    """flex_attention mask_mod for the DFlash training layout; ``window`` None = a full-attention layer,
+    an int W = a sliding-attention layer (see the module docstring).
 
     anchors/valid [B, N]; kv_block [K] from key_block_table. The query's anchor index q // bs is clamped
     to N-1 because flex evaluates padded query rows past N*bs. Context keys (kv_block == -1) satisfy
@@ -93,24 +104,38 @@ def make_mask_mod(anchors: Tensor, valid: Tensor, kv_block: Tensor, block_size: 
     def mask_mod(b, h, q_idx, kv_idx):
         qa = torch.clamp(q_idx // block_size, max=anchors.shape[1] - 1)
         kv = torch.clamp(kv_idx, max=kv_block.shape[0] - 1)
-        sees_context = (kv_idx < anchors[b, qa]) & valid[b, qa]
+        anchor = anchors[b, qa]
+        sees_context = (kv_idx < anchor) & valid[b, qa]
         own_block = kv_block[kv] == qa
+        if window is not None:
+            q_off = q_idx % block_size
+            kv_off = (kv_idx - (kv_block.shape[0] - anchors.shape[1] * block_size)) % block_size
+            sees_context = sees_context & (anchor + q_off - kv_idx < window)
+            own_block = own_block & (kv_off <= q_off) & (q_off - kv_off < window)
         return sees_context | own_block
 
     return mask_mod
 
 
-def dense_mask(anchors: Tensor, valid: Tensor, seq_len: int, block_size: int) -> Tensor:
+def dense_mask(
+    anchors: Tensor, valid: Tensor, seq_len: int, block_size: int, window: int | None = None
+) -> Tensor:
     """The same mask as a dense boolean tensor [B, 1, N*bs, S + N*bs] for SDPA (True = attend)."""
     bsz, n = anchors.shape
     device = anchors.device
-    q_block = torch.arange(n * block_size, device=device) // block_size  # [Q]
+    q_idx = torch.arange(n * block_size, device=device)
+    q_block, q_off = q_idx // block_size, q_idx % block_size  # [Q]
     kv_pos = torch.arange(seq_len, device=device)  # [S]
     q_anchor = anchors[:, q_block]  # [B, Q]
     q_valid = valid[:, q_block]  # [B, Q]
     ctx = (kv_pos[None, None, :] < q_anchor[:, :, None]) & q_valid[:, :, None]  # [B, Q, S]
-    own = (q_block[:, None] == q_block[None, :]).expand(bsz, -1, -1)  # [B, Q, Q]
-    return torch.cat([ctx, own], dim=2)[:, None]  # [B, 1, Q, S+Q]
+    own = q_block[:, None] == q_block[None, :]  # [Q, Q]
+    if window is not None:
+        q_pos = q_anchor + q_off  # [B, Q]
+        ctx = ctx & (q_pos[:, :, None] - kv_pos[None, None, :] < window)
+        lag = q_off[:, None] - q_off[None, :]  # [Q, Q]: j - j'
+        own = own & (lag >= 0) & (lag < window)
+    return torch.cat([ctx, own.expand(bsz, -1, -1)], dim=2)[:, None]  # [B, 1, Q, S+Q]
 
 
 @functools.cache
@@ -120,14 +145,16 @@ def _compiled_create_block_mask() -> Callable:
     return torch.compile(create_block_mask, dynamic=True)
 
 
-def flex_block_mask(anchors: Tensor, valid: Tensor, seq_len: int, block_size: int, *, compile: bool):
+def flex_block_mask(
+    anchors: Tensor, valid: Tensor, seq_len: int, block_size: int, *, compile: bool, window: int | None = None
+):
     """BlockMask for flex_attention: B = batch, H = None (one mask shared by all heads; H=num_heads
     multiplies the mask's memory by the head count). Compiled, so the full Q x K grid is never
     materialised; dynamic=True so new S / N values reuse the compiled graph instead of recompiling."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     kv_block = key_block_table(seq_len, anchors.shape[1], block_size, anchors.device)
-    mask_mod = make_mask_mod(anchors, valid, kv_block, block_size)
+    mask_mod = make_mask_mod(anchors, valid, kv_block, block_size, window)
     q_len = anchors.shape[1] * block_size
     kv_len = seq_len + q_len
     fn = _compiled_create_block_mask() if compile else create_block_mask

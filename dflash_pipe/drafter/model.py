@@ -8,7 +8,6 @@ the module tree: frozen, never in `state_dict()` or `trainable_parameters()`.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -20,6 +19,7 @@ from .checkpointing import CheckpointPolicy
 from .compile_guard import FLEX_MIN_HEAD_DIM, INDUCTOR_OPTIONS, compiler_errors, needs_compile
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
+from .rope import rope_inv_freq
 from .masks import (
     FLEX_BLOCK,
     anchor_pad_multiple,
@@ -48,34 +48,14 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def rope_inv_freq(cfg: DrafterConfig) -> Tensor:
-    """[head_dim/2] float32 inverse frequencies; default, linear and llama3 scaling."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "linear":
-        inv = inv / float(scaling["factor"])
-    elif rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv = torch.where(is_mid, mid, scaled)
-    return inv.float()
-
-
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """positions [B, L] -> cos, sin [B, 1, L, D] (fp32 angles, cast to dtype)."""
+def rope_cos_sin(
+    inv_freq: Tensor, positions: Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """positions [B, L] -> cos, sin [B, 1, L, D] (fp32 angles, times the RoPE attention factor, cast to
+    dtype), the order of operations of transformers' rotary embedding."""
     freqs = positions[..., None].float() * inv_freq.to(positions.device)  # [B, L, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -224,7 +204,7 @@ class DFlashDrafter(nn.Module):
         self.checkpointing = checkpointing or CheckpointPolicy()
         self.ce_chunk = ce_chunk
         # fp32 angles on purpose: a plain attribute, so model.to(bfloat16) cannot round it.
-        self.inv_freq = rope_inv_freq(cfg)
+        self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.reset_parameters()
 
     @property
@@ -317,19 +297,28 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(features.to(dtype)))  # [B, S, H], shared by all layers
         q_pos = (anchors[:, :, None] + offs).view(bsz, n_pad * bs)  # [B, Q]
         k_pos = torch.cat([torch.arange(seq_len, device=device).expand(bsz, -1), q_pos], dim=1)  # [B, S+Q]
-        rope_q = rope_cos_sin(self.inv_freq, q_pos, dtype)
-        rope_k = rope_cos_sin(self.inv_freq, k_pos, dtype)
-        if backend == "flex":
-            compile = self._compiles_attention(device)
-            attend = flex_attend(
-                flex_block_mask(anchors, valid, seq_len, bs, compile=compile), compile=compile
-            )
-        else:
-            attend = sdpa_attend(dense_mask(anchors, valid, seq_len, bs))
+        rope_q = rope_cos_sin(self.inv_freq, q_pos, dtype, self.rope_scale)
+        rope_k = rope_cos_sin(self.inv_freq, k_pos, dtype, self.rope_scale)
+        attends = self._attends(backend, anchors, valid, seq_len, device)
         run = self._run_compiled_layer if self._compiles_layers(device) else _run_layer
-        for layer in self.layers:
-            x = self.checkpointing.run_layer(run, layer, x, ctx, rope_q, rope_k, attend)
+        for layer, window in zip(self.layers, cfg.layer_windows, strict=True):
+            x = self.checkpointing.run_layer(run, layer, x, ctx, rope_q, rope_k, attends[window])
         return x
+
+    def _attends(
+        self, backend: str, anchors: Tensor, valid: Tensor, seq_len: int, device: torch.device
+    ) -> dict[int | None, Attend]:
+        """One attention function per distinct layer pattern (window None = full_attention, W = a
+        sliding_attention layer): the one place a layer's mask is decided, for training and inference."""
+        bs, out = self.cfg.block_size, {}
+        for window in dict.fromkeys(self.cfg.layer_windows):
+            if backend == "flex":
+                compile = self._compiles_attention(device)
+                mask = flex_block_mask(anchors, valid, seq_len, bs, compile=compile, window=window)
+                out[window] = flex_attend(mask, compile=compile)
+            else:
+                out[window] = sdpa_attend(dense_mask(anchors, valid, seq_len, bs, window))
+        return out
 
     def forward(
         self,
