@@ -16,6 +16,7 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from dflash_pipe import __version__
+from dflash_pipe.drafter.presets import PRESETS, presets_help
 
 _STARTED = time.time()
 console = Console(stderr=True, soft_wrap=True)
@@ -109,7 +110,24 @@ def main() -> None:
     help="Processes tokenizing --data in parallel, while the target loads (default: one per core but one; "
     "0 or 1: in-process; files under 4 MiB always in-process).",
 )
+@click.option(
+    "--drafter-preset",
+    type=click.Choice(list(PRESETS)),
+    help="A served drafter's shape (widths follow the target; the flags below override its fields): "
+    + presets_help()
+    + ".",
+)
 @click.option("--draft-layers", type=int, help="Drafter depth (default 5).")
+@click.option(
+    "--layer-types",
+    help="Attention of each draft layer, comma-separated: full_attention or sliding_attention (full/sliding "
+    "for short), e.g. sliding,sliding,sliding,sliding,full (default: all full).",
+)
+@click.option(
+    "--sliding-window",
+    type=int,
+    help="Keys a sliding_attention layer sees, the query included (e.g. 2048); needs sliding layers.",
+)
 @click.option("--block-size", type=int, help="Draft block size (default 16).")
 @click.option("--mask-token-id", type=int, help="Mask token (default: a reserved token of the tokenizer).")
 @click.option("--max-anchors", type=int, help="Sampled blocks per sequence (recipe: 512; demo: 32).")

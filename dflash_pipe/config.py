@@ -17,8 +17,16 @@ from dflash_pipe.train.config import TrainConfig
 class DrafterOptions:
     """What the user chooses about the drafter; the rest is derived from the target's config."""
 
+    preset: str | None = None
+    """A published drafter's shape (docs/drafter.md): sets num_layers, block_size, layer_types and
+    sliding_window, each still overridable; widths always follow the target."""
     num_layers: int = 5
     block_size: int = 16
+    layer_types: tuple[str, ...] | None = None
+    """One per draft layer: full_attention or sliding_attention (comma-separated on the command line;
+    full/sliding for short). None: all full_attention."""
+    sliding_window: int | None = None
+    """Keys a sliding_attention layer sees, the query included (e.g. 2048); only with sliding layers."""
     mask_token_id: int | None = None
     """None: a reserved token of the tokenizer (e.g. <|mask|>), or an error saying to set it."""
     target_layer_ids: tuple[int, ...] | None = None
@@ -39,6 +47,18 @@ class DrafterOptions:
             )
         if self.max_anchors < 1:
             raise ValueError(f"drafter.max_anchors must be >= 1, got {self.max_anchors}.")
+        from dflash_pipe.drafter.config import check_layer_types
+        from dflash_pipe.drafter.presets import PRESETS
+
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(
+                f"drafter.preset {self.preset!r} (--drafter-preset): unknown; choose one of {', '.join(PRESETS)}."
+            )
+        names = ("drafter.layer_types (--layer-types)", "drafter.sliding_window (--sliding-window)")
+        if self.layer_types is not None:
+            self.layer_types = check_layer_types(self.layer_types, self.num_layers, self.sliding_window, names=names)
+        else:
+            check_layer_types(None, self.num_layers, self.sliding_window, names=names)
 
 
 @dataclass(kw_only=True, slots=True)

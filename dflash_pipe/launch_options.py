@@ -1,7 +1,7 @@
 """From ``dflash-pipe launch`` flags and an optional config file to one validated RunConfig, and its plan.
 
 Precedence, lowest first: the dataclass defaults, the demo's defaults (only without --target-model), the
-config file, the flags the user typed. The flags that map onto config fields are listed in `FLAG_FIELDS`
+fields of a drafter preset (--drafter-preset or drafter.preset), the config file, the flags the user typed. The flags that map onto config fields are listed in `FLAG_FIELDS`
 (the configuration reference shows them next to each field).
 """
 
@@ -17,6 +17,8 @@ from typing import Any
 from dflash_pipe.config import RunConfig
 from dflash_pipe.config_file import ConfigFileError, check_run_file, dump, load_file
 from dflash_pipe.data import demo_data_path
+from dflash_pipe.drafter.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_pipe.drafter.presets import preset_options
 from dflash_pipe.layout import LayoutConfig, parse_gpu_spec
 
 FLAG_FIELDS: dict[str, str] = {
@@ -27,7 +29,10 @@ FLAG_FIELDS: dict[str, str] = {
     "max_length": "data.max_length",
     "skip_bad_lines": "data.skip_bad_lines",
     "tokenize_workers": "data.tokenize_workers",
+    "drafter_preset": "drafter.preset",
     "draft_layers": "drafter.num_layers",
+    "layer_types": "drafter.layer_types",
+    "sliding_window": "drafter.sliding_window",
     "block_size": "drafter.block_size",
     "mask_token_id": "drafter.mask_token_id",
     "max_anchors": "drafter.max_anchors",
@@ -127,6 +132,11 @@ def build_run_config(
     if demo:
         for path, value in DEMO_DEFAULTS.items():
             _set(values, path, value)
+    preset = given.get("drafter_preset") or (file_values.get("drafter") or {}).get("preset")
+    if preset is not None:  # above the demo defaults, below the file and the flags
+        for key, value in preset_options(preset).items():
+            _set(values, f"drafter.{key}", value)
+        preset_window = values["drafter"]["sliding_window"]
     for key, value in file_values.items():
         if isinstance(value, dict):
             values.setdefault(key, {}).update(value)
@@ -137,6 +147,10 @@ def build_run_config(
         if path is None or path.startswith("layout."):
             continue  # layout flags: _layout()
         _set(values, path, _flag_value(option, value))
+    drafter = values.get("drafter", {})
+    if preset is not None and drafter.get("sliding_window") == preset_window is not None:
+        if SLIDING_ATTENTION not in (drafter.get("layer_types") or ()):  # layer types overridden to full
+            drafter["sliding_window"] = None
     data = values.setdefault("data", {})
     if data.get("path") is None:
         if not demo:
@@ -209,6 +223,9 @@ def _layout_dict(layout: LayoutConfig) -> dict[str, Any]:
 def _flag_value(option: str, value: Any) -> Any:
     if option == "target_layer_ids":
         return tuple(int(x) for x in str(value).split(","))
+    if option == "layer_types":
+        short = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
+        return tuple(short.get(t.strip(), t.strip()) for t in str(value).split(","))
     if option == "log":
         items = [value] if isinstance(value, str) else list(value)
         return tuple(k.strip() for item in items for k in str(item).split(",") if k.strip())

@@ -1,26 +1,36 @@
-"""Drafter: the DFlash draft model, its training objective, export and acceptance evaluation."""
+"""Drafter: the DFlash draft model, its training objective, export and acceptance evaluation.
 
-from .acceptance import AcceptanceCounts, acceptance
-from .checkpointing import CheckpointPolicy
-from .config import DrafterConfig
-from .evaluate import AcceptanceResult, evaluate_acceptance, render_acceptance_table
-from .export import export_checkpoint, export_drafter, load_exported
-from .loss import DrafterOutput
-from .model import DFlashDrafter
-from .target_parts import load_frozen_target_parts
+Names load on first use (PEP 562), so the torch-free parts (config, presets) stay cheap to import for the
+CLI; ``from dflash_pipe.drafter import DFlashDrafter`` works as before.
+"""
 
-__all__ = [
-    "AcceptanceCounts",
-    "AcceptanceResult",
-    "CheckpointPolicy",
-    "DFlashDrafter",
-    "DrafterConfig",
-    "DrafterOutput",
-    "acceptance",
-    "evaluate_acceptance",
-    "export_checkpoint",
-    "export_drafter",
-    "load_exported",
-    "load_frozen_target_parts",
-    "render_acceptance_table",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AcceptanceCounts": ".acceptance",
+    "acceptance": ".acceptance",
+    "CheckpointPolicy": ".checkpointing",
+    "DrafterConfig": ".config",
+    "AcceptanceResult": ".evaluate",
+    "evaluate_acceptance": ".evaluate",
+    "render_acceptance_table": ".evaluate",
+    "export_checkpoint": ".export",
+    "export_drafter": ".export",
+    "load_exported": ".export",
+    "DrafterOutput": ".loss",
+    "DFlashDrafter": ".model",
+    "PRESETS": ".presets",
+    "load_frozen_target_parts": ".target_parts",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .rope import TARGET_ONLY_ROPE_KEYS, rope_inv_freq, rope_type_of
 
 # gamma of the per-slot loss decay exp(-(k-1)/gamma) for the block sizes the DFlash recipes use.
 _KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -60,6 +59,8 @@ def read_rope(target_config: Any) -> tuple[float, dict | None]:
         scaling = dict(params)
     if theta is None:
         theta = 10000.0
+    from .rope import TARGET_ONLY_ROPE_KEYS
+
     if isinstance(scaling, dict):
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         scaling = {k: v for k, v in scaling.items() if k not in TARGET_ONLY_ROPE_KEYS}
@@ -67,6 +68,31 @@ def read_rope(target_config: Any) -> tuple[float, dict | None]:
     else:
         scaling = None
     return float(theta), scaling
+
+
+def check_layer_types(
+    layer_types: Any, num_layers: int, sliding_window: Any, *, names: tuple[str, str]
+) -> tuple[str, ...]:
+    """layer_types as a tuple (None: all full_attention), checked against the depth and the window.
+
+    ``names``: how the caller's input spells the two fields (e.g. "drafter.layer_types (--layer-types)").
+    """
+    types = tuple(layer_types) if layer_types is not None else (FULL_ATTENTION,) * num_layers
+    if any(t not in LAYER_TYPES for t in types) or len(types) != num_layers:
+        raise ValueError(
+            f"{names[0]}={list(types)}: give one of {', '.join(LAYER_TYPES)} per draft layer ({num_layers} layers)"
+        )
+    if SLIDING_ATTENTION in types:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(
+                f"{names[1]}={sliding_window!r}: sliding_attention layers need a window of >= 1 keys "
+                "(the query included), e.g. 2048"
+            )
+    elif sliding_window is not None:
+        raise ValueError(
+            f"{names[1]}={sliding_window}: no layer is sliding_attention; set {names[0]} or leave the window out"
+        )
+    return types
 
 
 def resolve_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
@@ -168,6 +194,8 @@ class DrafterConfig:
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps}: must be > 0")
         self._check_layer_types()
+        from .rope import rope_inv_freq, rope_type_of  # torch: not at import (the CLI reads this module)
+
         if self.rope_scaling is not None:
             self.rope_scaling = dict(self.rope_scaling)
             if rope_type_of(self.rope_scaling) == "default":
@@ -175,26 +203,9 @@ class DrafterConfig:
         rope_inv_freq(self)  # raises a ValueError naming rope_scaling if transformers cannot build it
 
     def _check_layer_types(self) -> None:
-        n = self.num_hidden_layers
-        types = tuple(self.layer_types) if self.layer_types is not None else (FULL_ATTENTION,) * n
-        bad = [t for t in types if t not in LAYER_TYPES]
-        if bad or len(types) != n:
-            raise ValueError(
-                f"layer_types={list(types)}: give one of {LAYER_TYPES} per draft layer "
-                f"(num_hidden_layers={n})"
-            )
-        self.layer_types = types
-        if SLIDING_ATTENTION in types:
-            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
-                raise ValueError(
-                    f"sliding_window={self.sliding_window!r}: sliding_attention layers need a window of >= 1 "
-                    "keys (--sliding-window)"
-                )
-        elif self.sliding_window is not None:
-            raise ValueError(
-                f"sliding_window={self.sliding_window}: no layer is sliding_attention; set layer_types "
-                "(--layer-types) or leave the window out"
-            )
+        self.layer_types = check_layer_types(
+            self.layer_types, self.num_hidden_layers, self.sliding_window, names=("layer_types", "sliding_window")
+        )
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import DrafterConfig
+from .config import SLIDING_ATTENTION, DrafterConfig, read_rope
 from .model import DFlashDrafter
+from .rope import rope_parameters
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -19,8 +21,13 @@ CHECKPOINT_CONFIG = "drafter_config.json"
 
 
 def reference_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
-    """A Qwen3Config-shaped dict with `dflash_config`, plus the top-level keys older loaders read."""
-    rope_params = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+    """A Qwen3Config-shaped dict with `dflash_config`, plus the top-level keys older loaders read.
+
+    Which engine reads which key is in docs/drafter.md ("What the export writes"). On purpose absent:
+    ``is_causal``, ``dflash_config.causal`` and ``dflash_config.use_swa`` (vLLM and the reference then give
+    sliding layers causal and full layers bidirectional attention, as training does; SGLang always does).
+    """
+    sliding = SLIDING_ATTENTION in cfg.layer_types
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -34,7 +41,7 @@ def reference_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling,
-        "rope_parameters": rope_params,
+        "rope_parameters": rope_parameters(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -42,17 +49,21 @@ def reference_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "initializer_range": 0.02,
         "tie_word_embeddings": False,
         "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "layer_types": list(cfg.layer_types),
+        "use_sliding_window": sliding,  # transformers' Qwen3Config drops sliding_window when this is false
+        "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.num_hidden_layers,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dflash_config": {
             "target_layer_ids": list(cfg.target_layer_ids),
             "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_token_id,
+            "num_target_layers": cfg.num_target_layers,
         },
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
+        # vLLM reads this before dflash_config.target_layer_ids (HF hidden-state index = layer id + 1)
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "dflash_pipe": cfg.to_dict(),  # exact round trip of our own switches (max_anchors, ...)
     }
 
@@ -131,7 +142,7 @@ def config_from_export(config: dict) -> DrafterConfig:
     if "dflash_pipe" in config:
         return DrafterConfig.from_dict(config["dflash_pipe"])
     dflash = config.get("dflash_config", {})
-    num_target = int(config.get("num_target_layers", 0))
+    num_target = int(dflash.get("num_target_layers", config.get("num_target_layers", 0)))
     layer_ids = dflash.get("target_layer_ids")
     if layer_ids is None:
         from .config import default_target_layer_ids
@@ -139,7 +150,10 @@ def config_from_export(config: dict) -> DrafterConfig:
         layer_ids = default_target_layer_ids(num_target, int(config["num_hidden_layers"]))
     if "mask_token_id" not in dflash:
         raise ValueError("config.json: dflash_config.mask_token_id is missing; pass a complete DFlash export")
-    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    theta, scaling = read_rope(SimpleNamespace(**config))
+    layer_types = config.get("layer_types")
+    sliding = layer_types is not None and SLIDING_ATTENTION in layer_types
+    window = dflash.get("swa_window_size", config.get("sliding_window")) if sliding else None
     return DrafterConfig(
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -149,8 +163,10 @@ def config_from_export(config: dict) -> DrafterConfig:
         num_hidden_layers=config["num_hidden_layers"],
         vocab_size=config["vocab_size"],
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        rope_scaling=config.get("rope_scaling"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        layer_types=tuple(layer_types) if layer_types is not None else None,
+        sliding_window=window,
         max_position_embeddings=config.get("max_position_embeddings", 40960),
         block_size=int(dflash.get("block_size", config.get("block_size", 16))),
         mask_token_id=int(dflash["mask_token_id"]),

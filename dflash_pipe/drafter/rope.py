@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from .config import DrafterConfig
 
 # Keys of a target's rope parameters that describe the target's own attention, not a RoPE variant: the
@@ -59,6 +58,7 @@ def _hf_config(cfg: DrafterConfig) -> Any:
 
 def rope_inv_freq(cfg: DrafterConfig) -> tuple[Tensor, float]:
     """([head_dim/2] float32 inverse frequencies, attention factor), as transformers computes them."""
+    import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = rope_type_of(cfg.rope_scaling)

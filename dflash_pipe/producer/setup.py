@@ -152,6 +152,8 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
             target_layer_ids=opts.target_layer_ids,
             attention_backend=opts.attention_backend,
             max_anchors=opts.max_anchors,
+            layer_types=opts.layer_types,
+            sliding_window=opts.sliding_window,
         )
         resume_from, resume_step, saved_ledger = None, 0, None
         if resume:

@@ -50,7 +50,12 @@ def test_export_key_set_and_config(tmp_path) -> None:
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["num_hidden_layers"] == 2
-    assert cfg["dflash_config"] == {"target_layer_ids": [0, 2], "block_size": 4, "mask_token_id": 49}
+    assert cfg["dflash_config"] == {
+        "target_layer_ids": [0, 2],
+        "block_size": 4,
+        "mask_token_id": 49,
+        "num_target_layers": 4,
+    }
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 4
     Qwen3Config(
         **{k: v for k, v in cfg.items() if k not in ("dflash_config", "dflash_pipe")}
