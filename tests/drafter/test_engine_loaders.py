@@ -1,0 +1,280 @@
+"""Exports checked against what each serving engine's DFlash loader reads, on three drafters: all full layers,
+mixed sliding/full, and block size 10.
+
+Each `*_loads` function below is written from reading that engine's loader (never copied); it takes the
+config the way the engine gets it (transformers' Qwen3Config from config.json, model_type "qwen3") and the
+safetensors tensors, and returns the parameters the engine's model fills with their shapes plus each
+layer's attention (window in keys, query included, or None; causal or not). The tests then pin: every
+parameter the engine builds is filled with the right shape, no exported tensor is dropped, and every layer
+gets the attention pattern training gave it (DrafterConfig.layer_windows, causal exactly for sliding layers).
+
+- vLLM: vllm-project/vllm `vllm/model_executor/models/qwen3_dflash.py` (`_dflash_layer_causal`,
+  `_resolve_layer_attention`, `DFlashQwen3Model.__init__`, `DFlashQwen3ForCausalLM.load_weights`,
+  `hf_to_vllm_mapper`), `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`
+  (`get_eagle3_aux_layers_from_config`), `vllm/model_executor/models/registry.py` ("DFlashDraftModel"),
+  `vllm/v1/attention/backends/flash_attn.py` (a window W runs as flash-attn (W-1, 0)).
+- SGLang: sgl-project/sglang `python/sglang/srt/models/dflash.py` (`_get_dflash_layer_attention_params`,
+  `DFlashDraftModel.__init__`/`load_weights`, `DFlashMLP`), `python/sglang/srt/speculative/dflash_utils.py`
+  (`parse_dflash_draft_config`, `get_dflash_layer_types`, `get_dflash_attention_sliding_window_size`).
+- The reference: z-lab/dflash `dflash/model.py` (`DFlashDraftModel.__init__`, `Qwen3DFlashAttention.__init__`,
+  `_attention_mask`, `_draft_value`), loaded with transformers' Qwen3Config (`config_class`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from dflash_pipe.drafter.export import export_drafter, load_exported
+from dflash_pipe.drafter.model import rope_cos_sin
+
+from .conftest import tiny_config, tiny_drafter
+
+SLIDING = "sliding_attention"
+DRAFTERS = {
+    "full": dict(num_hidden_layers=3),
+    "mixed": dict(num_hidden_layers=3, layer_types=(SLIDING, SLIDING, "full_attention"), sliding_window=6),
+    "bs10": dict(num_hidden_layers=2, block_size=10, target_layer_ids=(0, 1, 3)),
+}
+
+
+@pytest.fixture(params=list(DRAFTERS))
+def exported(request, tmp_path):
+    model = tiny_drafter(tiny_config(attention_backend="sdpa", **DRAFTERS[request.param]))
+    export_drafter(model, tmp_path, dtype=torch.bfloat16)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    hf = Qwen3Config.from_pretrained(str(tmp_path))  # how vLLM, SGLang and the reference get the config
+    return model, tmp_path, raw, hf, load_file(str(tmp_path / "model.safetensors"))
+
+
+def _training_attention(cfg) -> list[tuple[int | None, bool]]:
+    return [(w, w is not None) for w in cfg.layer_windows]
+
+
+# --- vLLM ----------------------------------------------------------------------------------------------
+
+
+def vllm_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
+    assert raw["architectures"] == ["DFlashDraftModel"]  # registry -> qwen3_dflash.DFlashQwen3ForCausalLM
+    dflash = hf.dflash_config
+    aux = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or [i + 1 for i in dflash["target_layer_ids"]]
+    h, d = hf.hidden_size, hf.head_dim
+    hq, hkv = hf.num_attention_heads * d, hf.num_key_value_heads * d
+    attention, types = [], getattr(hf, "layer_types", None)
+    for i in range(hf.num_hidden_layers):
+        use_swa = dflash.get("use_swa", False)
+        any_sliding = bool(types) and SLIDING in types
+        sliding = use_swa if types is None or (use_swa and not any_sliding) else types[i] == SLIDING
+        window = dflash.get("swa_window_size", getattr(hf, "sliding_window", None)) if sliding else None
+        assert not sliding or window is not None, "vLLM: sliding attention without a window raises"
+        if getattr(hf, "is_causal", None) is not None:
+            causal = bool(hf.is_causal)
+        elif dflash.get("causal") is not None:
+            causal = bool(dflash["causal"])
+        else:
+            causal = bool(types) and types[i] == SLIDING
+        attention.append((window, causal))
+    params = {"model.fc.weight": (h, h * len(aux)), "model.hidden_norm.weight": (h,), "model.norm.weight": (h,)}
+    for i in range(hf.num_hidden_layers):
+        p = f"model.layers.{i}."
+        params |= {
+            p + "self_attn.qkv_proj.weight": (hq + 2 * hkv, h),
+            p + "self_attn.o_proj.weight": (h, hq),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_up_proj.weight": (2 * hf.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, hf.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    stacked = {".q_proj": (".qkv_proj", 0), ".k_proj": (".qkv_proj", hq), ".v_proj": (".qkv_proj", hq + hkv),
+               ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", hf.intermediate_size)}
+    filled: dict[str, list] = {}
+    for name, t in tensors.items():
+        assert "mask_hidden" not in name and "embed_tokens" not in name and "lm_head" not in name
+        name = "model." + name  # load_weights prefixes everything but lm_head / d2t
+        for old, (new, offset) in stacked.items():
+            if old in name:
+                name = name.replace(old, new)
+                filled.setdefault(name, []).append((offset, tuple(t.shape)))
+                break
+        else:
+            filled.setdefault(name, []).append((0, tuple(t.shape)))
+    return dict(params=params, filled=filled, attention=attention, block_size=dflash.get("block_size", 16),
+                mask_token_id=dflash["mask_token_id"], aux_layers=aux,
+                needs_v2_runner=bool(types) and 0 < types.count(SLIDING) < len(types))
+
+
+def test_vllm_loader(exported) -> None:
+    model, _, raw, hf, tensors = exported
+    got = vllm_loads(raw, hf, tensors)
+    assert set(got["filled"]) == set(got["params"])  # every parameter filled, nothing dropped
+    for name, parts in got["filled"].items():
+        rows = sum(shape[0] for _, shape in parts)
+        assert (rows, *parts[0][1][1:]) == got["params"][name], name  # stacked shards tile the fused weight
+    assert got["attention"] == _training_attention(model.cfg)
+    assert got["block_size"] == model.cfg.block_size and got["mask_token_id"] == model.cfg.mask_token_id
+    assert got["aux_layers"] == [i + 1 for i in model.cfg.target_layer_ids]
+    assert got["needs_v2_runner"] == (model.cfg.layer_types.count(SLIDING) not in (0, len(model.cfg.layer_types)))
+    rope = hf.rope_parameters  # get_rope(rope_parameters=config.rope_parameters)
+    assert rope["rope_theta"] == model.cfg.rope_theta and rope["rope_type"] == "default"
+
+
+# --- SGLang --------------------------------------------------------------------------------------------
+
+
+def sglang_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
+    dflash = hf.dflash_config
+    num_target = dflash.get("num_target_layers", getattr(hf, "num_target_layers", None))
+    block_size = dflash.get("block_size", getattr(hf, "block_size", None))
+    ids = dflash.get("target_layer_ids", getattr(hf, "target_layer_ids", None))
+    assert ids and all(0 <= i < num_target for i in ids), "SGLang raises on an out-of-range target layer"
+    mask_id = dflash.get("mask_token_id", getattr(hf, "mask_token_id", None))
+    assert isinstance(mask_id, int) and not isinstance(mask_id, bool) and mask_id >= 0
+    assert getattr(hf, "hidden_act", "silu") == "silu" and hf.intermediate_size > 0
+    types = getattr(hf, "layer_types", None)
+    attention = []
+    for i in range(hf.num_hidden_layers):
+        if types is None or types[i] == "full_attention":
+            attention.append((None, False))  # (-1, ENCODER_ONLY)
+        else:
+            assert types[i] == SLIDING
+            window_left = int(hf.sliding_window) - 1  # stored minus one; keys q - k <= window_left
+            attention.append((window_left + 1, True))  # DECODER: causal
+    h, d = hf.hidden_size, hf.head_dim
+    hq, hkv = hf.num_attention_heads * d, hf.num_key_value_heads * d
+    params = {"fc.weight": (h, len(ids) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(hf.num_hidden_layers):
+        p = f"layers.{i}."
+        params |= {
+            p + "self_attn.qkv_proj.weight": (hq + 2 * hkv, h),
+            p + "self_attn.o_proj.weight": (h, hq),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_up_proj.weight": (2 * hf.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, hf.intermediate_size),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    stacked = [("qkv_proj", "q_proj"), ("qkv_proj", "k_proj"), ("qkv_proj", "v_proj"),
+               ("gate_up_proj", "gate_proj"), ("gate_up_proj", "up_proj")]
+    filled, ignored = {}, []
+    for name, t in tensors.items():
+        for param, weight in stacked:
+            if f".{weight}." in name:
+                name = name.replace(weight, param)
+                break
+        resolved = name if name in params else None  # (also tries with/without "model.")
+        if resolved is None:
+            ignored.append(name)  # SGLang skips an unknown weight silently: a trained tensor lost
+            continue
+        if resolved == "fc.weight":
+            assert tuple(t.shape) == params["fc.weight"], "SGLang raises on a wrong fc.weight shape"
+        filled.setdefault(resolved, []).append(tuple(t.shape))
+    return dict(params=params, filled=filled, ignored=ignored, attention=attention, block_size=block_size,
+                num_target_layers=num_target, target_layer_ids=list(ids), mask_token_id=mask_id)
+
+
+def test_sglang_loader(exported) -> None:
+    model, _, raw, hf, tensors = exported
+    got = sglang_loads(raw, hf, tensors)
+    assert got["ignored"] == [] and set(got["filled"]) == set(got["params"])
+    for name, shapes in got["filled"].items():
+        assert (sum(s[0] for s in shapes), *shapes[0][1:]) == got["params"][name], name
+    assert got["attention"] == _training_attention(model.cfg)
+    assert got["block_size"] == model.cfg.block_size
+    assert got["num_target_layers"] == model.cfg.num_target_layers
+    assert got["target_layer_ids"] == list(model.cfg.target_layer_ids)
+    assert got["mask_token_id"] == model.cfg.mask_token_id
+    assert hf.rope_parameters["rope_theta"] == model.cfg.rope_theta  # get_rope_config(config)
+
+
+# --- the z-lab reference -------------------------------------------------------------------------------
+
+
+def reference_loads(hf: Qwen3Config) -> dict:
+    dflash = getattr(hf, "dflash_config", {})
+    value = lambda name, default=None: dflash.get(name, getattr(hf, name, default))  # noqa: E731 (_draft_value)
+    ids = value("target_layer_ids")
+    assert ids is not None, "the reference raises without target_layer_ids"
+    h, d = hf.hidden_size, hf.head_dim
+    bias = hf.attention_bias
+    params = {"norm.weight": (h,), "fc.weight": (h, len(ids) * h), "hidden_norm.weight": (h,)}
+    attention = []
+    for i in range(hf.num_hidden_layers):
+        p = f"layers.{i}."
+        for proj, shape in (("q_proj", (hf.num_attention_heads * d, h)), ("k_proj", (hf.num_key_value_heads * d, h)),
+                            ("v_proj", (hf.num_key_value_heads * d, h)), ("o_proj", (h, hf.num_attention_heads * d))):
+            params[p + f"self_attn.{proj}.weight"] = shape
+            if bias:
+                params[p + f"self_attn.{proj}.bias"] = (shape[0],)
+        params[p + "self_attn.q_norm.weight"] = tuple(Qwen3RMSNorm(d).weight.shape)
+        params[p + "self_attn.k_norm.weight"] = (d,)
+        params |= {p + "mlp." + k: tuple(v.shape) for k, v in Qwen3MLP(hf).state_dict().items()}
+        params[p + "input_layernorm.weight"] = (h,)
+        params[p + "post_attention_layernorm.weight"] = (h,)
+        layer_type = hf.layer_types[i] if getattr(hf, "layer_types", None) else "full_attention"
+        is_causal = getattr(hf, "is_causal", None)
+        causal = layer_type == SLIDING if is_causal is None else bool(is_causal)
+        window = hf.sliding_window if layer_type == SLIDING else None
+        attention.append((window, causal))
+    return dict(params=params, attention=attention, block_size=int(value("block_size", 16)),
+                mask_token_id=value("mask_token_id"), target_layer_ids=list(ids))
+
+
+def test_reference_loader(exported) -> None:
+    model, _, _, hf, tensors = exported
+    got = reference_loads(hf)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == got["params"]  # from_pretrained: strict match
+    assert got["attention"] == _training_attention(model.cfg)
+    assert got["block_size"] == model.cfg.block_size and got["mask_token_id"] == model.cfg.mask_token_id
+    assert got["target_layer_ids"] == list(model.cfg.target_layer_ids)
+    positions = torch.arange(0, 300, 7)[None]
+    cos, sin = Qwen3RotaryEmbedding(hf)(torch.zeros(1, 1, hf.head_dim), positions)  # the reference's rotary
+    ours = rope_cos_sin(model.inv_freq, positions, torch.float32, model.rope_scale)
+    torch.testing.assert_close(ours[0][:, 0], cos)
+    torch.testing.assert_close(ours[1][:, 0], sin)
+
+
+def test_yarn_export_builds_the_same_rope_in_the_reference(tmp_path) -> None:
+    scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+               "original_max_position_embeddings": 4096}
+    model = tiny_drafter(tiny_config(rope_theta=150000.0, rope_scaling=scaling, max_position_embeddings=131072))
+    export_drafter(model, tmp_path)
+    hf = Qwen3Config.from_pretrained(str(tmp_path))
+    assert hf.rope_parameters["rope_type"] == "yarn" and hf.rope_parameters["factor"] == 32.0
+    positions = torch.arange(0, 5000, 37)[None]
+    cos, sin = Qwen3RotaryEmbedding(hf)(torch.zeros(1, 1, hf.head_dim), positions)
+    ours = rope_cos_sin(model.inv_freq, positions, torch.float32, model.rope_scale)
+    torch.testing.assert_close(ours[0][:, 0], cos)
+    torch.testing.assert_close(ours[1][:, 0], sin)
+
+
+# --- our own loader (dflash-pipe eval) -----------------------------------------------------------------
+
+
+def test_round_trip_through_our_loader(exported) -> None:
+    model, path, raw, _, _ = exported
+    again = load_exported(path, embed_tokens=model.embed_tokens, lm_head=model.lm_head)
+    assert again.cfg == model.cfg
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 49, (2, 30), generator=g)
+    feats = torch.randn(2, 30, model.cfg.feature_size, generator=g)
+    anchors, valid = torch.tensor([[3, 12, 25], [8, 20, 27]]), torch.ones(2, 3, dtype=torch.bool)
+    with torch.no_grad():
+        a = model.to(torch.bfloat16).block_hidden(ids, feats, anchors, valid)
+        b = again.block_hidden(ids, feats, anchors, valid)
+    assert torch.equal(a, b)
+    # a reference checkpoint (no dflash_pipe section) reads back to the same shapes and attention
+    stripped = {k: v for k, v in raw.items() if k != "dflash_pipe"}
+    (Path(path) / "config.json").write_text(json.dumps(stripped))
+    cfg = load_exported(path, embed_tokens=model.embed_tokens, lm_head=model.lm_head).cfg
+    for name in ("layer_types", "sliding_window", "block_size", "target_layer_ids", "rope_theta", "rope_scaling",
+                 "num_target_layers", "mask_token_id", "hidden_size", "intermediate_size"):
+        assert getattr(cfg, name) == getattr(model.cfg, name), name
