@@ -56,7 +56,9 @@ class DrafterOptions:
             )
         names = ("drafter.layer_types (--layer-types)", "drafter.sliding_window (--sliding-window)")
         if self.layer_types is not None:
-            self.layer_types = check_layer_types(self.layer_types, self.num_layers, self.sliding_window, names=names)
+            self.layer_types = check_layer_types(
+                self.layer_types, self.num_layers, self.sliding_window, names=names
+            )
         else:
             check_layer_types(None, self.num_layers, self.sliding_window, names=names)
 

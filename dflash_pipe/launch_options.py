@@ -148,9 +148,9 @@ def build_run_config(
             continue  # layout flags: _layout()
         _set(values, path, _flag_value(option, value))
     drafter = values.get("drafter", {})
-    if preset is not None and drafter.get("sliding_window") == preset_window is not None:
-        if SLIDING_ATTENTION not in (drafter.get("layer_types") or ()):  # layer types overridden to full
-            drafter["sliding_window"] = None
+    window_left_over = preset is not None and drafter.get("sliding_window") == preset_window is not None
+    if window_left_over and SLIDING_ATTENTION not in (drafter.get("layer_types") or ()):
+        drafter["sliding_window"] = None  # the preset's window, with its layer types overridden to full
     data = values.setdefault("data", {})
     if data.get("path") is None:
         if not demo:

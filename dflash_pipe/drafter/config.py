@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
 # gamma of the per-slot loss decay exp(-(k-1)/gamma) for the block sizes the DFlash recipes use.
 _KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # Attention pattern of a draft layer, the names the serving engines read from config.json `layer_types`.
@@ -204,7 +203,10 @@ class DrafterConfig:
 
     def _check_layer_types(self) -> None:
         self.layer_types = check_layer_types(
-            self.layer_types, self.num_hidden_layers, self.sliding_window, names=("layer_types", "sliding_window")
+            self.layer_types,
+            self.num_hidden_layers,
+            self.sliding_window,
+            names=("layer_types", "sliding_window"),
         )
 
     @property

@@ -19,7 +19,6 @@ from .checkpointing import CheckpointPolicy
 from .compile_guard import FLEX_MIN_HEAD_DIM, INDUCTOR_OPTIONS, compiler_errors, needs_compile
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
-from .rope import rope_inv_freq
 from .masks import (
     FLEX_BLOCK,
     anchor_pad_multiple,
@@ -29,6 +28,7 @@ from .masks import (
     sample_anchors,
     training_eligible,
 )
+from .rope import rope_inv_freq
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B,Hq,Q,D], k, v [B,Hkv,K,D]) -> [B,Hq,Q,D]
 

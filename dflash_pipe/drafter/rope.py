@@ -40,7 +40,11 @@ def known_rope_types() -> tuple[str, ...]:
 
 def rope_parameters(cfg: DrafterConfig) -> dict[str, Any]:
     """The transformers-5 ``rope_parameters`` dict of the drafter (what the export writes)."""
-    return {**(cfg.rope_scaling or {}), "rope_type": rope_type_of(cfg.rope_scaling), "rope_theta": cfg.rope_theta}
+    return {
+        **(cfg.rope_scaling or {}),
+        "rope_type": rope_type_of(cfg.rope_scaling),
+        "rope_theta": cfg.rope_theta,
+    }
 
 
 def _hf_config(cfg: DrafterConfig) -> Any:

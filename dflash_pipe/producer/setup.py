@@ -192,6 +192,8 @@ RESUME_FIELDS = (
     "mask_token_id",
     "target_layer_ids",
     "num_target_layers",
+    "layer_types",
+    "sliding_window",
 )
 """Drafter fields a checkpoint must share with the resumed run (shapes and the meaning of the features)."""
 

@@ -15,7 +15,9 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def drafter_section(*args: str) -> dict:
-    result = CliRunner().invoke(main, ["launch", "--device", "cpu", "--print-config", *args], catch_exceptions=False)
+    result = CliRunner().invoke(
+        main, ["launch", "--device", "cpu", "--print-config", *args], catch_exceptions=False
+    )
     assert result.exit_code == 0, result.output
     return yaml.safe_load(result.output)["drafter"]
 
@@ -31,7 +33,11 @@ def test_each_preset_sets_its_fields_over_the_demo_defaults() -> None:
     for name, (layers, bs, types, window) in expected.items():
         d = drafter_section("--drafter-preset", name)  # the demo's default depth is 3: the preset wins
         assert (d["preset"], d["num_layers"], d["block_size"], d["layer_types"], d["sliding_window"]) == (
-            name, layers, bs, types, window,
+            name,
+            layers,
+            bs,
+            types,
+            window,
         )
         assert d["max_anchors"] == 32  # a field the preset does not set keeps the demo default
 
@@ -55,7 +61,12 @@ def test_bad_combinations_name_the_flag() -> None:
         ("--drafter-preset", "qwen3.6-27b", "--draft-layers", "3"): "--layer-types",
         ("--layer-types", "sliding,full,full"): "--sliding-window",
         ("--sliding-window", "64"): "no layer is sliding_attention",
-        ("--layer-types", "sliding,diagonal,full", "--sliding-window", "8"): "full_attention, sliding_attention",
+        (
+            "--layer-types",
+            "sliding,diagonal,full",
+            "--sliding-window",
+            "8",
+        ): "full_attention, sliding_attention",
         ("--drafter-preset", "gpt-5"): "gpt-5",
     }
     for args, needle in cases.items():

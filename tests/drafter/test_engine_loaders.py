@@ -80,7 +80,11 @@ def vllm_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
         else:
             causal = bool(types) and types[i] == SLIDING
         attention.append((window, causal))
-    params = {"model.fc.weight": (h, h * len(aux)), "model.hidden_norm.weight": (h,), "model.norm.weight": (h,)}
+    params = {
+        "model.fc.weight": (h, h * len(aux)),
+        "model.hidden_norm.weight": (h,),
+        "model.norm.weight": (h,),
+    }
     for i in range(hf.num_hidden_layers):
         p = f"model.layers.{i}."
         params |= {
@@ -93,8 +97,13 @@ def vllm_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
-    stacked = {".q_proj": (".qkv_proj", 0), ".k_proj": (".qkv_proj", hq), ".v_proj": (".qkv_proj", hq + hkv),
-               ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", hf.intermediate_size)}
+    stacked = {
+        ".q_proj": (".qkv_proj", 0),
+        ".k_proj": (".qkv_proj", hq),
+        ".v_proj": (".qkv_proj", hq + hkv),
+        ".gate_proj": (".gate_up_proj", 0),
+        ".up_proj": (".gate_up_proj", hf.intermediate_size),
+    }
     filled: dict[str, list] = {}
     for name, t in tensors.items():
         assert "mask_hidden" not in name and "embed_tokens" not in name and "lm_head" not in name
@@ -106,9 +115,15 @@ def vllm_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
                 break
         else:
             filled.setdefault(name, []).append((0, tuple(t.shape)))
-    return dict(params=params, filled=filled, attention=attention, block_size=dflash.get("block_size", 16),
-                mask_token_id=dflash["mask_token_id"], aux_layers=aux,
-                needs_v2_runner=bool(types) and 0 < types.count(SLIDING) < len(types))
+    return dict(
+        params=params,
+        filled=filled,
+        attention=attention,
+        block_size=dflash.get("block_size", 16),
+        mask_token_id=dflash["mask_token_id"],
+        aux_layers=aux,
+        needs_v2_runner=bool(types) and 0 < types.count(SLIDING) < len(types),
+    )
 
 
 def test_vllm_loader(exported) -> None:
@@ -121,7 +136,9 @@ def test_vllm_loader(exported) -> None:
     assert got["attention"] == _training_attention(model.cfg)
     assert got["block_size"] == model.cfg.block_size and got["mask_token_id"] == model.cfg.mask_token_id
     assert got["aux_layers"] == [i + 1 for i in model.cfg.target_layer_ids]
-    assert got["needs_v2_runner"] == (model.cfg.layer_types.count(SLIDING) not in (0, len(model.cfg.layer_types)))
+    assert got["needs_v2_runner"] == (
+        model.cfg.layer_types.count(SLIDING) not in (0, len(model.cfg.layer_types))
+    )
     rope = hf.rope_parameters  # get_rope(rope_parameters=config.rope_parameters)
     assert rope["rope_theta"] == model.cfg.rope_theta and rope["rope_type"] == "default"
 
@@ -162,8 +179,13 @@ def sglang_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
-    stacked = [("qkv_proj", "q_proj"), ("qkv_proj", "k_proj"), ("qkv_proj", "v_proj"),
-               ("gate_up_proj", "gate_proj"), ("gate_up_proj", "up_proj")]
+    stacked = [
+        ("qkv_proj", "q_proj"),
+        ("qkv_proj", "k_proj"),
+        ("qkv_proj", "v_proj"),
+        ("gate_up_proj", "gate_proj"),
+        ("gate_up_proj", "up_proj"),
+    ]
     filled, ignored = {}, []
     for name, t in tensors.items():
         for param, weight in stacked:
@@ -177,8 +199,16 @@ def sglang_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
         if resolved == "fc.weight":
             assert tuple(t.shape) == params["fc.weight"], "SGLang raises on a wrong fc.weight shape"
         filled.setdefault(resolved, []).append(tuple(t.shape))
-    return dict(params=params, filled=filled, ignored=ignored, attention=attention, block_size=block_size,
-                num_target_layers=num_target, target_layer_ids=list(ids), mask_token_id=mask_id)
+    return dict(
+        params=params,
+        filled=filled,
+        ignored=ignored,
+        attention=attention,
+        block_size=block_size,
+        num_target_layers=num_target,
+        target_layer_ids=list(ids),
+        mask_token_id=mask_id,
+    )
 
 
 def test_sglang_loader(exported) -> None:
@@ -209,8 +239,12 @@ def reference_loads(hf: Qwen3Config) -> dict:
     attention = []
     for i in range(hf.num_hidden_layers):
         p = f"layers.{i}."
-        for proj, shape in (("q_proj", (hf.num_attention_heads * d, h)), ("k_proj", (hf.num_key_value_heads * d, h)),
-                            ("v_proj", (hf.num_key_value_heads * d, h)), ("o_proj", (h, hf.num_attention_heads * d))):
+        for proj, shape in (
+            ("q_proj", (hf.num_attention_heads * d, h)),
+            ("k_proj", (hf.num_key_value_heads * d, h)),
+            ("v_proj", (hf.num_key_value_heads * d, h)),
+            ("o_proj", (h, hf.num_attention_heads * d)),
+        ):
             params[p + f"self_attn.{proj}.weight"] = shape
             if bias:
                 params[p + f"self_attn.{proj}.bias"] = (shape[0],)
@@ -224,8 +258,13 @@ def reference_loads(hf: Qwen3Config) -> dict:
         causal = layer_type == SLIDING if is_causal is None else bool(is_causal)
         window = hf.sliding_window if layer_type == SLIDING else None
         attention.append((window, causal))
-    return dict(params=params, attention=attention, block_size=int(value("block_size", 16)),
-                mask_token_id=value("mask_token_id"), target_layer_ids=list(ids))
+    return dict(
+        params=params,
+        attention=attention,
+        block_size=int(value("block_size", 16)),
+        mask_token_id=value("mask_token_id"),
+        target_layer_ids=list(ids),
+    )
 
 
 def test_reference_loader(exported) -> None:
@@ -243,9 +282,17 @@ def test_reference_loader(exported) -> None:
 
 
 def test_yarn_export_builds_the_same_rope_in_the_reference(tmp_path) -> None:
-    scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-               "original_max_position_embeddings": 4096}
-    model = tiny_drafter(tiny_config(rope_theta=150000.0, rope_scaling=scaling, max_position_embeddings=131072))
+    scaling = {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
+    model = tiny_drafter(
+        tiny_config(rope_theta=150000.0, rope_scaling=scaling, max_position_embeddings=131072)
+    )
     export_drafter(model, tmp_path)
     hf = Qwen3Config.from_pretrained(str(tmp_path))
     assert hf.rope_parameters["rope_type"] == "yarn" and hf.rope_parameters["factor"] == 32.0
@@ -275,6 +322,16 @@ def test_round_trip_through_our_loader(exported) -> None:
     stripped = {k: v for k, v in raw.items() if k != "dflash_pipe"}
     (Path(path) / "config.json").write_text(json.dumps(stripped))
     cfg = load_exported(path, embed_tokens=model.embed_tokens, lm_head=model.lm_head).cfg
-    for name in ("layer_types", "sliding_window", "block_size", "target_layer_ids", "rope_theta", "rope_scaling",
-                 "num_target_layers", "mask_token_id", "hidden_size", "intermediate_size"):
+    for name in (
+        "layer_types",
+        "sliding_window",
+        "block_size",
+        "target_layer_ids",
+        "rope_theta",
+        "rope_scaling",
+        "num_target_layers",
+        "mask_token_id",
+        "hidden_size",
+        "intermediate_size",
+    ):
         assert getattr(cfg, name) == getattr(model.cfg, name), name

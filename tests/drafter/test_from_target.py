@@ -16,7 +16,9 @@ from transformers import AutoConfig
 
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 
-SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8, vocab_size=128)
+SMALL = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8, vocab_size=128
+)
 FAMILIES = {
     "qwen3": dict(SMALL, intermediate_size=96, head_dim=16),
     "llama": dict(SMALL, intermediate_size=96),
@@ -27,13 +29,28 @@ FAMILIES = {
     "qwen3_next": dict(SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=16),
     "gpt_oss": dict(SMALL, intermediate_size=64, head_dim=16, num_local_experts=4),
     "deepseek_v3": dict(
-        SMALL, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, first_k_dense_replace=1,
+        SMALL,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        first_k_dense_replace=1,
     ),
     "kimi_k25": dict(
         text_config=dict(
-            SMALL, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24,
-            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+            SMALL,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
         )
     ),
     "gemma3": dict(text_config=dict(SMALL, intermediate_size=96, head_dim=16)),
@@ -59,8 +76,13 @@ def _expected(tc) -> dict:
         kv = tc.num_key_value_heads
     ffn = getattr(tc, "intermediate_size", None) or 3 * tc.hidden_size
     return dict(
-        hidden_size=tc.hidden_size, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        intermediate_size=ffn, vocab_size=tc.vocab_size, num_target_layers=tc.num_hidden_layers,
+        hidden_size=tc.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        intermediate_size=ffn,
+        vocab_size=tc.vocab_size,
+        num_target_layers=tc.num_hidden_layers,
     )
 
 
@@ -76,7 +98,9 @@ def test_from_target_every_family(model_type) -> None:
         assert getattr(tc, "intermediate_size", None) is None and cfg.intermediate_size == 3 * tc.hidden_size
     assert cfg.rope_scaling is None or "partial_rotary_factor" not in cfg.rope_scaling
     torch.manual_seed(0)
-    model = DFlashDrafter(cfg, nn.Embedding(cfg.vocab_size, cfg.hidden_size), nn.Linear(cfg.hidden_size, cfg.vocab_size))
+    model = DFlashDrafter(
+        cfg, nn.Embedding(cfg.vocab_size, cfg.hidden_size), nn.Linear(cfg.hidden_size, cfg.vocab_size)
+    )
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
     out = model(ids, torch.randn(1, 12, cfg.feature_size), torch.ones(1, 12, dtype=torch.bool))
     assert out.num_anchors > 0 and math.isfinite(float(out.loss_sum))
@@ -89,8 +113,14 @@ def test_yarn_targets_keep_their_rope() -> None:
         assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] > 1
     ds = _target("deepseek_v3")
     ds.rope_parameters = {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-        "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 4096,
     }
     cfg = DrafterConfig.from_target(ds, mask_token_id=3, num_layers=2)
     assert cfg.rope_scaling["factor"] == 40.0 and cfg.head_dim == ds.v_head_dim

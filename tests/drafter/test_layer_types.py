@@ -86,7 +86,9 @@ def _batch(cfg, seq_len: int = 26, seed: int = 0):
     feats = torch.randn(2, seq_len, cfg.feature_size, generator=g)
     loss_mask = torch.ones(2, seq_len, dtype=torch.bool)
     loss_mask[1, 20:] = False
-    anchors, valid = sample_anchors(training_eligible(loss_mask), 5, generator=torch.Generator().manual_seed(3))
+    anchors, valid = sample_anchors(
+        training_eligible(loss_mask), 5, generator=torch.Generator().manual_seed(3)
+    )
     return ids, feats, loss_mask, anchors, valid
 
 
@@ -124,7 +126,9 @@ def test_sliding_window_changes_the_drafted_block_and_tau() -> None:
                 assert drafted[b, n].tolist() == mixed.lm_head(ref[1:]).argmax(-1).tolist()
     target_next = torch.roll(ids, -1, dims=1)
     counts = [
-        acceptance(m, ids, feats, loss_mask, target_next, num_anchors=8, generator=torch.Generator().manual_seed(0))
+        acceptance(
+            m, ids, feats, loss_mask, target_next, num_anchors=8, generator=torch.Generator().manual_seed(0)
+        )
         for m in (mixed, full)
     ]
     assert counts[0].anchors == counts[1].anchors > 0  # same anchors, each model drafts with its own types

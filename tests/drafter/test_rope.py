@@ -77,7 +77,9 @@ def _ours(cfg: DrafterConfig) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_each_variant_equals_transformers_qwen3_rotary(name) -> None:
     scaling = VARIANTS[name]
-    cfg = tiny_config(head_dim=HEAD_DIM, rope_theta=150000.0, rope_scaling=scaling, max_position_embeddings=131072)
+    cfg = tiny_config(
+        head_dim=HEAD_DIM, rope_theta=150000.0, rope_scaling=scaling, max_position_embeddings=131072
+    )
     hf = Qwen3Config(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,

@@ -74,7 +74,10 @@ def test_flex_block_mask_attention_equals_sdpa_dense(window) -> None:
     valid = torch.rand(2, n, generator=g) > 0.2
     mask = dense_mask(anchors, valid, seq_len, bs, window)
     q = torch.randn(2, 2, n * bs, 16, generator=g)
-    k, v = torch.randn(2, 2, seq_len + n * bs, 16, generator=g), torch.randn(2, 2, seq_len + n * bs, 16, generator=g)
+    k, v = (
+        torch.randn(2, 2, seq_len + n * bs, 16, generator=g),
+        torch.randn(2, 2, seq_len + n * bs, 16, generator=g),
+    )
     from torch.nn.attention.flex_attention import flex_attention
 
     bm = flex_block_mask(anchors, valid, seq_len, bs, compile=False, window=window)
