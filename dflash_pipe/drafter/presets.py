@@ -40,44 +40,30 @@ class DrafterPreset:
         return f"{self.num_layers} layers ({layers}{window}), block size {self.block_size}"
 
 
-def _full(n: int) -> tuple[str, ...]:
-    return (FULL_ATTENTION,) * n
+def _preset(name: str, block_size: int, layer_types: tuple[str, ...], window: int | None, source: str):
+    return DrafterPreset(
+        name=name,
+        num_layers=len(layer_types),
+        block_size=block_size,
+        layer_types=layer_types,
+        sliding_window=window,
+        source=source,
+    )
 
 
+_FULL, _SLIDING = (FULL_ATTENTION,), (SLIDING_ATTENTION,)
 PRESETS: dict[str, DrafterPreset] = {
     p.name: p
     for p in (
-        DrafterPreset(
-            name="qwen3-8b",
-            num_layers=5,
-            block_size=16,
-            layer_types=_full(5),
-            sliding_window=None,
-            source="the DFlash paper's Qwen3-8B recipe and its published drafter config",
+        _preset(
+            "qwen3-8b", 16, _FULL * 5, None, "the DFlash paper's Qwen3-8B recipe and its published drafter"
         ),
-        DrafterPreset(
-            name="qwen3.6-27b",
-            num_layers=5,
-            block_size=16,
-            layer_types=(SLIDING_ATTENTION,) * 4 + (FULL_ATTENTION,),
-            sliding_window=2048,
-            source="the published Qwen3.6-27B drafter config (layer_types, sliding_window 2048)",
+        _preset("qwen3.6-27b", 16, _SLIDING * 4 + _FULL, 2048, "the published Qwen3.6-27B drafter config"),
+        _preset(
+            "qwen3.5-35b-a3b", 16, _FULL * 8, None, "the published Qwen3.5-35B-A3B drafter config (8 layers)"
         ),
-        DrafterPreset(
-            name="qwen3.5-35b-a3b",
-            num_layers=8,
-            block_size=16,
-            layer_types=_full(8),
-            sliding_window=None,
-            source="the published Qwen3.5-35B-A3B drafter config (8 layers)",
-        ),
-        DrafterPreset(
-            name="llama3.1-8b",
-            num_layers=5,
-            block_size=10,
-            layer_types=_full(5),
-            sliding_window=None,
-            source="the DFlash LLaMA-3.1-8B recipe (block size 10; depth: the recipe's 5)",
+        _preset(
+            "llama3.1-8b", 10, _FULL * 5, None, "the DFlash LLaMA-3.1-8B recipe (block size 10; depth: 5)"
         ),
     )
 }

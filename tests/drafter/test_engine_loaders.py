@@ -35,6 +35,7 @@ from dflash_pipe.drafter.export import export_drafter, load_exported
 from dflash_pipe.drafter.model import rope_cos_sin
 
 from .conftest import tiny_config, tiny_drafter
+from .test_rope import VARIANTS
 
 SLIDING = "sliding_attention"
 DRAFTERS = {
@@ -57,6 +58,27 @@ def _training_attention(cfg) -> list[tuple[int | None, bool]]:
     return [(w, w is not None) for w in cfg.layer_windows]
 
 
+def fused_params(hf: Qwen3Config, num_features: int) -> dict[str, tuple[int, ...]]:
+    """The parameters vLLM's and SGLang's DFlash models build alike: q/k/v fused into qkv_proj and
+    gate/up into gate_up_proj (QKVParallelLinear, MergedColumnParallelLinear), the rest as in the export."""
+    h, d, ffn = hf.hidden_size, hf.head_dim, hf.intermediate_size
+    hq, hkv = hf.num_attention_heads * d, hf.num_key_value_heads * d
+    params = {"fc.weight": (h, num_features * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(hf.num_hidden_layers):
+        p = f"layers.{i}."
+        params |= {
+            p + "self_attn.qkv_proj.weight": (hq + 2 * hkv, h),
+            p + "self_attn.o_proj.weight": (h, hq),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_up_proj.weight": (2 * ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    return params
+
+
 # --- vLLM ----------------------------------------------------------------------------------------------
 
 
@@ -64,7 +86,7 @@ def vllm_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
     assert raw["architectures"] == ["DFlashDraftModel"]  # registry -> qwen3_dflash.DFlashQwen3ForCausalLM
     dflash = hf.dflash_config
     aux = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or [i + 1 for i in dflash["target_layer_ids"]]
-    h, d = hf.hidden_size, hf.head_dim
+    d = hf.head_dim
     hq, hkv = hf.num_attention_heads * d, hf.num_key_value_heads * d
     attention, types = [], getattr(hf, "layer_types", None)
     for i in range(hf.num_hidden_layers):
@@ -80,23 +102,7 @@ def vllm_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
         else:
             causal = bool(types) and types[i] == SLIDING
         attention.append((window, causal))
-    params = {
-        "model.fc.weight": (h, h * len(aux)),
-        "model.hidden_norm.weight": (h,),
-        "model.norm.weight": (h,),
-    }
-    for i in range(hf.num_hidden_layers):
-        p = f"model.layers.{i}."
-        params |= {
-            p + "self_attn.qkv_proj.weight": (hq + 2 * hkv, h),
-            p + "self_attn.o_proj.weight": (h, hq),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_up_proj.weight": (2 * hf.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, hf.intermediate_size),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
+    params = {"model." + k: v for k, v in fused_params(hf, len(aux)).items()}
     stacked = {
         ".q_proj": (".qkv_proj", 0),
         ".k_proj": (".qkv_proj", hq),
@@ -164,21 +170,7 @@ def sglang_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
             assert types[i] == SLIDING
             window_left = int(hf.sliding_window) - 1  # stored minus one; keys q - k <= window_left
             attention.append((window_left + 1, True))  # DECODER: causal
-    h, d = hf.hidden_size, hf.head_dim
-    hq, hkv = hf.num_attention_heads * d, hf.num_key_value_heads * d
-    params = {"fc.weight": (h, len(ids) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
-    for i in range(hf.num_hidden_layers):
-        p = f"layers.{i}."
-        params |= {
-            p + "self_attn.qkv_proj.weight": (hq + 2 * hkv, h),
-            p + "self_attn.o_proj.weight": (h, hq),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_up_proj.weight": (2 * hf.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, hf.intermediate_size),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
+    params = fused_params(hf, len(ids))
     stacked = [
         ("qkv_proj", "q_proj"),
         ("qkv_proj", "k_proj"),
@@ -282,14 +274,7 @@ def test_reference_loader(exported) -> None:
 
 
 def test_yarn_export_builds_the_same_rope_in_the_reference(tmp_path) -> None:
-    scaling = {
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
-    }
+    scaling = VARIANTS["yarn (gpt-oss)"]
     model = tiny_drafter(
         tiny_config(rope_theta=150000.0, rope_scaling=scaling, max_position_embeddings=131072)
     )

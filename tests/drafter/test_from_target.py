@@ -19,6 +19,17 @@ from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 SMALL = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8, vocab_size=128
 )
+MLA = dict(
+    SMALL,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+)
 FAMILIES = {
     "qwen3": dict(SMALL, intermediate_size=96, head_dim=16),
     "llama": dict(SMALL, intermediate_size=96),
@@ -28,31 +39,8 @@ FAMILIES = {
     "qwen3_5_moe": dict(text_config=dict(SMALL, moe_intermediate_size=32, num_experts=4, head_dim=16)),
     "qwen3_next": dict(SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=16),
     "gpt_oss": dict(SMALL, intermediate_size=64, head_dim=16, num_local_experts=4),
-    "deepseek_v3": dict(
-        SMALL,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        n_routed_experts=4,
-        first_k_dense_replace=1,
-    ),
-    "kimi_k25": dict(
-        text_config=dict(
-            SMALL,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            kv_lora_rank=16,
-            q_lora_rank=24,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_routed_experts=4,
-        )
-    ),
+    "deepseek_v3": dict(MLA, first_k_dense_replace=1),
+    "kimi_k25": dict(text_config=MLA),  # DeepSeek-V3 text model in a multimodal wrapper
     "gemma3": dict(text_config=dict(SMALL, intermediate_size=96, head_dim=16)),
     "ministral3": dict(SMALL, intermediate_size=96, head_dim=16),
     "glm4_moe": dict(SMALL, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, head_dim=16),
