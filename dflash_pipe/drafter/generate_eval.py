@@ -202,11 +202,15 @@ def evaluate_generate(
                 if check:
                     greedy = references.get(i) if references is not None else None
                     if greedy is None:
-                        greedy = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+                        greedy = greedy_generate(
+                            target, prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids
+                        )
                         if references is not None:
                             references[i] = greedy
                     if strict:
-                        check_lossless(spec.tokens, greedy.tokens, where=f"prompt {i} ({prompt.numel()} tokens)")
+                        check_lossless(
+                            spec.tokens, greedy.tokens, where=f"prompt {i} ({prompt.numel()} tokens)"
+                        )
                 results.append(PromptResult(prompt_tokens=int(prompt.numel()), spec=spec, greedy=greedy))
                 bar.advance(task)
     finally:

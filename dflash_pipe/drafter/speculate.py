@@ -134,7 +134,9 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if prompt.dim() != 1 or prompt.numel() == 0:
-        raise ValueError(f"prompt must be a non-empty 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
+        raise ValueError(
+            f"prompt must be a non-empty 1-D tensor of token ids, got shape {tuple(prompt.shape)}"
+        )
     device = next(target.parameters()).device
     stop = set(int(t) for t in stop_ids)
     cache_arg = _cache_argument(target)

@@ -42,7 +42,10 @@ def drafter_for(target: Qwen3ForCausalLM, seed: int = 1) -> DFlashDrafter:
 
 def prompts(n: int = 3) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
-    return [torch.randint(0, 48, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen) for _ in range(n)]
+    return [
+        torch.randint(0, 48, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen)
+        for _ in range(n)
+    ]
 
 
 def oracle(target: Qwen3ForCausalLM, prompt: torch.Tensor, horizon: int) -> speculate.Proposer:
@@ -80,7 +83,12 @@ def test_check_catches_a_forced_wrong_draft_accepted(target, monkeypatch) -> Non
     prompt = prompts(1)[0]
     monkeypatch.setattr(speculate, "accepted_length", lambda draft, greedy: 1)
     spec = speculative_generate(
-        target, lambda t, f: torch.full((BS - 1,), 7), prompt, layer_ids=LAYERS, block_size=BS, max_new_tokens=12
+        target,
+        lambda t, f: torch.full((BS - 1,), 7),
+        prompt,
+        layer_ids=LAYERS,
+        block_size=BS,
+        max_new_tokens=12,
     )
     greedy = greedy_generate(target, prompt, max_new_tokens=12)
     assert 7 in spec.tokens
@@ -124,7 +132,9 @@ def test_per_position_acceptance_sums(target) -> None:
     result = evaluate_generate(target, drafter_for(target, seed=3), prompts(), max_new_tokens=30, stop_ids=())
     for p in result.prompts:
         c = p.spec.counts
-        assert sum(p.spec.per_step) == len(p.spec.tokens) - 1  # every token but the prefill's came from a step
+        assert (
+            sum(p.spec.per_step) == len(p.spec.tokens) - 1
+        )  # every token but the prefill's came from a step
         for k in range(1, BS):  # position k kept by the steps that produced more than k tokens
             assert int(c.per_slot_accepted[k]) == sum(n > k for n in p.spec.per_step)
         assert c.tau == pytest.approx(1 + float(c.per_slot_rate[1:].sum()))
