@@ -143,6 +143,16 @@ def main() -> None:
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints (default 500).")
 @click.option("--eval-every", type=int, help="Steps between tau evaluations (default: only at the end).")
 @click.option("--eval-samples", type=int, help="Held-out samples for tau (default 16).")
+@click.option(
+    "--eval-generate",
+    type=click.Choice(["off", "end", "every"]),
+    help="Real tau by speculative decoding of held-out prompts: in the final evaluation (end, default), "
+    "at every evaluation, or off (the simulated tau only).",
+)
+@click.option("--eval-prompts", type=int, help="Held-out prompts the real tau decodes (default 16).")
+@click.option(
+    "--eval-max-new-tokens", type=int, help="Tokens per real-tau answer at most (default 256; demo 128)."
+)
 @click.option("--seed", type=int, help="Seed of data order and anchor sampling.")
 @click.option("--bind", help="Producer address (default tcp://127.0.0.1:0, a free loopback port).")
 @click.option(
