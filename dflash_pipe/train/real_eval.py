@@ -33,7 +33,11 @@ class RealEval:
     """What the real evaluation keeps between evaluations of one worker: prompts, target, references."""
 
     def __init__(
-        self, target_path: str | Path, eval_batches: Sequence[DeviceBatch], train: TrainConfig, device: torch.device
+        self,
+        target_path: str | Path,
+        eval_batches: Sequence[DeviceBatch],
+        train: TrainConfig,
+        device: torch.device,
     ) -> None:
         self.target_path = Path(target_path)
         self.train = train

@@ -28,8 +28,8 @@ from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, Rendez
 from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink, ready_paths
 from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
-from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.train.optim import build_optimizer
+from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.train.threads import ThreadedReplicas
 from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
