@@ -51,14 +51,40 @@ class RealEval:
         self._target: nn.Module | None = None
         self._stop_ids: list[int] = []
         self._references: dict[int, GreedyOutput] = {}
+        self.disabled: str | None = None
+        """Why the real evaluation stopped for this worker (the target cannot load here, ...), or None."""
 
     def due(self, *, final: bool) -> bool:
         """Whether this evaluation (the final one, or a periodic one) runs the real decoding."""
         mode = self.train.eval_generate
-        return bool(self.prompts) and (mode == "every" or (mode == "end" and final))
+        ready = bool(self.prompts) and self.disabled is None
+        return ready and (mode == "every" or (mode == "end" and final))
 
     def run(self, drafter: nn.Module) -> dict[str, Any]:
-        """The ``real/...`` metrics of ``drafter`` now (call with every other replica idle)."""
+        """The ``real/...`` metrics of ``drafter`` now (call with every other replica idle). A target that
+        cannot load or run here (missing on this host, out of memory, a cache that cannot be cropped) turns
+        the real evaluation off for this worker with one message; training goes on."""
+        try:
+            return self._run(drafter)
+        except (
+            OSError,
+            ValueError,
+            RuntimeError,
+        ) as exc:  # OutOfMemoryError, CacheCropError are RuntimeErrors
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            self._target = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(
+                f"dflash-pipe worker: the real evaluation (train.eval_generate) is off from now on: it needs the "
+                f"target {self.target_path} on {self.device} and failed: {self.disabled}. The simulated tau "
+                "goes on; evaluate the exported drafter with `dflash-pipe eval --mode generate` instead.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return {}
+
+    def _run(self, drafter: nn.Module) -> dict[str, Any]:
         if self._target is None:
             from transformers import AutoTokenizer
 
