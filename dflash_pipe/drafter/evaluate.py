@@ -111,13 +111,16 @@ def evaluate_acceptance(
 def render_acceptance_table(result: AcceptanceResult) -> Table:
     """tau plus per-slot acceptance rates, for the terminal."""
     c = result.counts
-    table = Table(
-        title=f"simulated acceptance: tau = {c.tau:.3f} over {c.anchors} blocks ({result.num_samples} samples)"
-    )
-    table.add_column("slot k", justify="right")
-    table.add_column("accepted", justify="right")
-    table.add_column("rate (>= k accepted)", justify="right")
-    rates = c.per_slot_rate
-    for k in range(1, c.per_slot_accepted.numel()):
-        table.add_row(str(k), str(int(c.per_slot_accepted[k])), f"{float(rates[k]):.3f}")
+    title = f"simulated acceptance: tau = {c.tau:.3f} over {c.anchors} blocks ({result.num_samples} samples)"
+    return per_slot_table(c, title, columns=("slot k", "accepted", "rate (>= k accepted)"))
+
+
+def per_slot_table(counts: AcceptanceCounts, title: str, *, columns: tuple[str, str, str]) -> Table:
+    """One row per draft slot k = 1..bs-1: how many blocks kept it, and that as a share of all blocks."""
+    table = Table(title=title)
+    for name in columns:
+        table.add_column(name, justify="right")
+    rates = counts.per_slot_rate
+    for k in range(1, counts.per_slot_accepted.numel()):
+        table.add_row(str(k), str(int(counts.per_slot_accepted[k])), f"{float(rates[k]):.3f}")
     return table

@@ -20,6 +20,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 from .acceptance import AcceptanceCounts
+from .evaluate import per_slot_table
 from .model import DFlashDrafter
 from .speculate import (
     GreedyOutput,
@@ -229,14 +230,7 @@ def render_generate_table(result: GenerateResult) -> Table:
     if greedy is not None:
         title += f" (greedy decoding {greedy:,.1f} tokens/s, x{result.tokens_per_s / greedy:.2f}); "
         title += "lossless" if result.mismatches == 0 else f"{result.mismatches} prompt(s) NOT lossless"
-    table = Table(title=title)
-    table.add_column("draft position k", justify="right")
-    table.add_column("steps that kept it", justify="right")
-    table.add_column("rate", justify="right")
-    rates = c.per_slot_rate
-    for k in range(1, c.per_slot_accepted.numel()):
-        table.add_row(str(k), str(int(c.per_slot_accepted[k])), f"{float(rates[k]):.3f}")
-    return table
+    return per_slot_table(c, title, columns=("draft position k", "steps that kept it", "rate"))
 
 
 __all__ = [

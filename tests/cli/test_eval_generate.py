@@ -11,7 +11,8 @@ from transformers import Qwen3ForCausalLM
 
 from dflash_pipe.cli import main
 from dflash_pipe.data import demo_data_path, demo_tokenizer
-from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, export_drafter
+from dflash_pipe.drafter import DFlashDrafter, export_drafter
+from tests.drafter.conftest import tiny_config
 from tests.tiny_models import tiny_qwen3_config
 
 
@@ -26,18 +27,11 @@ def exported(tmp_path_factory):
     )
     target.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
-    cfg = DrafterConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=1,
+    cfg = tiny_config(
         vocab_size=len(tok),
-        block_size=4,
+        num_hidden_layers=1,
         mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
         target_layer_ids=(1, 2),
-        num_target_layers=4,
     )
     export_drafter(DFlashDrafter(cfg, target.get_input_embeddings(), target.lm_head), root / "drafter")
     data = root / "eval.jsonl"
