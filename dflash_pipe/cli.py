@@ -527,8 +527,7 @@ def eval_cmd(
     from transformers import AutoTokenizer
 
     from dflash_pipe.data import DataConfig, load_samples
-    from dflash_pipe.drafter import load_exported, load_frozen_target_parts
-    from dflash_pipe.drafter.export import config_from_export
+    from dflash_pipe.drafter.speculate import LosslessError
 
     for name, value in (("--max-samples", max_samples), ("--max-new-tokens", max_new_tokens)):
         if value is not None and value < 1:
@@ -536,25 +535,31 @@ def eval_cmd(
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     limit = max_samples or (16 if mode == "generate" else 256)
     try:  # a drafter that does not fit the target, or bad data: one line naming the input, no traceback
-        cfg = config_from_export(json.loads((drafter_dir / "config.json").read_text()))
         tokenizer = AutoTokenizer.from_pretrained(str(target_model))
         data = load_samples(DataConfig(path=data_path, max_length=max_length), tokenizer)
-        embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=dev)
-        drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(dev)
         if mode == "generate":
-            result = _eval_generate(
-                target_model, tokenizer, drafter, data.samples, limit, max_new_tokens, check, dev, dtype
+            from dflash_pipe.drafter.generate_eval import evaluate_export, render_generate_table
+
+            result = evaluate_export(
+                target_model,
+                drafter_dir,
+                data.samples,
+                tokenizer=tokenizer,
+                device=dev,
+                max_prompts=limit,
+                max_new_tokens=max_new_tokens,
+                check=check,
+                progress=console.is_terminal,
             )
+            Console().print(render_generate_table(result))
+            metrics = result.metrics()
         else:
-            result = _eval_simulated(
-                target_model, cfg, drafter, data.samples[:limit], num_anchors, dev, dtype
-            )
+            metrics = _eval_simulated(target_model, drafter_dir, data.samples[:limit], num_anchors, dev)
     except (ValueError, OSError) as exc:  # DataError is a ValueError
         raise click.ClickException(str(exc)) from None
-    except AssertionError as exc:  # LosslessError: the one number is wrong, say so and fail
+    except LosslessError as exc:  # the one number would be wrong: say so and fail
         raise click.ClickException(str(exc)) from None
     if out_file is not None:
         from dflash_pipe.bench.save import provenance
@@ -565,7 +570,7 @@ def eval_cmd(
             "target_model": str(target_model),
             "drafter": str(drafter_dir),
             "data": str(data_path),
-            "metrics": result,
+            "metrics": metrics,
             "provenance": provenance(),
         }
         out_file.parent.mkdir(parents=True, exist_ok=True)
@@ -573,42 +578,25 @@ def eval_cmd(
         console.print(f"wrote {out_file}")
 
 
-def _eval_generate(
-    target_model, tokenizer, drafter, samples, limit, max_new_tokens, check, dev, dtype
-) -> dict:
+def _eval_simulated(target_model: Path, drafter_dir: Path, samples, num_anchors: int, dev) -> dict:
+    import json
+
     import torch
 
-    from dflash_pipe.drafter.generate_eval import (
-        end_of_turn_ids,
-        evaluate_generate,
-        load_eval_target,
-        prompts_from_samples,
-        render_generate_table,
+    from dflash_pipe.drafter import (
+        evaluate_acceptance,
+        load_exported,
+        load_frozen_target_parts,
+        render_acceptance_table,
     )
-
-    prompts = prompts_from_samples(samples, limit)
-    target = load_eval_target(target_model, dev, dtype)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-        result = evaluate_generate(
-            target,
-            drafter,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            stop_ids=end_of_turn_ids(tokenizer, target_model),
-            check=check,
-            progress=console.is_terminal,
-        )
-    Console().print(render_generate_table(result))
-    return result.metrics()
-
-
-def _eval_simulated(target_model, cfg, drafter, samples, num_anchors, dev, dtype) -> dict:
-    import torch
-
-    from dflash_pipe.drafter import evaluate_acceptance, render_acceptance_table
+    from dflash_pipe.drafter.export import config_from_export
     from dflash_pipe.target import TargetCore
 
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = config_from_export(json.loads((drafter_dir / "config.json").read_text()))
     target = TargetCore(target_model, cfg.target_layer_ids, dev, dtype)
+    embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=dev)
+    drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(dev)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
         result = evaluate_acceptance(
             target, drafter, samples, num_anchors=num_anchors, progress=console.is_terminal

@@ -219,6 +219,39 @@ def evaluate_generate(
     return GenerateResult(prompts=results, block_size=drafter.cfg.block_size)
 
 
+def evaluate_export(
+    target_model: str | Path,
+    drafter_dir: str | Path,
+    samples: Sequence[Any],
+    *,
+    tokenizer: Any,
+    device: torch.device,
+    max_prompts: int,
+    max_new_tokens: int,
+    check: bool = True,
+    progress: bool = False,
+) -> GenerateResult:
+    """`dflash-pipe eval --mode generate`: the target (bf16 on CUDA) and an exported drafter drafting with the
+    target's own embedding and LM head, over the prompts of ``samples``; raises `LosslessError` on a mismatch."""
+    from .export import load_exported
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_eval_target(target_model, device, dtype)
+    drafter = load_exported(
+        drafter_dir, embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings()
+    ).to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return evaluate_generate(
+            target,
+            drafter,
+            prompts_from_samples(samples, max_prompts),
+            max_new_tokens=max_new_tokens,
+            stop_ids=end_of_turn_ids(tokenizer, target_model),
+            check=check,
+            progress=progress,
+        )
+
+
 def render_generate_table(result: GenerateResult) -> Table:
     """tau, speed and per-position acceptance of real speculative decoding, for the terminal."""
     c = result.counts
@@ -238,6 +271,7 @@ __all__ = [
     "LosslessError",
     "PromptResult",
     "end_of_turn_ids",
+    "evaluate_export",
     "evaluate_generate",
     "load_eval_target",
     "prompts_from_samples",
