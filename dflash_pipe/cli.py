@@ -556,7 +556,18 @@ def eval_cmd(
             Console().print(render_generate_table(result))
             metrics = result.metrics()
         else:
-            metrics = _eval_simulated(target_model, drafter_dir, data.samples[:limit], num_anchors, dev)
+            from dflash_pipe.drafter.evaluate import render_acceptance_table, simulate_export
+
+            simulated = simulate_export(
+                target_model,
+                drafter_dir,
+                data.samples[:limit],
+                device=dev,
+                num_anchors=num_anchors,
+                progress=console.is_terminal,
+            )
+            Console().print(render_acceptance_table(simulated))
+            metrics = simulated.metrics()
     except (ValueError, OSError) as exc:  # DataError is a ValueError
         raise click.ClickException(str(exc)) from None
     except LosslessError as exc:  # the one number would be wrong: say so and fail
@@ -576,36 +587,6 @@ def eval_cmd(
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(json.dumps(record, indent=2) + "\n")
         console.print(f"wrote {out_file}")
-
-
-def _eval_simulated(target_model: Path, drafter_dir: Path, samples, num_anchors: int, dev) -> dict:
-    import json
-
-    import torch
-
-    from dflash_pipe.drafter import (
-        evaluate_acceptance,
-        load_exported,
-        load_frozen_target_parts,
-        render_acceptance_table,
-    )
-    from dflash_pipe.drafter.export import config_from_export
-    from dflash_pipe.target import TargetCore
-
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = config_from_export(json.loads((drafter_dir / "config.json").read_text()))
-    target = TargetCore(target_model, cfg.target_layer_ids, dev, dtype)
-    embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=dev)
-    drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(dev)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-        result = evaluate_acceptance(
-            target, drafter, samples, num_anchors=num_anchors, progress=console.is_terminal
-        )
-    Console().print(render_acceptance_table(result))
-    return {
-        "simulated/tau": result.tau,
-        "simulated/acceptance_per_slot": [float(x) for x in result.counts.per_slot_rate[1:]],
-    }
 
 
 @main.command()

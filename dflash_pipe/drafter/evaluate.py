@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +35,15 @@ class AcceptanceResult:
     @property
     def tau(self) -> float:
         return self.counts.tau
+
+    def metrics(self) -> dict[str, Any]:
+        return simulated_metrics(self.counts)
+
+
+def simulated_metrics(counts: AcceptanceCounts) -> dict[str, Any]:
+    """The ``simulated/...`` keys of metrics.jsonl (and of `eval --mode simulated --out`)."""
+    rates = counts.per_slot_rate[1:]
+    return {"simulated/tau": float(counts.tau), "simulated/acceptance_per_slot": [float(x) for x in rates]}
 
 
 def _batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -106,6 +116,33 @@ def evaluate_acceptance(
     return AcceptanceResult(
         counts=counts, num_samples=len(samples), num_tokens=sum(lengths), seconds=time.perf_counter() - t0
     )
+
+
+def simulate_export(
+    target_model: str | Path,
+    drafter_dir: str | Path,
+    samples: Sequence[Any],
+    *,
+    device: torch.device,
+    num_anchors: int = 64,
+    progress: bool = False,
+) -> AcceptanceResult:
+    """`dflash-pipe eval --mode simulated`: the target's features and greedy predictions on ``samples``'
+    own text (TargetCore, bf16 on CUDA) and an exported drafter on the target's embedding and LM head."""
+    import json
+
+    from dflash_pipe.target import TargetCore
+
+    from .export import config_from_export, load_exported
+    from .target_parts import load_frozen_target_parts
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = config_from_export(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    target = TargetCore(target_model, cfg.target_layer_ids, device, dtype)
+    embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=device)
+    drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return evaluate_acceptance(target, drafter, samples, num_anchors=num_anchors, progress=progress)
 
 
 def render_acceptance_table(result: AcceptanceResult) -> Table:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash_pipe.drafter import acceptance
+from dflash_pipe.drafter.evaluate import simulated_metrics
 from dflash_pipe.train.batches import DeviceBatch, unpack
 from dflash_pipe.train.checkpoint import save_checkpoint
 from dflash_pipe.train.config import TrainConfig
@@ -303,10 +304,7 @@ def evaluate(s: WorkerSession, *, final: bool = False) -> dict[str, Any]:
                 generator=generator,
             )
             counts = c if counts is None else counts + c
-        values = {
-            "simulated/tau": float(counts.tau),
-            "simulated/acceptance_per_slot": [float(x) for x in counts.per_slot_rate[1:]],
-        }
+        values = simulated_metrics(counts)
         if s.real_eval is not None and s.real_eval.due(final=final):
             values |= s.real_eval.run(s.model)
     s.model.train(was_training)
