@@ -527,7 +527,7 @@ def eval_cmd(
     from transformers import AutoTokenizer
 
     from dflash_pipe.data import DataConfig, load_samples
-    from dflash_pipe.drafter.speculate import LosslessError
+    from dflash_pipe.drafter.speculate import CacheCropError, LosslessError
 
     for name, value in (("--max-samples", max_samples), ("--max-new-tokens", max_new_tokens)):
         if value is not None and value < 1:
@@ -570,7 +570,7 @@ def eval_cmd(
             metrics = simulated.metrics()
     except (ValueError, OSError) as exc:  # DataError is a ValueError
         raise click.ClickException(str(exc)) from None
-    except LosslessError as exc:  # the one number would be wrong: say so and fail
+    except (LosslessError, CacheCropError) as exc:  # the one number would be wrong: say so and fail
         raise click.ClickException(str(exc)) from None
     if out_file is not None:
         from dflash_pipe.bench.save import provenance

@@ -19,6 +19,7 @@ produced per draft-verify step, bonus included (``tau``); per draft position, th
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -105,8 +106,14 @@ def _crop(cache, length: int) -> None:
     """Cut ``cache`` back to ``length`` tokens with HF's public API: ``crop(-n)`` removes n tokens on every
     transformers 5 release (a positive argument means an absolute length on older ones, an error on newer)."""
     remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
+    try:
+        if remove > 0:
+            cache.crop(-remove)
+    except (RuntimeError, ValueError) as exc:  # NotImplementedError is a RuntimeError
+        raise CacheCropError(
+            f"the target's KV cache ({type(cache).__name__}) cannot be cropped ({type(exc).__name__}: {exc}), "
+            "so real speculative decoding cannot run on this target; use the simulated tau"
+        ) from exc
     if cache.get_seq_length() != length:
         raise CacheCropError(
             f"the target's KV cache ({type(cache).__name__}) holds {cache.get_seq_length()} tokens after "
@@ -215,19 +222,24 @@ def greedy_generate(
     pad = stops[0] if stops else 0
     _sync(device)
     t0 = time.perf_counter()
-    out = target.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
+    # Exactly these stops and nothing else: a copy of the model's generation config, its eos replaced, its
+    # sampling settings cleared (a checkpoint's generation_config.json often asks for top-p sampling). With
+    # no stops, the eos is an id past the LM head's rows (no logit can pick it): None would mean "the model's".
+    never = [int(target.get_output_embeddings().weight.shape[0])]
+    config = copy.deepcopy(target.generation_config)
+    config.update(
         do_sample=False,
         num_beams=1,
         max_new_tokens=max_new_tokens,
         min_new_tokens=0,
-        eos_token_id=stops or None,
+        eos_token_id=stops or never,
         pad_token_id=pad,
         temperature=None,
         top_p=None,
         top_k=None,
     )
+    config.max_length = None
+    out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
     _sync(device)
     return GreedyOutput(tokens=out[0, ids.shape[1] :].tolist(), seconds=time.perf_counter() - t0)
 

@@ -128,6 +128,49 @@ def test_partial_acceptance_crops_the_cache_right(target) -> None:
     assert spec.per_step[:-1] == [w + 1 for w in calls[:-1]]  # `wrong` drafts accepted, plus the bonus
 
 
+def test_the_drafter_sees_the_features_of_every_verified_token(target) -> None:
+    """The features handed to the drafter (prefill, then each verified block, cropped) equal one plain HF
+    forward over the same tokens: no rejected draft's features, none missing, none stale."""
+    prompt = prompts(1)[0]
+    seen = []
+    right = oracle(target, prompt, 60)
+
+    def propose(tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        seen.append((tokens.clone(), features.clone()))
+        draft = right(tokens, features).clone()
+        draft[len(seen) % (BS - 1)] = 0 if draft[len(seen) % (BS - 1)] else 1  # reject part of each block
+        return draft
+
+    speculative_generate(target, propose, prompt, layer_ids=LAYERS, block_size=BS, max_new_tokens=30)
+    tokens, features = seen[-1]
+    with torch.no_grad():
+        full = target(input_ids=tokens[None], output_hidden_states=True).hidden_states
+    want = speculate.context_features(full, LAYERS)[0, :-1]  # every token but the block's first
+    torch.testing.assert_close(features, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_dflash_drafter_that_drafts_the_greedy_tokens_reaches_tau_block_size() -> None:
+    """A real DFlashDrafter whose draft equals the target's greedy choice: both put zeros through their
+    final norm, so every logit is 0 and argmax picks token 0, for the drafter and for the target alike."""
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(tiny_qwen3_config(num_hidden_layers=4, vocab_size=50)).eval()
+    drafter = drafter_for(target)
+    with torch.no_grad():
+        target.model.norm.weight.zero_()
+        drafter.norm.weight.zero_()
+    steps = 4
+    spec = speculative_generate(
+        target,
+        drafter_proposer(drafter),
+        torch.tensor([5, 6, 7]),
+        layer_ids=LAYERS,
+        block_size=BS,
+        max_new_tokens=1 + steps * BS,
+    )
+    assert spec.tokens == [0] * (1 + steps * BS) and spec.per_step == [BS] * steps
+    assert spec.counts.tau == BS and spec.drafter_forwards == steps
+
+
 def test_per_position_acceptance_sums(target) -> None:
     result = evaluate_generate(target, drafter_for(target, seed=3), prompts(), max_new_tokens=30, stop_ids=())
     for p in result.prompts:
@@ -154,6 +197,13 @@ def test_stops_at_end_of_turn(target) -> None:
         )
         assert spec.tokens == free[: first + 1]  # kept, and nothing after it
         assert spec.tokens == greedy_generate(target, prompt, max_new_tokens=30, stop_ids=[stop]).tokens
+    # the reference stops where it is told, not where the model's generation config says
+    saved = target.generation_config.eos_token_id
+    target.generation_config.eos_token_id = stop
+    try:
+        assert greedy_generate(target, prompt, max_new_tokens=30).tokens == free
+    finally:
+        target.generation_config.eos_token_id = saved
 
 
 def test_prompt_and_end_of_turn_from_the_data() -> None:
