@@ -54,7 +54,7 @@ def test_generate_mode_is_real_and_lossless(exported, tmp_path) -> None:
     m = record["metrics"]
     assert record["mode"] == "generate" and m["real/prompts"] == 3 and m["real/lossless_mismatches"] == 0
     assert 1.0 <= m["real/tau"] <= 4 and m["real/new_tokens"] <= 3 * 12
-    assert m["real/tau"] == pytest.approx(1 + sum(m["real/acceptance_per_position"]))
+    assert m["real/tau_pooled"] == pytest.approx(1 + sum(m["real/acceptance_per_position"]))
     assert record["provenance"]["versions"]["transformers"]
 
 

@@ -183,7 +183,9 @@ def test_per_position_acceptance_sums(target) -> None:
         assert c.tau == pytest.approx(1 + float(c.per_slot_rate[1:].sum()))
         assert c.tau == pytest.approx(sum(p.spec.per_step) / len(p.spec.per_step))
     metrics = result.metrics()
-    assert metrics["real/tau"] == pytest.approx(1 + sum(metrics["real/acceptance_per_position"]))
+    assert metrics["real/tau_pooled"] == pytest.approx(1 + sum(metrics["real/acceptance_per_position"]))
+    per_prompt = [sum(p.spec.per_step) / len(p.spec.per_step) for p in result.prompts]
+    assert metrics["real/tau"] == pytest.approx(sum(per_prompt) / len(per_prompt))  # the reference's mean
 
 
 def test_stops_at_end_of_turn(target) -> None:
