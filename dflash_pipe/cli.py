@@ -587,6 +587,11 @@ def eval_cmd(
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(json.dumps(record, indent=2) + "\n")
         console.print(f"wrote {out_file}")
+    if mode == "generate":  # every prompt ran and the record is written: now fail loudly on a mismatch
+        try:
+            result.check_lossless()
+        except LosslessError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 @main.command()

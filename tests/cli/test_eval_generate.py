@@ -58,13 +58,15 @@ def test_generate_mode_is_real_and_lossless(exported, tmp_path) -> None:
     assert record["provenance"]["versions"]["transformers"]
 
 
-def test_generate_mode_fails_loudly_when_not_lossless(exported, monkeypatch) -> None:
+def test_generate_mode_fails_loudly_when_not_lossless(exported, monkeypatch, tmp_path) -> None:
     from dflash_pipe.drafter import speculate
 
     monkeypatch.setattr(speculate, "accepted_length", lambda draft, greedy: int(draft.numel()))
     root, data = exported
-    result = run(root, data, "--max-samples", "1", "--max-new-tokens", "12")
-    assert result.exit_code == 1 and "not lossless" in result.output
+    out = tmp_path / "bad.json"
+    result = run(root, data, "--max-samples", "2", "--max-new-tokens", "12", "--out", str(out))
+    assert result.exit_code == 1 and "2 of 2 prompts" in result.output and "not lossless" in result.output
+    assert json.loads(out.read_text())["metrics"]["real/lossless_mismatches"] == 2  # recorded, then failed
 
 
 def test_simulated_mode_and_bad_flags(exported) -> None:
