@@ -352,6 +352,7 @@ def summary_table(
     add("acc (mean of slots)", acc_key, fmt_acc)
     add("tau (simulated)", tau_key, lambda v: _fmt(v, ".2f"))
     add("tau (real)", real_tau_key, lambda v: _fmt(v, ".2f"))
+    add("tau (real, pooled over steps)", "real/tau_pooled", lambda v: _fmt(v, ".2f"))
     add("real decoding tokens/s", "real/tokens_per_s", lambda v: _fmt(v, ".1f"))
     add("real speedup vs greedy", "real/speedup", lambda v: _fmt(v, ".2f"))
     add("real not lossless (prompts)", "real/lossless_mismatches", lambda v: _fmt(v, ".0f"))

@@ -160,7 +160,7 @@ def test_summary_table_start_middle_end():
         }
         for s in range(1, 6)
     ]
-    rows.append({"step": 5, "time": 1060.0, "simulated/tau": 3.5, "real/tau": 2.25})  # final eval record
+    rows.append({"step": 5, "time": 1060.0, "simulated/tau": 3.5, "real/tau": 2.25, "real/tau_pooled": 2.0})
     rows.insert(2, {"step": 2, "time": 1020.0, "simulated/tau": 1.75})
     table = summary_table(rows)
     text = _render(table)
@@ -171,6 +171,7 @@ def test_summary_table_start_middle_end():
         "acc (mean of slots)",
         "tau (simulated)",
         "tau (real)",
+        "tau (real, pooled over steps)",
         "tokens/s",
         "steps",
         "wall time",
@@ -180,9 +181,10 @@ def test_summary_table_start_middle_end():
     assert (start[1], end[1]) == ("0.075 @1", "0.375 @5")
     assert (start[2], end[2]) == ("1.75 @2", "3.50 @5")
     assert (start[3], end[3]) == ("2.25 @5", "2.25 @5")  # one real evaluation, at the end
-    assert (start[4], end[4]) == ("1.0k @1", "5.0k @5")
-    assert (start[5], middle[5], end[5]) == ("1", "3", "5")
-    assert end[6] == "0:50"  # 1060 - 1010
+    assert end[4] == "2.00 @5"
+    assert (start[5], end[5]) == ("1.0k @1", "5.0k @5")
+    assert (start[6], middle[6], end[6]) == ("1", "3", "5")
+    assert end[7] == "0:50"  # 1060 - 1010
     assert "run summary" in text
 
 
