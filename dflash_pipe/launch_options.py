@@ -47,6 +47,9 @@ FLAG_FIELDS: dict[str, str] = {
     "activation_checkpointing": "train.activation_checkpointing",
     "checkpoint_every": "train.checkpoint_every",
     "eval_every": "train.eval_every",
+    "eval_generate": "train.eval_generate",
+    "eval_prompts": "train.eval_prompts",
+    "eval_max_new_tokens": "train.eval_max_new_tokens",
     "bind": "wire.bind",
     "keys": "wire.keys",
     "peer_timeout": "wire.peer_timeout_s",
@@ -72,6 +75,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "data.token_budget": 2048,
     "data.max_length": 512,
     "train.checkpoint_every": 100,
+    "train.eval_max_new_tokens": 128,
 }
 """Without --target-model (the built-in demo): a small drafter, one short epoch."""
 RESUME_OVERRIDES = {
@@ -92,6 +96,9 @@ RESUME_OVERRIDES = {
     "live",
     "epochs",
     "log",
+    "eval_generate",
+    "eval_prompts",
+    "eval_max_new_tokens",
 }
 """Flags that may change on --resume; everything else comes from the run's saved config."""
 

@@ -115,12 +115,13 @@ def render_curves(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> list[Path
     _plot(
         ax,
         rows,
-        "tau",
-        label="tau",
+        "simulated/tau",
+        label="simulated (teacher-forced)",
         marker="o",
         empty="no tau yet: evaluated at the end of the run, or every --eval-every steps",
     )
-    ax.set_title("acceptance length (tau), simulated greedy")
+    _plot(ax, rows, "real/tau", label="real (speculative decoding)", marker="s")
+    ax.set_title("acceptance length (tau), greedy: simulated and real")
     save(fig, "tau.png")
 
     # throughput per stage, and the queues between them

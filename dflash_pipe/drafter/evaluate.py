@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +35,15 @@ class AcceptanceResult:
     @property
     def tau(self) -> float:
         return self.counts.tau
+
+    def metrics(self) -> dict[str, Any]:
+        return simulated_metrics(self.counts)
+
+
+def simulated_metrics(counts: AcceptanceCounts) -> dict[str, Any]:
+    """The ``simulated/...`` keys of metrics.jsonl (and of `eval --mode simulated --out`)."""
+    rates = counts.per_slot_rate[1:]
+    return {"simulated/tau": float(counts.tau), "simulated/acceptance_per_slot": [float(x) for x in rates]}
 
 
 def _batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -108,16 +118,46 @@ def evaluate_acceptance(
     )
 
 
+def simulate_export(
+    target_model: str | Path,
+    drafter_dir: str | Path,
+    samples: Sequence[Any],
+    *,
+    device: torch.device,
+    num_anchors: int = 64,
+    progress: bool = False,
+) -> AcceptanceResult:
+    """`dflash-pipe eval --mode simulated`: the target's features and greedy predictions on ``samples``'
+    own text (TargetCore, bf16 on CUDA) and an exported drafter on the target's embedding and LM head."""
+    import json
+
+    from dflash_pipe.target import TargetCore
+
+    from .export import config_from_export, load_exported
+    from .target_parts import load_frozen_target_parts
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = config_from_export(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    target = TargetCore(target_model, cfg.target_layer_ids, device, dtype)
+    embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=device)
+    drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return evaluate_acceptance(target, drafter, samples, num_anchors=num_anchors, progress=progress)
+
+
 def render_acceptance_table(result: AcceptanceResult) -> Table:
     """tau plus per-slot acceptance rates, for the terminal."""
     c = result.counts
-    table = Table(
-        title=f"simulated acceptance: tau = {c.tau:.3f} over {c.anchors} blocks ({result.num_samples} samples)"
-    )
-    table.add_column("slot k", justify="right")
-    table.add_column("accepted", justify="right")
-    table.add_column("rate (>= k accepted)", justify="right")
-    rates = c.per_slot_rate
-    for k in range(1, c.per_slot_accepted.numel()):
-        table.add_row(str(k), str(int(c.per_slot_accepted[k])), f"{float(rates[k]):.3f}")
+    title = f"simulated acceptance: tau = {c.tau:.3f} over {c.anchors} blocks ({result.num_samples} samples)"
+    return per_slot_table(c, title, columns=("slot k", "accepted", "rate (>= k accepted)"))
+
+
+def per_slot_table(counts: AcceptanceCounts, title: str, *, columns: tuple[str, str, str]) -> Table:
+    """One row per draft slot k = 1..bs-1: how many blocks kept it, and that as a share of all blocks."""
+    table = Table(title=title)
+    for name in columns:
+        table.add_column(name, justify="right")
+    rates = counts.per_slot_rate
+    for k in range(1, counts.per_slot_accepted.numel()):
+        table.add_row(str(k), str(int(counts.per_slot_accepted[k])), f"{float(rates[k]):.3f}")
     return table

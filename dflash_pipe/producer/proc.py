@@ -551,8 +551,15 @@ class ProducerProc:
             waits = self.wait_report()
             values["wait/target_idle_share"] = waits["target_idle_share"]
             values["wait/workers_starved_share"] = waits["workers_starved_share"]
-        if "tau" in values:
-            self._state.tau = float(values["tau"])
+        if "simulated/tau" in values:
+            self._state.tau = float(values["simulated/tau"])
+        if "real/tau" in values:
+            self._state.real_tau = float(values["real/tau"])
+        if values.get("real/lossless_mismatches"):
+            self._note(
+                f"REAL EVAL NOT LOSSLESS at step {msg.step}: {values['real/lossless_mismatches']:.0f} prompt(s) "
+                "decoded other tokens than the target's greedy decoding (see the rank-0 worker log)"
+            )
         self.metrics.log(values, msg.step)
 
     def _stage_rates(self) -> dict[str, float]:
@@ -761,7 +768,7 @@ def _train_dict(cfg: Any) -> dict[str, Any]:
     return cfg.to_dict()["train"]
 
 
-LIST_METRICS = frozenset({"acc", "acceptance_per_slot"})
+LIST_METRICS = frozenset({"acc", "simulated/acceptance_per_slot", "real/acceptance_per_position"})
 """Metrics that are per-slot lists; every other metric is one number."""
 
 

@@ -50,7 +50,8 @@ class RunState:
     workers: list[WorkerRow] = field(default_factory=list)
     loss: float | None = None
     acc: list[float] = field(default_factory=list)  # per scored block slot 1..bs-1 (as train/loop.py logs it)
-    tau: float | None = None  # acceptance length, when evaluated
+    tau: float | None = None  # simulated (teacher-forced) acceptance length, when evaluated
+    real_tau: float | None = None  # real acceptance length (speculative decoding), when evaluated
     lr: float | None = None
     messages: list[str] = field(default_factory=list)  # recent warnings, oldest first
 
@@ -210,7 +211,9 @@ class Dashboard:
         if mean_acc is not None:
             learn += f" acc {mean_acc:.3f}"
         if state.tau is not None:
-            learn += f" tau {state.tau:.2f}"
+            learn += f" tau(simulated) {state.tau:.2f}"
+        if state.real_tau is not None:
+            learn += f" tau(real) {state.real_tau:.2f}"
         if state.lr is not None:
             learn += f" lr {state.lr:.2e}"
         parts.append(learn)
@@ -258,7 +261,11 @@ class Dashboard:
         learning.add_row(
             "acc (mean, by slot)", _fmt(mean_acc, ".3f"), " ".join(f"{a:.2f}" for a in scored[:8])
         )
-        learning.add_row("tau", _fmt(state.tau, ".2f"), "" if state.tau is not None else "not evaluated yet")
+        learning.add_row(
+            "tau (simulated)", _fmt(state.tau, ".2f"), "" if state.tau is not None else "not evaluated yet"
+        )
+        if state.real_tau is not None:
+            learning.add_row("tau (real)", _fmt(state.real_tau, ".2f"), "speculative decoding")
         learning.add_row("lr", _fmt(state.lr, ".2e"), "")
 
         middle = Table.grid(padding=(0, 4))
@@ -315,7 +322,8 @@ def summary_table(
     title: str = "run summary",
     loss_key: str = "loss",
     acc_key: str = "acc",
-    tau_key: str = "tau",
+    tau_key: str = "simulated/tau",
+    real_tau_key: str = "real/tau",
     tokens_key: str = "tokens_per_s",
 ) -> Table:
     """End-of-run table from metrics records (`read_metrics` output): loss/acc/tau/tokens/s at the start,
@@ -342,7 +350,12 @@ def summary_table(
 
     add("loss", loss_key, lambda v: _fmt(v, ".4f"))
     add("acc (mean of slots)", acc_key, fmt_acc)
-    add("tau", tau_key, lambda v: _fmt(v, ".2f"))
+    add("tau (simulated)", tau_key, lambda v: _fmt(v, ".2f"))
+    add("tau (real)", real_tau_key, lambda v: _fmt(v, ".2f"))
+    add("tau (real, pooled over steps)", "real/tau_pooled", lambda v: _fmt(v, ".2f"))
+    add("real decoding tokens/s", "real/tokens_per_s", lambda v: _fmt(v, ".1f"))
+    add("real speedup vs greedy", "real/speedup", lambda v: _fmt(v, ".2f"))
+    add("real not lossless (prompts)", "real/lossless_mismatches", lambda v: _fmt(v, ".0f"))
     add("tokens/s", tokens_key, lambda v: format_rate(v) if isinstance(v, int | float) else "-")
     table.add_row(
         "steps", str(rows[0]["step"]), str(rows[(len(rows) - 1) // 2]["step"]), str(rows[-1]["step"])

@@ -24,6 +24,15 @@ class TrainConfig:
     """Steps between checkpoints (one is always written at the end)."""
     eval_every: int = 0
     """Steps between acceptance (tau) evaluations; 0 evaluates only at the end."""
+    eval_generate: Literal["off", "end", "every"] = "end"
+    """Real acceptance by speculative decoding of held-out prompts (tau, per-position acceptance, tokens/s,
+    lossless against greedy decoding) besides the simulated tau: in the final evaluation only ("end"), at
+    every evaluation ("every": the other drafters wait while rank 0 decodes, so keep it well under
+    wire.peer_timeout_s), or never ("off"). Rank 0 loads the whole target on its device for it."""
+    eval_prompts: int = 16
+    """Held-out prompts the real evaluation decodes (at most the held-out samples, `eval_samples`)."""
+    eval_max_new_tokens: int = 256
+    """Each real-evaluation answer stops at its end-of-turn token or after this many tokens."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
     compile: Literal["auto", "on", "off", "full"] = "auto"
@@ -57,6 +66,13 @@ class TrainConfig:
             raise ValueError(f"train.checkpoint_every must be >= 1, got {self.checkpoint_every}.")
         if self.eval_every < 0:
             raise ValueError(f"train.eval_every must be >= 0, got {self.eval_every}.")
+        if self.eval_generate not in ("off", "end", "every"):
+            raise ValueError(f"train.eval_generate must be off, end or every, got {self.eval_generate!r}.")
+        if self.eval_prompts < 1 or self.eval_max_new_tokens < 1:
+            raise ValueError(
+                f"train.eval_prompts and train.eval_max_new_tokens must be >= 1 (got {self.eval_prompts}, "
+                f"{self.eval_max_new_tokens}); set train.eval_generate=off to skip the real evaluation."
+            )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 or unset, got {self.max_steps}.")
         if self.compile not in ("auto", "on", "off", "full"):

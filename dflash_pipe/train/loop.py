@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash_pipe.drafter import acceptance
+from dflash_pipe.drafter.evaluate import simulated_metrics
 from dflash_pipe.train.batches import DeviceBatch, unpack
 from dflash_pipe.train.checkpoint import save_checkpoint
 from dflash_pipe.train.config import TrainConfig
@@ -22,6 +23,7 @@ from dflash_pipe.train.handover import hand_over
 from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink
 from dflash_pipe.train.optim import lr_at, set_lr
+from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.wire import messages as m
 
 _POLL_S = 0.05
@@ -120,6 +122,8 @@ class WorkerSession:
     """k*H: the width every BATCH's features must have."""
     replicas: Replicas | None = None
     """Who runs forward/backward: ``OneReplica`` (process mode, the default) or ``train.threads``."""
+    real_eval: RealEval | None = None
+    """Real speculative decoding of the held-out prompts (``train.eval_generate``); None: simulated only."""
 
     def __post_init__(self) -> None:
         if self.replicas is None:
@@ -279,8 +283,9 @@ def checkpoint(s: WorkerSession) -> Path | None:
 
 
 @torch.no_grad()
-def evaluate(s: WorkerSession) -> dict[str, Any]:
-    """Simulated acceptance length (tau) on the producer's held-out samples."""
+def evaluate(s: WorkerSession, *, final: bool = False) -> dict[str, Any]:
+    """Simulated acceptance length (teacher-forced, ``simulated/...``) on the producer's held-out samples,
+    and, when ``train.eval_generate`` asks for this evaluation, the real one (``real/...``)."""
     if not s.eval_batches:
         return {}
     was_training = s.model.training
@@ -299,8 +304,11 @@ def evaluate(s: WorkerSession) -> dict[str, Any]:
                 generator=generator,
             )
             counts = c if counts is None else counts + c
+        values = simulated_metrics(counts)
+        if s.real_eval is not None and s.real_eval.due(final=final):
+            values |= s.real_eval.run(s.model)
     s.model.train(was_training)
-    return {"tau": float(counts.tau), "acceptance_per_slot": [float(x) for x in counts.per_slot_rate]}
+    return values
 
 
 def _collect(s: WorkerSession, pending: deque, *, wait: bool) -> str | None:

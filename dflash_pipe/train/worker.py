@@ -29,6 +29,7 @@ from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink, ready_paths
 from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
+from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.train.threads import ThreadedReplicas
 from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
@@ -178,6 +179,8 @@ def _serve(
         if warm:
             link.send(m.Metrics(step=step, values=warm))
         _receive_eval_set(session, welcome)
+        if train_cfg.eval_generate != "off" and session.eval_batches:
+            session.real_eval = RealEval(welcome.target_path, session.eval_batches, train_cfg, dev)
         regroup(session, "joining")
         link.send(m.Ready(credits=welcome.credits * len(devs), **ready_paths(ring)))
         result = run_training(session, leave.is_set)
@@ -187,7 +190,7 @@ def _serve(
         if result.last_checkpoint is None or session.step % train_cfg.checkpoint_every:
             checkpoint(session)
         if session.rank == 0:
-            link.send(m.Metrics(step=session.step, values={**evaluate(session), "final": 1.0}))
+            link.send(m.Metrics(step=session.step, values={**evaluate(session, final=True), "final": 1.0}))
         with contextlib.suppress(GroupBrokenError):  # a member dying now changes nothing: we stop
             group.barrier()
         link.send_and_flush(m.Bye(reason=result.stop_reason))

@@ -51,7 +51,10 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
     firsts = [r for r in metrics(run_dir) if any(k.startswith("time_to_first_step_s/") for k in r)]
     assert len(firsts) == 2
-    assert any("tau" in r for r in metrics(run_dir))
+    assert any("simulated/tau" in r for r in metrics(run_dir))
+    final = [r for r in metrics(run_dir) if "real/tau" in r]  # the real eval runs in the final evaluation
+    assert len(final) == 1 and final[0]["step"] == 24 and final[0]["real/lossless_mismatches"] == 0
+    assert 1.0 <= final[0]["real/tau"] <= 16 and final[0]["real/prompts"] >= 1
 
     second = launch("--resume", str(run_dir), "--max-steps", "40")
     assert second.returncode == 0, second.stdout + second.stderr
@@ -84,7 +87,8 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     assert tau > 1.0
     steps = [r["step"] for r in metrics(run_dir) if "loss" in r]
     assert steps[-2:] == [30, 40]  # logged every 10 steps, continuing after 24
-    assert [r["step"] for r in metrics(run_dir) if "tau" in r] == [24, 40]
+    assert [r["step"] for r in metrics(run_dir) if "simulated/tau" in r] == [24, 40]
+    assert [r["step"] for r in metrics(run_dir) if "real/tau" in r] == [24, 40]
 
 
 def test_fresh_launch_refuses_a_run_dir_with_checkpoints(tmp_path: Path):

@@ -103,7 +103,13 @@ def test_live_mode_renders_to_terminal_console():
         assert dash.live is True  # live=None and a terminal -> rich Live
         for step in range(1, 6):
             dash.update(
-                _state(step, loss=4.0 - step * 0.5, tau=3.25 if step == 5 else None, messages=["slow wire"])
+                _state(
+                    step,
+                    loss=4.0 - step * 0.5,
+                    tau=3.25 if step == 5 else None,
+                    real_tau=2.5 if step == 5 else None,
+                    messages=["slow wire"],
+                )
             )
     out = buf.getvalue()
     for needle in (
@@ -115,6 +121,8 @@ def test_live_mode_renders_to_terminal_console():
         "compiling",
         "41.5s",
         "3.25",
+        "tau (real)",
+        "2.50",
         "slow wire",
     ):
         assert needle in out, needle
@@ -152,20 +160,31 @@ def test_summary_table_start_middle_end():
         }
         for s in range(1, 6)
     ]
-    rows.append({"step": 5, "time": 1060.0, "tau": 3.5})  # eval record at the last step
-    rows.insert(2, {"step": 2, "time": 1020.0, "tau": 1.75})
+    rows.append({"step": 5, "time": 1060.0, "simulated/tau": 3.5, "real/tau": 2.25, "real/tau_pooled": 2.0})
+    rows.insert(2, {"step": 2, "time": 1020.0, "simulated/tau": 1.75})
     table = summary_table(rows)
     text = _render(table)
     assert [c.header for c in table.columns] == ["metric", "start", "middle", "end"]
     labels = list(table.columns[0].cells)
-    assert labels == ["loss", "acc (mean of slots)", "tau", "tokens/s", "steps", "wall time"]
+    assert labels == [
+        "loss",
+        "acc (mean of slots)",
+        "tau (simulated)",
+        "tau (real)",
+        "tau (real, pooled over steps)",
+        "tokens/s",
+        "steps",
+        "wall time",
+    ]
     start, middle, end = (list(table.columns[i].cells) for i in (1, 2, 3))
     assert (start[0], middle[0], end[0]) == ("4.5000 @1", "3.5000 @3", "2.5000 @5")  # loss goes down
     assert (start[1], end[1]) == ("0.075 @1", "0.375 @5")
     assert (start[2], end[2]) == ("1.75 @2", "3.50 @5")
-    assert (start[3], end[3]) == ("1.0k @1", "5.0k @5")
-    assert (start[4], middle[4], end[4]) == ("1", "3", "5")
-    assert end[5] == "0:50"  # 1060 - 1010
+    assert (start[3], end[3]) == ("2.25 @5", "2.25 @5")  # one real evaluation, at the end
+    assert end[4] == "2.00 @5"
+    assert (start[5], end[5]) == ("1.0k @1", "5.0k @5")
+    assert (start[6], middle[6], end[6]) == ("1", "3", "5")
+    assert end[7] == "0:50"  # 1060 - 1010
     assert "run summary" in text
 
 

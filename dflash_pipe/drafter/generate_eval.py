@@ -1,0 +1,306 @@
+"""Real acceptance of a drafter: speculative decoding of held-out prompts, checked against greedy decoding.
+
+The prompts are the held-out conversations' turns before their first assistant turn (what the chat template
+renders up to the assistant header); each answer runs to the end of its turn or ``max_new_tokens``. The
+target's greedy decoding of each prompt is the lossless reference, and its speed the baseline; the target is
+frozen, so a run computes it once per prompt (``references``) and reuses it at every evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from torch import Tensor, nn
+
+from .acceptance import AcceptanceCounts
+from .evaluate import per_slot_table
+from .model import DFlashDrafter
+from .speculate import (
+    GreedyOutput,
+    LosslessError,
+    SpecOutput,
+    check_lossless,
+    drafter_proposer,
+    greedy_generate,
+    speculative_generate,
+)
+
+METRIC_PREFIX = "real/"
+"""metrics.jsonl keys of the real (speculative decoding) evaluation; the teacher-forced one is "simulated/"."""
+
+
+@dataclass(slots=True)
+class PromptResult:
+    prompt_tokens: int
+    spec: SpecOutput
+    greedy: GreedyOutput | None
+    """None when the lossless check was not asked for."""
+
+    @property
+    def lossless(self) -> bool | None:
+        return None if self.greedy is None else self.spec.tokens == self.greedy.tokens
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    """Real acceptance over prompts: tau as DFlash counts it (tokens per draft-verify step, bonus included,
+    per prompt, then averaged over prompts), and pooled over every step with the per-position rates."""
+
+    prompts: list[PromptResult]
+    block_size: int
+
+    @property
+    def counts(self) -> AcceptanceCounts:
+        total = AcceptanceCounts.zeros(self.block_size)
+        for p in self.prompts:
+            total = total + p.spec.counts
+        return total
+
+    @property
+    def tau(self) -> float:
+        """The DFlash reference benchmark's "average acceptance length": each prompt's tokens per step (the
+        bonus included), averaged over the prompts that took a step."""
+        taus = [p.spec.counts.tau for p in self.prompts if p.spec.counts.anchors]  # a prompt may end at once
+        return sum(taus) / len(taus) if taus else self.counts.tau
+
+    @property
+    def tau_pooled(self) -> float:
+        """Tokens per step over all steps of all prompts together: 1 + the per-position acceptance rates."""
+        return self.counts.tau
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(p.spec.tokens) for p in self.prompts)
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.spec.seconds for p in self.prompts)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def greedy_tokens_per_s(self) -> float | None:
+        refs = [p.greedy for p in self.prompts if p.greedy is not None]
+        if len(refs) != len(self.prompts) or not refs:
+            return None
+        seconds = sum(g.seconds for g in refs)
+        return sum(len(g.tokens) for g in refs) / seconds if seconds > 0 else None
+
+    @property
+    def mismatches(self) -> int:
+        return sum(p.lossless is False for p in self.prompts)
+
+    def check_lossless(self) -> None:
+        """Raises `LosslessError` naming every prompt whose output differs from greedy decoding, and where."""
+        problems = []
+        for i, p in enumerate(self.prompts):
+            if p.lossless is False:
+                try:
+                    check_lossless(
+                        p.spec.tokens, p.greedy.tokens, where=f"prompt {i} ({p.prompt_tokens} tokens)"
+                    )
+                except LosslessError as exc:
+                    problems.append(str(exc))
+        if problems:
+            raise LosslessError(f"{len(problems)} of {len(self.prompts)} prompts: " + "\n".join(problems))
+
+    def metrics(self) -> dict[str, Any]:
+        """The ``real/...`` keys of metrics.jsonl."""
+        c = self.counts
+        out: dict[str, Any] = {
+            "tau": self.tau,
+            "tau_pooled": c.tau,
+            "acceptance_per_position": [float(x) for x in c.per_slot_rate[1:]],
+            "steps": c.anchors,
+            "prompts": len(self.prompts),
+            "new_tokens": self.new_tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "seconds": self.seconds,
+        }
+        if (greedy := self.greedy_tokens_per_s) is not None:
+            out["greedy_tokens_per_s"] = greedy
+            out["speedup"] = self.tokens_per_s / greedy if greedy > 0 else 0.0
+            out["lossless_mismatches"] = self.mismatches
+        return {METRIC_PREFIX + k: v for k, v in out.items()}
+
+
+def prompts_from_samples(samples: Sequence[Any], max_prompts: int) -> list[Tensor]:
+    """Up to ``max_prompts`` prompts: each sample's tokens before its first trained (assistant) token.
+
+    ``samples``: objects with ``input_ids`` [S] and ``loss_mask`` [S] (a sample with no assistant token, or
+    one that starts with it, has no prompt and is skipped)."""
+    out = []
+    for s in samples:
+        if len(out) >= max_prompts:
+            break
+        trained = torch.nonzero(torch.as_tensor(s.loss_mask).bool().flatten())
+        if trained.numel() and int(trained[0]) > 0:
+            out.append(torch.as_tensor(s.input_ids).flatten()[: int(trained[0])].cpu().long())
+    return out
+
+
+def end_of_turn_ids(tokenizer: Any, model_dir: str | Path | None = None) -> list[int]:
+    """The tokens that end an assistant turn: the last token of an assistant turn as the chat template
+    renders it (``<|im_end|>``, ``<|eot_id|>``, ...; the same span the loss mask trains), the model's
+    ``generation_config.json`` eos ids and the tokenizer's eos. Empty: generation stops only at the limit."""
+    ids: list[int] = []
+    from dflash_pipe.data.formats import FormatError
+    from dflash_pipe.data.render import has_chat_template, render_conversation
+
+    if tokenizer is not None and has_chat_template(tokenizer):
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        try:
+            toks, mask = render_conversation(tokenizer, probe)
+            trained = [i for i, m in enumerate(mask) if m]
+            if trained:
+                ids.append(int(toks[trained[-1]]))
+        except FormatError:  # a template that rejects the probe: fall back to the eos ids
+            pass
+    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.append(eos)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def load_eval_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The target as a plain HF causal LM with SDPA attention and a KV cache: how it is served."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False).to(device)
+
+
+@torch.inference_mode()
+def evaluate_generate(
+    target: nn.Module,
+    drafter: DFlashDrafter,
+    prompts: Sequence[Tensor],
+    *,
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    check: bool = True,
+    strict: bool = True,
+    references: dict[int, GreedyOutput] | None = None,
+    progress: bool = False,
+) -> GenerateResult:
+    """Speculative decoding of every prompt; with ``check``, the target's greedy decoding of each too
+    (from ``references`` when it holds the prompt's index, stored there otherwise). ``strict``: raise
+    `LosslessError` on the first prompt whose output differs (else count it in ``lossless_mismatches``)."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate: the held-out samples have no turn before an assistant turn")
+    was_training = drafter.training
+    drafter.eval()
+    propose = drafter_proposer(drafter)
+    results = []
+    try:
+        with Progress(
+            TextColumn("speculative decoding"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            disable=not progress,
+        ) as bar:
+            task = bar.add_task("generate", total=len(prompts))
+            for i, prompt in enumerate(prompts):
+                spec = speculative_generate(
+                    target,
+                    propose,
+                    prompt,
+                    layer_ids=drafter.cfg.target_layer_ids,
+                    block_size=drafter.cfg.block_size,
+                    max_new_tokens=max_new_tokens,
+                    stop_ids=stop_ids,
+                )
+                greedy = None
+                if check:
+                    greedy = references.get(i) if references is not None else None
+                    if greedy is None:
+                        greedy = greedy_generate(
+                            target, prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids
+                        )
+                        if references is not None:
+                            references[i] = greedy
+                    if strict:
+                        check_lossless(
+                            spec.tokens, greedy.tokens, where=f"prompt {i} ({prompt.numel()} tokens)"
+                        )
+                results.append(PromptResult(prompt_tokens=int(prompt.numel()), spec=spec, greedy=greedy))
+                bar.advance(task)
+    finally:
+        drafter.train(was_training)
+    return GenerateResult(prompts=results, block_size=drafter.cfg.block_size)
+
+
+def evaluate_export(
+    target_model: str | Path,
+    drafter_dir: str | Path,
+    samples: Sequence[Any],
+    *,
+    tokenizer: Any,
+    device: torch.device,
+    max_prompts: int,
+    max_new_tokens: int,
+    check: bool = True,
+    progress: bool = False,
+) -> GenerateResult:
+    """`dflash-pipe eval --mode generate`: the target (bf16 on CUDA) and an exported drafter drafting with the
+    target's own embedding and LM head, over the prompts of ``samples``. Every prompt runs; the caller checks
+    ``result.check_lossless()``."""
+    from .export import load_exported
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_eval_target(target_model, device, dtype)
+    drafter = load_exported(
+        drafter_dir, embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings()
+    ).to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return evaluate_generate(
+            target,
+            drafter,
+            prompts_from_samples(samples, max_prompts),
+            max_new_tokens=max_new_tokens,
+            stop_ids=end_of_turn_ids(tokenizer, target_model),
+            check=check,
+            strict=False,
+            progress=progress,
+        )
+
+
+def render_generate_table(result: GenerateResult) -> Table:
+    """tau, speed and per-position acceptance of real speculative decoding, for the terminal."""
+    c = result.counts
+    greedy = result.greedy_tokens_per_s
+    title = (
+        f"real acceptance (speculative decoding, greedy): tau = {result.tau:.3f} (mean of the prompts; "
+        f"{c.tau:.3f} over all {c.anchors} steps), "
+        f"{len(result.prompts)} prompts, {result.new_tokens} tokens, {result.tokens_per_s:,.1f} tokens/s"
+    )
+    if greedy is not None:
+        title += f" (greedy decoding {greedy:,.1f} tokens/s, x{result.tokens_per_s / greedy:.2f}); "
+        title += "lossless" if result.mismatches == 0 else f"{result.mismatches} prompt(s) NOT lossless"
+    return per_slot_table(c, title, columns=("draft position k", "steps that kept it", "rate"))
+
+
+__all__ = [
+    "GenerateResult",
+    "LosslessError",
+    "PromptResult",
+    "end_of_turn_ids",
+    "evaluate_export",
+    "evaluate_generate",
+    "load_eval_target",
+    "prompts_from_samples",
+    "render_generate_table",
+]

@@ -1,0 +1,264 @@
+"""Real DFlash speculative decoding (greedy), as it is served, and the greedy decoding it must equal.
+
+One prompt at a time (batch 1), the way the reference `spec_generate` and the serving engines run a request:
+
+1. the target prefills the prompt with a KV cache and emits its first token;
+2. the drafter drafts a block ``[last token, MASK x (bs-1)]`` at the positions after the context, from the
+   context features (target layers ``target_layer_ids``, ``hidden_states[id + 1]``) of every token the target
+   has verified; it goes through ``DFlashDrafter.block_hidden`` (the training forward and masks, one anchor
+   at the end of the context), so whatever layer types the drafter has are drafted as they were trained;
+3. the target verifies the whole block in one forward on its cache; the longest prefix of draft tokens that
+   equals the target's greedy choices is accepted, plus the target's own next token (the bonus);
+4. the target cache is cropped to the verified length, the accepted tokens' features join the context, and
+   it repeats until an end-of-turn token or ``max_new_tokens``.
+
+The drafter recomputes its context keys each step instead of caching them (same result, more drafter work:
+the cost is counted in `SpecOutput`). Acceptance is counted as the DFlash reference counts it: tokens
+produced per draft-verify step, bonus included (``tau``); per draft position, the steps that kept it.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .acceptance import AcceptanceCounts, draft_tokens
+from .model import DFlashDrafter
+
+Proposer = Callable[[Tensor, Tensor], Tensor]
+"""(tokens [n+1] (the last is the block's first token), context features [n, k*H]) -> draft [bs-1]."""
+
+
+class LosslessError(AssertionError):
+    """Speculative decoding produced other tokens than the target's plain greedy decoding."""
+
+
+class CacheCropError(RuntimeError):
+    """The target's KV cache cannot be cut back to the verified length (e.g. recurrent layers)."""
+
+
+@dataclass(slots=True)
+class SpecOutput:
+    """One prompt's speculative decoding: the new tokens, how they were accepted, what it cost."""
+
+    tokens: list[int]
+    """Generated tokens (the prefill's first token included), ending at the end-of-turn token if one came."""
+    counts: AcceptanceCounts
+    """anchors = draft-verify steps, accepted_total = draft tokens kept; ``counts.tau`` is the DFlash tau."""
+    target_forwards: int
+    drafter_forwards: int
+    seconds: float
+    prefill_seconds: float
+    per_step: list[int] = field(default_factory=list)
+    """Tokens produced by each step (accepted drafts + the bonus), as the reference's acceptance_lengths."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+def accepted_length(draft: Tensor, target_greedy: Tensor) -> int:
+    """Greedy acceptance: how many leading draft tokens equal the target's choices. draft, target_greedy
+    [bs-1]: draft[i] is accepted when it and every draft token before it match target_greedy."""
+    return int((draft == target_greedy).long().cumprod(0).sum())
+
+
+def context_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
+    """HF ``hidden_states`` (embeddings first) -> [B, T, k*H]: outputs of decoder layers ``layer_ids``."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def drafter_proposer(drafter: DFlashDrafter) -> Proposer:
+    """The DFlash drafter as a proposer: one block anchored at the end of the context, greedy draft tokens."""
+    device = drafter.fc.weight.device
+
+    def propose(tokens: Tensor, features: Tensor) -> Tensor:
+        n = features.shape[0]
+        padded = torch.cat([features, features.new_zeros(1, features.shape[1])])  # row n: never attended
+        anchors = torch.tensor([[n]], device=device)
+        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+        draft = draft_tokens(drafter, tokens[None].to(device), padded[None].to(device), anchors, valid)
+        return draft[0, 0]  # [bs-1]
+
+    return propose
+
+
+def _cache_argument(target: nn.Module) -> str:
+    """The forward's KV-cache keyword: ``cache`` on newer transformers 5 releases, ``past_key_values`` before
+    (a feature check, not a version string)."""
+    params = inspect.signature(type(target).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _returned_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _crop(cache, length: int) -> None:
+    """Cut ``cache`` back to ``length`` tokens with HF's public API: ``crop(-n)`` removes n tokens on every
+    transformers 5 release (a positive argument means an absolute length on older ones, an error on newer)."""
+    remove = cache.get_seq_length() - length
+    try:
+        if remove > 0:
+            cache.crop(-remove)
+    except (RuntimeError, ValueError) as exc:  # NotImplementedError is a RuntimeError
+        raise CacheCropError(
+            f"the target's KV cache ({type(cache).__name__}) cannot be cropped ({type(exc).__name__}: {exc}), "
+            "so real speculative decoding cannot run on this target; use the simulated tau"
+        ) from exc
+    if cache.get_seq_length() != length:
+        raise CacheCropError(
+            f"the target's KV cache ({type(cache).__name__}) holds {cache.get_seq_length()} tokens after "
+            f"cropping to {length}: this target's cache cannot be rolled back (recurrent or sliding-window "
+            "layers past their window), so real speculative decoding cannot run on it; use the simulated tau"
+        )
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: nn.Module,
+    propose: Proposer,
+    prompt: Tensor,
+    *,
+    layer_ids: Sequence[int],
+    block_size: int,
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+) -> SpecOutput:
+    """Greedy DFlash speculative decoding of ``prompt`` [P] (int64) with an HF causal LM ``target``.
+
+    ``propose`` drafts bs-1 tokens (``drafter_proposer``); ``layer_ids`` are the target layers whose outputs
+    feed it. Stops after an end-of-turn token (``stop_ids``, kept in the output) or ``max_new_tokens``.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt.dim() != 1 or prompt.numel() == 0:
+        raise ValueError(
+            f"prompt must be a non-empty 1-D tensor of token ids, got shape {tuple(prompt.shape)}"
+        )
+    device = next(target.parameters()).device
+    stop = set(int(t) for t in stop_ids)
+    cache_arg = _cache_argument(target)
+    ids = prompt.to(device, torch.long)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = target(
+        input_ids=ids[None], use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
+    )
+    cache = _returned_cache(out)
+    features = context_features(out.hidden_states, layer_ids)[0]  # [P, k*H]
+    tokens = [int(out.logits[0, -1].argmax())]
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    counts = AcceptanceCounts.zeros(block_size)
+    per_step: list[int] = []
+    drafter_forwards = 0
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
+        n = features.shape[0]  # verified tokens; tokens[-1] sits at position n
+        context = torch.cat([ids, torch.tensor(tokens, device=device)])  # [n+1]
+        draft = propose(context, features).to(device)  # [bs-1]
+        drafter_forwards += 1
+        block = torch.cat([context[-1:], draft])[None]  # [1, bs] at positions n..n+bs-1
+        out = target(
+            input_ids=block, **{cache_arg: cache}, use_cache=True, output_hidden_states=True, return_dict=True
+        )
+        greedy = out.logits[0].argmax(-1)  # [bs]: the target's token after each block position
+        accepted = accepted_length(draft, greedy[:-1])
+        produced = [int(t) for t in draft[:accepted]] + [int(greedy[accepted])]
+        keep = len(produced)
+        for i, t in enumerate(produced):
+            if t in stop:
+                keep = i + 1
+                break
+        keep = min(keep, max_new_tokens - len(tokens))
+        tokens += produced[:keep]
+        # the block positions n..n+keep-1 held verified tokens: their features join the context
+        features = torch.cat([features, context_features(out.hidden_states, layer_ids)[0, :keep]])
+        cache = _returned_cache(out)
+        _crop(cache, n + keep)
+        counts.anchors += 1
+        counts.accepted_total += keep - 1
+        counts.per_slot_accepted[1:keep] += 1
+        per_step.append(keep)
+    _sync(device)
+    return SpecOutput(
+        tokens=tokens,
+        counts=counts,
+        target_forwards=1 + len(per_step),
+        drafter_forwards=drafter_forwards,
+        seconds=time.perf_counter() - t0,
+        prefill_seconds=prefill_s,
+        per_step=per_step,
+    )
+
+
+@dataclass(slots=True)
+class GreedyOutput:
+    tokens: list[int]
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+@torch.inference_mode()
+def greedy_generate(
+    target: nn.Module, prompt: Tensor, *, max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> GreedyOutput:
+    """The target's own greedy decoding, by HF ``generate(do_sample=False)``: the independent reference that
+    speculative decoding must reproduce token for token."""
+    device = next(target.parameters()).device
+    ids = prompt.to(device, torch.long)[None]
+    stops = [int(t) for t in stop_ids]
+    pad = stops[0] if stops else 0
+    _sync(device)
+    t0 = time.perf_counter()
+    # Exactly these stops and nothing else: a copy of the model's generation config, its eos replaced, its
+    # sampling settings cleared (a checkpoint's generation_config.json often asks for top-p sampling). With
+    # no stops, the eos is an id past the LM head's rows (no logit can pick it): None would mean "the model's".
+    never = [int(target.get_output_embeddings().weight.shape[0])]
+    config = copy.deepcopy(target.generation_config)
+    config.update(
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=stops or never,
+        pad_token_id=pad,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    config.max_length = None
+    out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    _sync(device)
+    return GreedyOutput(tokens=out[0, ids.shape[1] :].tolist(), seconds=time.perf_counter() - t0)
+
+
+def check_lossless(spec: Sequence[int], greedy: Sequence[int], *, where: str = "prompt") -> None:
+    """Raises `LosslessError` naming the first differing position unless the two are the same tokens."""
+    if list(spec) == list(greedy):
+        return
+    first = next((i for i, (a, b) in enumerate(zip(spec, greedy, strict=False)) if a != b), None)
+    if first is None:
+        first = min(len(spec), len(greedy))
+    raise LosslessError(
+        f"{where}: speculative decoding is not lossless: it produced {len(spec)} tokens, greedy decoding "
+        f"{len(greedy)}; first difference at new token {first} (speculative {list(spec[first : first + 5])}, "
+        f"greedy {list(greedy[first : first + 5])}). A bug in the draft/verify loop, or (bf16 on a GPU) two "
+        "near-tied logits that the block forward and the one-token forward round differently"
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

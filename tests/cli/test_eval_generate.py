@@ -1,0 +1,78 @@
+"""`dflash-pipe eval` end to end on an exported drafter: real speculative decoding and the simulated mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import Qwen3ForCausalLM
+
+from dflash_pipe.cli import main
+from dflash_pipe.data import demo_data_path, demo_tokenizer
+from dflash_pipe.drafter import DFlashDrafter, export_drafter
+from tests.drafter.conftest import tiny_config
+from tests.tiny_models import tiny_qwen3_config
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny random target over the demo tokenizer, saved as an HF dir, and a random drafter's export."""
+    root = tmp_path_factory.mktemp("eval")
+    tok = demo_tokenizer()
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(
+        tiny_qwen3_config(vocab_size=len(tok), num_hidden_layers=4, tie_word_embeddings=True)
+    )
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    cfg = tiny_config(
+        vocab_size=len(tok),
+        num_hidden_layers=1,
+        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+        target_layer_ids=(1, 2),
+    )
+    export_drafter(DFlashDrafter(cfg, target.get_input_embeddings(), target.lm_head), root / "drafter")
+    data = root / "eval.jsonl"
+    data.write_text("".join(demo_data_path().read_text().splitlines(keepends=True)[:6]))
+    return root, data
+
+
+def run(root, data, *args):
+    base = ["eval", "--target-model", str(root / "target"), "--drafter", str(root / "drafter")]
+    return CliRunner().invoke(main, [*base, "--data", str(data), "--device", "cpu", *args])
+
+
+def test_generate_mode_is_real_and_lossless(exported, tmp_path) -> None:
+    root, data = exported
+    out = tmp_path / "real.json"
+    result = run(root, data, "--max-samples", "3", "--max-new-tokens", "12", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "real acceptance" in result.output and "lossless" in result.output
+    record = json.loads(out.read_text())
+    m = record["metrics"]
+    assert record["mode"] == "generate" and m["real/prompts"] == 3 and m["real/lossless_mismatches"] == 0
+    assert 1.0 <= m["real/tau"] <= 4 and m["real/new_tokens"] <= 3 * 12
+    assert m["real/tau_pooled"] == pytest.approx(1 + sum(m["real/acceptance_per_position"]))
+    assert record["provenance"]["versions"]["transformers"]
+
+
+def test_generate_mode_fails_loudly_when_not_lossless(exported, monkeypatch, tmp_path) -> None:
+    from dflash_pipe.drafter import speculate
+
+    monkeypatch.setattr(speculate, "accepted_length", lambda draft, greedy: int(draft.numel()))
+    root, data = exported
+    out = tmp_path / "bad.json"
+    result = run(root, data, "--max-samples", "2", "--max-new-tokens", "12", "--out", str(out))
+    assert result.exit_code == 1 and "2 of 2 prompts" in result.output and "not lossless" in result.output
+    assert json.loads(out.read_text())["metrics"]["real/lossless_mismatches"] == 2  # recorded, then failed
+
+
+def test_simulated_mode_and_bad_flags(exported) -> None:
+    root, data = exported
+    result = run(root, data, "--mode", "simulated", "--max-samples", "3")
+    assert result.exit_code == 0, result.output
+    assert "simulated acceptance" in result.output
+    bad = run(root, data, "--max-new-tokens", "0")
+    assert bad.exit_code == 2 and "--max-new-tokens must be >= 1" in bad.output
