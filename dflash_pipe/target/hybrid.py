@@ -181,7 +181,11 @@ def wrap_mixers(
     for _index, module in plan.mixers:
         forward = fast(module)
         counts["fast" if forward is not None else "per-sample"] += 1
-        module.forward = functools.partial(_packed_mixer_forward, module, boundaries, forward)
+        # Eager inside a compiled decoder layer: the kernels autotune and prepare indices on the host, and the
+        # per-sample path's row width changes every batch (Dynamo would recompile per batch).
+        module.forward = torch.compiler.disable(
+            functools.partial(_packed_mixer_forward, module, boundaries, forward)
+        )
     return counts
 
 
@@ -203,7 +207,7 @@ def _packed_mixer_forward(
             "convention"
         )
     if fast is not None:
-        return _no_compile(fast)(module, hidden, segments)
+        return fast(module, hidden, segments)
     for name in PACKED_ONLY_KWARGS:
         kwargs.pop(name, None)
     rows, mask = segments.unpack(hidden)  # [N, S, H], [N, S]
@@ -212,13 +216,6 @@ def _packed_mixer_forward(
     if isinstance(out, tuple):
         return (segments.pack(out[0]), *out[1:])
     return segments.pack(out)
-
-
-@functools.cache
-def _no_compile(fn: FastForward) -> FastForward:
-    """Kernel forwards run eagerly inside a compiled decoder layer (Triton kernels with their own autotuning
-    and host-side index preparation): Dynamo breaks the graph around them."""
-    return torch.compiler.disable(fn)
 
 
 def describe(counts: dict[str, int]) -> str:

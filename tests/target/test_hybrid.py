@@ -208,3 +208,21 @@ def test_segments_round_trip():
     assert rows[2, :, 0].tolist() == [4.0, 5.0, 6.0, 7.0] and rows[1, 1:].abs().sum() == 0
     assert torch.equal(segments.pack(rows), x)
     assert segments.cu_seqlens.tolist() == [0, 3, 4, 8]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_fla_path_on_cuda_equals_each_sample_alone(family, tmp_path, caplog):
+    """The real kernels: flash-linear-attention with cu_seqlens, compiled flex attention, fp32 on the GPU,
+    against each sample alone through the plain HF model on the CPU (fp32). fla's chunked kernels multiply
+    in tf32 on the GPU, hence the looser bound."""
+    pytest.importorskip("fla")
+    model_dir = save_hybrid(family, tmp_path / family)
+    with caplog.at_level(logging.INFO, logger="dflash_pipe.target"):
+        core = TargetCore(model_dir, LAYERS, torch.device("cuda"), torch.float32)
+    assert "3 through flash-linear-attention with sample boundaries" in caplog.text
+    feats = core.features(packed_batch(LENGTHS), LENGTHS).cpu()
+    reference = per_sample_reference(model_dir, packed_batch(LENGTHS), LENGTHS, LAYERS)
+    errors = relative_errors(feats, reference, LENGTHS)
+    print(family, "fla fp32 relative errors per sample:", errors)
+    assert max(errors) <= 5e-3, errors
