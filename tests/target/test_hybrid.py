@@ -57,8 +57,10 @@ def test_packing_without_boundaries_is_wrong(hybrid):
 )
 def test_features_equal_each_sample_alone(hybrid, layout, caplog):
     family, model_dir, reference = hybrid
-    if layout.get("attention") == "flex" and family == "kimi_linear":
-        pytest.skip("kimi_linear's attention layers are MLA: flex is not offered for them")
+    if layout.get("attention") == "flex" and family == "kimi_linear":  # MLA attention: flex not proven
+        with pytest.raises(ValueError, match="FLEX_HYBRIDS"):
+            TargetCore(model_dir, LAYERS, torch.device("cpu"), torch.float32, **layout)
+        return
     with caplog.at_level(logging.INFO, logger="dflash_pipe.target"):
         core = TargetCore(model_dir, LAYERS, torch.device("cpu"), torch.float32, **layout)
     assert core.packing == layout["packing"]
@@ -228,3 +230,38 @@ def test_fla_path_on_cuda_equals_each_sample_alone(family, tmp_path, caplog):
     errors = relative_errors(feats, reference, LENGTHS)
     print(family, "fla fp32 relative errors per sample:", errors)
     assert max(errors) <= 5e-3, errors
+
+
+_SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+_MOE = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
+}
+ATTENTION_ONLY = {
+    "qwen3": {},
+    "llama": {},
+    "mistral": {},
+    "gemma3_text": {},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "deepseek_v3": {
+        **_MOE,
+        "kv_lora_rank": 8,
+        "q_lora_rank": 8,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+    },
+    "glm4_moe": {**_MOE, "n_group": 1, "topk_group": 1},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(ATTENTION_ONLY))
+def test_attention_only_families_are_not_taken_for_sequence_mixers(model_type):
+    """The families that pack fine today stay packed (a case-blind "ssm" once matched GptOssMLP)."""
+    config = AutoConfig.for_model(model_type, **_SMALL, **_HEADS, **ATTENTION_ONLY[model_type])
+    model = AutoModelForCausalLM.from_config(config)
+    plan = inspect_layers(config, find_decoder_layers(model))
+    assert plan.unproven is None and not plan.hybrid
