@@ -20,13 +20,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import DataConfig
+from .config import DataConfig, RegenConfig
 from .formats import BOOKKEEPING_KEY, Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
 from .samples import DataError
 
@@ -179,12 +180,37 @@ def target_identity(target_path: Path) -> dict[str, Any]:
         for p in target_path.iterdir()
         if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()
     )
-    config = file_digest(target_path / "config.json")
-    return {"path": str(target_path.resolve()), "config_sha256": config["sha256"], "weights": weights}
+    out = {"path": str(target_path.resolve()), "weights": weights}
+    for name in ("config.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (target_path / name).is_file():  # the chat template and end-of-turn ids live in these
+            out[name] = file_digest(target_path / name)["sha256"]
+    return out
+
+
+def provenance(target_path: Path, data: DataConfig, settings: RegenConfig) -> dict[str, Any]:
+    """Where a regenerated file comes from: the target, the generation settings, the source file."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        tool = version("dflash-pipe")
+    except PackageNotFoundError:
+        tool = "unknown"
+    return {
+        "target": target_identity(target_path),
+        "settings": {
+            **settings.provenance(),
+            "max_length": data.max_length,
+            "chat_template_kwargs": data.chat_template_kwargs,
+        },
+        "source": file_digest(data.path),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dflash_pipe": tool,
+    }
 
 
 COMPARED = ("target", "settings", "source")
-"""Provenance keys that must match for a file to be reused (not the creation time or tool version)."""
+"""Provenance keys that must match for a file to be reused (not the creation time or tool version; paths
+are not compared, contents are)."""
 
 
 class RegenFileError(DataError):
@@ -231,9 +257,10 @@ class RegenStore:
                 "provenance header). Move it away, or point the run at a new run dir"
             ) from None
         for key in COMPARED:
-            if header.get(key) != self.provenance.get(key):
+            old, new = _content(header.get(key)), _content(self.provenance.get(key))
+            if old != new:
                 raise RegenFileError(
-                    f"{self.path}: made with another {key} ({_diff(header.get(key), self.provenance.get(key))}); "
+                    f"{self.path}: made with another {key} ({_diff(old, new)}); "
                     "its conversations are not what this run's target and settings would say. Delete the file "
                     "(it is regenerated), or run with the settings it was made with"
                 )
@@ -265,6 +292,11 @@ class RegenStore:
             self._file.close()
 
 
+def _content(value: Any) -> Any:
+    """A provenance entry without its path: a moved target or data file is still the same content."""
+    return {k: v for k, v in value.items() if k != "path"} if isinstance(value, dict) else value
+
+
 def _diff(old: Any, new: Any) -> str:
     """The first differing field of two provenance values, as ``key: file value != this run's``."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -283,7 +315,7 @@ class RegenTally:
     truncated_turns: int = 0
     new_tokens: int = 0
     dropped: int = 0
-    """Conversations with no generated turn, or too few trainable tokens once rendered."""
+    """Conversations with no generated turn (nothing written but their bookkeeping line)."""
     failed: Counter[str] = field(default_factory=Counter)
     """Failed turns (the first failing one of each conversation) by reason."""
     skipped_turns: int = 0
@@ -294,6 +326,7 @@ class RegenTally:
         self.turns += record.turns
         self.truncated_turns += record.truncated
         self.new_tokens += record.new_tokens
+        self.dropped += int(not record.turns)
         if record.failed is not None:
             self.failed[record.failed.reason] += 1
             self.skipped_turns += record.failed.skipped_turns

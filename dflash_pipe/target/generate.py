@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,10 @@ from dflash_pipe.target.packing import FLEX_ATTENTION
 
 STOP_CHECK_EVERY = 8
 """Decode steps between checks whether every row has ended (each check waits for the device)."""
+
+
+class GenerationStopped(Exception):
+    """``should_stop`` said stop: the call returns nothing (the conversations are generated again later)."""
 
 
 @dataclass(slots=True)
@@ -115,10 +119,13 @@ class TurnGenerator:
         self._keep_one = "logits_to_keep" in params
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
 
-    def regenerate(self, items: Sequence[tuple[int, list[dict[str, str]]]]) -> list[Regenerated]:
+    def regenerate(
+        self, items: Sequence[tuple[int, list[dict[str, str]]]], should_stop: Callable[[], bool] | None = None
+    ) -> list[Regenerated]:
         """``items``: (index, messages) per conversation. Every assistant turn is replaced by the target's
         reply, in rounds: round k decodes the k-th assistant turn of every conversation still going. A turn
-        that cannot be generated ends its conversation there (``Regenerated.failed``)."""
+        that cannot be generated ends its conversation there (``Regenerated.failed``). ``should_stop`` is
+        polled between decode steps: True raises ``GenerationStopped`` (a producer shutting down)."""
         states = [_Conversation(index, messages) for index, messages in items]
         while True:
             round_ = [s for s in states if s.advance()]
@@ -137,7 +144,8 @@ class TurnGenerator:
             seeds = None
             if not self.settings.greedy:
                 seeds = [turn_seed(self.settings.seed, s.index, s.turn) for s in asking]
-            for state, reply, limit in zip(asking, self.generate(prompts, room, seeds), room, strict=True):
+            replies = self.generate(prompts, room, seeds, should_stop)
+            for state, reply, limit in zip(asking, replies, room, strict=True):
                 text = self.tokenizer.decode(reply.tokens, skip_special_tokens=False)
                 if not text.strip():
                     state.fail("empty reply")
@@ -161,7 +169,11 @@ class TurnGenerator:
 
     @torch.inference_mode()
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_new: Sequence[int], seeds: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new: Sequence[int],
+        seeds: Sequence[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[Reply]:
         """Decodes every prompt together (left padded, one KV cache) until each row has written an
         end-of-turn token or ``max_new[row]`` tokens. ``seeds``: None decodes greedily, else one sampling
@@ -196,6 +208,8 @@ class TurnGenerator:
                 done |= live & (torch.isin(token, end_ids) | (lengths >= limit))
                 if step + 1 == steps or ((step + 1) % STOP_CHECK_EVERY == 0 and bool(done.all())):
                     break
+                if should_stop is not None and should_stop():
+                    raise GenerationStopped
                 mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=self.device)], dim=1)
                 out = self._forward(token[:, None], mask, next_pos[:, None], cache)
                 cache, logits = self._cache_of(out), out.logits[:, -1]
