@@ -76,7 +76,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "data.token_budget": 2048,
     "data.max_length": 512,
     "data.responses": "target",
-    "regen.max_new_tokens": 160,
+    "regen.max_new_tokens": 64,
     "train.checkpoint_every": 100,
 }
 """Without --target-model (the built-in demo): a small drafter, one short epoch, trained on the demo

@@ -195,7 +195,7 @@ def provenance(target_path: Path, data: DataConfig, settings: RegenConfig) -> di
         tool = version("dflash-pipe")
     except PackageNotFoundError:
         tool = "unknown"
-    return {
+    out = {
         "target": target_identity(target_path),
         "settings": {
             **settings.provenance(),
@@ -206,6 +206,7 @@ def provenance(target_path: Path, data: DataConfig, settings: RegenConfig) -> di
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dflash_pipe": tool,
     }
+    return json.loads(json.dumps(out))  # as it reads back from the file (tuples become lists)
 
 
 COMPARED = ("target", "settings", "source")
