@@ -111,7 +111,10 @@ def test_the_regenerated_file_trains_as_ordinary_data(tmp_path, target_dir, writ
     assert loaded.skipped_lines == 0 and len(loaded.samples) == 2  # header and the empty one skipped
     ids, _ = render_conversation(tok, conv(("q0", "target a0")))
     assert loaded.samples[0].input_ids.tolist() == ids
-    assert [m["content"] for m in load_conversations(DataConfig(path=path)).conversations[1]] == ["q1", "target a1"]
+    assert [m["content"] for m in load_conversations(DataConfig(path=path)).conversations[1]] == [
+        "q1",
+        "target a1",
+    ]
 
 
 def test_pretokenized_lines_cannot_be_regenerated(write_jsonl):
@@ -143,4 +146,6 @@ def test_chat_template_kwargs_are_validated():
         DataConfig(path=Path("x"), chat_template_kwargs=["enable_thinking"])
     with pytest.raises(ValueError, match="data.responses must be dataset or target|responses must be"):
         DataConfig(path=Path("x"), responses="model")
-    assert json.dumps(DataConfig(path=Path("x"), chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs)
+    assert json.dumps(
+        DataConfig(path=Path("x"), chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs
+    )
