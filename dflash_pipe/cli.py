@@ -48,6 +48,20 @@ def main() -> None:
     """
 
 
+TARGET_MODEL = click.option(
+    "--target-model",
+    type=click.Path(path_type=Path),
+    help="HF model directory of the target (default: the built-in demo target).",
+)
+DEVICE = click.option(
+    "--device",
+    type=click.Choice(["auto", "cuda", "cpu"]),
+    default="auto",
+    show_default=True,
+    help="auto: CUDA if a GPU is visible, else CPU.",
+)
+
+
 def regen_flags(*, launch: bool) -> Callable:
     """The regeneration flags, shared by ``launch`` (where they fill ``data.*`` / ``regen.*``) and
     ``regenerate``; unset ones leave the config's value (``regenerate``: RegenConfig's defaults)."""
@@ -98,11 +112,7 @@ def regen_flags(*, launch: bool) -> Callable:
 
 
 @main.command()
-@click.option(
-    "--target-model",
-    type=click.Path(path_type=Path),
-    help="HF model directory of the target (default: the built-in demo target).",
-)
+@TARGET_MODEL
 @click.option(
     "--data",
     "data_path",
@@ -120,13 +130,7 @@ def regen_flags(*, launch: bool) -> Callable:
     type=click.Path(path_type=Path),
     help="Continue the run in this directory from its latest checkpoint, with its saved config.",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cuda", "cpu"]),
-    default="auto",
-    show_default=True,
-    help="auto: CUDA if a GPU is visible, else CPU.",
-)
+@DEVICE
 @click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4 or 0,1.")
 @click.option("--drafter-gpus", help="GPUs of the drafter workers (one process each), e.g. 5-7.")
 @click.option(
@@ -318,11 +322,7 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
 
 
 @main.command()
-@click.option(
-    "--target-model",
-    type=click.Path(path_type=Path),
-    help="HF model directory of the target (default: the built-in demo target).",
-)
+@TARGET_MODEL
 @click.option(
     "--data",
     "data_path",
@@ -336,13 +336,7 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Output JSONL (messages format, provenance header); an existing one made the same way is resumed.",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cuda", "cpu"]),
-    default="auto",
-    show_default=True,
-    help="auto: CUDA if a GPU is visible, else CPU.",
-)
+@DEVICE
 @click.option("--gpu", type=int, default=0, show_default=True, help="The GPU to generate on (with CUDA).")
 @click.option(
     "--max-length",

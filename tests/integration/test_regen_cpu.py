@@ -24,28 +24,17 @@ CONVERSATIONS = 60
 
 
 def _cmd(run_dir: Path, data: Path) -> list[str]:
+    flags = "--plain --device cpu --workers 1 --responses target --regen-batch 4 --token-budget 512 --max-length 256"
     return [
         sys.executable,
         "-m",
         "dflash_pipe",
         "launch",
-        "--plain",
-        "--device",
-        "cpu",
-        "--workers",
-        "1",
+        *flags.split(),
         "--run-dir",
         str(run_dir),
         "--data",
         str(data),
-        "--responses",
-        "target",
-        "--regen-batch",
-        "4",
-        "--token-budget",
-        "512",
-        "--max-length",
-        "256",
     ]
 
 
