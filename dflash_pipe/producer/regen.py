@@ -104,7 +104,10 @@ class Regeneration:
         self._todo = deque(i for i in range(num_train) if i not in store.done)
         self._jobs = 0
         self._arrived: list[int] = []
-        self.started = time.monotonic()
+        self.started: float | None = None
+        """When the first generation was handed out (None: nothing to generate in this process)."""
+        self.finished: float | None = None
+        """When the last training conversation's reply arrived."""
 
     # --- what the target threads generate --------------------------------------------------------------
 
@@ -125,6 +128,7 @@ class Regeneration:
         """The next training conversations to regenerate, None when every one is done or handed out."""
         if not self._todo:
             return None
+        self.started = self.started or time.monotonic()
         items = []
         while self._todo and len(items) < self.settings.batch_size:
             index = self._todo.popleft()
@@ -140,6 +144,8 @@ class Regeneration:
             self.rate.add(record.new_tokens)
             if self._place(record) is not None:
                 self._arrived.append(record.index)
+        if self.complete and self.finished is None:
+            self.finished = time.monotonic()
 
     def _place(self, record: Regenerated) -> Sample | None:
         sample = to_sample(record, record.index, self.tokenizer, self.data)
@@ -164,6 +170,8 @@ class Regeneration:
         are built from them once, at the start."""
         indexes = range(self.num_train, len(self.source.conversations))
         todo = [i for i in indexes if i not in self.store.done]
+        if todo:
+            self.started = self.started or time.monotonic()
         for start in range(0, len(todo), self.settings.batch_size):
             chunk = todo[start : start + self.settings.batch_size]
             results = generator.regenerate([(i, self.source.conversations[i]) for i in chunk])
@@ -234,7 +242,7 @@ class Regeneration:
 
     def summary(self) -> dict[str, Any]:
         """The run summary's regeneration line."""
-        elapsed = time.monotonic() - self.started
+        elapsed = 0.0 if self.started is None else (self.finished or time.monotonic()) - self.started
         return {
             "file": str(self.store.path),
             "conversations_generated": self.tally.conversations,
