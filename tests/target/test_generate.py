@@ -182,3 +182,23 @@ def test_a_prompt_too_long_is_a_counted_failure_and_keeps_earlier_turns(model, t
 def test_bad_settings_are_clear_errors(settings, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         RegenConfig(**settings)
+
+
+def test_a_flex_target_core_decodes_with_sdpa_and_keeps_its_feature_path(tokenizer):
+    """TargetCore's packed flex attention needs a BlockMask: decoding switches the model to SDPA and back."""
+    from dflash_pipe.target import TargetCore
+    from dflash_pipe.target.packing import FLEX_ATTENTION
+
+    config = tiny_qwen3_config(vocab_size=len(tokenizer), max_position_embeddings=512)
+    torch.manual_seed(0)
+    core = TargetCore(config, [0, 1], "cpu", torch.float32, attention="flex")
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    reference.load_state_dict(core.model.state_dict())
+    ids = torch.arange(5, 45)
+    before = core.features(ids, [10, 30]).clone()
+    got = TurnGenerator(core.model, tokenizer, RegenConfig(max_new_tokens=6), device="cpu", max_length=256)
+    want = TurnGenerator(reference, tokenizer, RegenConfig(max_new_tokens=6), device="cpu", max_length=256)
+    items = list(enumerate(CONVERSATIONS))
+    assert [r.messages for r in got.regenerate(items)] == [r.messages for r in want.regenerate(items)]
+    assert core.model.config._attn_implementation == FLEX_ATTENTION
+    assert torch.equal(core.features(ids, [10, 30]), before)
