@@ -192,7 +192,9 @@ def test_a_flex_target_core_decodes_with_sdpa_and_keeps_its_feature_path(tokeniz
     config = tiny_qwen3_config(vocab_size=len(tokenizer), max_position_embeddings=512)
     torch.manual_seed(0)
     core = TargetCore(config, [0, 1], "cpu", torch.float32, attention="flex")
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    reference = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     reference.load_state_dict(core.model.state_dict())
     ids = torch.arange(5, 45)
     before = core.features(ids, [10, 30]).clone()
@@ -202,3 +204,19 @@ def test_a_flex_target_core_decodes_with_sdpa_and_keeps_its_feature_path(tokeniz
     assert [r.messages for r in got.regenerate(items)] == [r.messages for r in want.regenerate(items)]
     assert core.model.config._attn_implementation == FLEX_ATTENTION
     assert torch.equal(core.features(ids, [10, 30]), before)
+
+
+def test_an_empty_reply_is_a_counted_failure(tokenizer):
+    """A target whose first token is always EOS (id 0 of the demo tokenizer): every turn fails as empty."""
+    config = tiny_qwen3_config(vocab_size=len(tokenizer), max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa").eval()
+    model.model.norm.weight.data.zero_()  # all logits 0: the argmax is token 0, <|endoftext|>
+    assert tokenizer.convert_ids_to_tokens(0) == tokenizer.eos_token
+    gen = _generator(model, tokenizer)
+    results = gen.regenerate(list(enumerate(CONVERSATIONS)))
+    assert all(r.turns == 0 and r.messages == [] for r in results)
+    assert [(r.failed.reason, r.failed.turn, r.failed.skipped_turns) for r in results] == [
+        ("empty reply", 0, 2),
+        ("empty reply", 0, 1),
+        ("empty reply", 0, 2),
+    ]
