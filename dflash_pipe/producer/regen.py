@@ -29,6 +29,13 @@ from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, So
 from dflash_pipe.data.render import render_conversation
 from dflash_pipe.telemetry import RateMeter
 
+SORT_WINDOW_JOBS = 8
+"""Conversations are sorted by length within windows of this many jobs (see ``Regeneration.next_job``)."""
+
+
+def _chars(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"]) for m in messages)
+
 
 @dataclass(slots=True)
 class GenerateJob:
@@ -102,6 +109,7 @@ class Regeneration:
             if index < num_train:
                 self._place(record)
         self._todo = deque(i for i in range(num_train) if i not in store.done)
+        self._window: deque[int] = deque()
         self._jobs = 0
         self._arrived: list[int] = []
         self.started: float | None = None
@@ -125,13 +133,21 @@ class Regeneration:
         )
 
     def next_job(self) -> GenerateJob | None:
-        """The next training conversations to regenerate, None when every one is done or handed out."""
-        if not self._todo:
+        """The next training conversations to regenerate, None when every one is done or handed out.
+
+        Jobs are cut from windows of ``SORT_WINDOW_JOBS`` jobs' worth of conversations (in file order),
+        sorted by length within the window: a job's prompts are left-padded to its longest, so similar
+        lengths waste less, while epoch 0 still moves through the file in order."""
+        if not self._window:
+            take = min(len(self._todo), SORT_WINDOW_JOBS * self.settings.batch_size)
+            window = [self._todo.popleft() for _ in range(take)]
+            self._window.extend(sorted(window, key=lambda i: _chars(self.source.conversations[i])))
+        if not self._window:
             return None
         self.started = self.started or time.monotonic()
         items = []
-        while self._todo and len(items) < self.settings.batch_size:
-            index = self._todo.popleft()
+        while self._window and len(items) < self.settings.batch_size:
+            index = self._window.popleft()
             items.append((index, self.source.conversations[index]))
         self._jobs += 1
         return GenerateJob(job_id=self._jobs, items=items)

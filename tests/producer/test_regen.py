@@ -124,3 +124,14 @@ def test_void_ids_count_as_trained_for_the_resume_epoch():
     assert first_open_epoch(ledger, {2}) == 1
     ledger.mark(1, [0])
     assert first_open_epoch(ledger, {2}) == 1
+
+
+def test_jobs_group_conversations_of_similar_length_within_a_window(tmp_path, tok):
+    regen = _make(tmp_path, tok, batch=2)
+    for i, conv in enumerate(regen.source.conversations):  # longest first in the file
+        conv[1]["content"] = "x" * (100 - i)
+    jobs = []
+    while (job := regen.next_job()) is not None:
+        jobs.append([i for i, _ in job.items])
+    # the 10 training conversations fit one window (8 jobs of 2): shortest first, each exactly once
+    assert jobs == [[9, 8], [7, 6], [5, 4], [3, 2], [1, 0]]
