@@ -33,6 +33,9 @@ from dflash_pipe.target.packing import FLEX_ATTENTION
 
 STOP_CHECK_EVERY = 8
 """Decode steps between checks whether every row has ended (each check waits for the device)."""
+COMPACT_WHEN = 4
+"""At a check, once 1/COMPACT_WHEN of the batch's rows have ended, they leave the batch (their cache rows
+too: ``Cache.reorder_cache``), so a round's long replies do not drag the finished rows along."""
 
 
 class GenerationStopped(Exception):
@@ -176,8 +179,9 @@ class TurnGenerator:
         should_stop: Callable[[], bool] | None = None,
     ) -> list[Reply]:
         """Decodes every prompt together (left padded, one KV cache) until each row has written an
-        end-of-turn token or ``max_new[row]`` tokens. ``seeds``: None decodes greedily, else one sampling
-        seed per row (temperature / top-p / top-k of the settings)."""
+        end-of-turn token or ``max_new[row]`` tokens; rows that have ended leave the batch as it goes
+        (``COMPACT_WHEN``). ``seeds``: None decodes greedily, else one sampling seed per row (temperature /
+        top-p / top-k of the settings)."""
         rows = len(prompts)
         width = max(len(p) for p in prompts)
         ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
@@ -193,24 +197,41 @@ class TurnGenerator:
         if seeds is not None:
             generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
         steps = int(limit.max())
-        written = torch.zeros((rows, steps), dtype=torch.long, device=self.device)  # [B, N]
+        written = torch.zeros((rows, steps), dtype=torch.long, device=self.device)  # [B, N] by original row
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)  # [B]
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # [B] tokens written per row
+        rows_now = torch.arange(rows, device=self.device)  # [b] the original row of each batch row
         with self._attention_for_decoding():
             out = self._forward(ids, mask, positions, None)
             cache, logits = self._cache_of(out), out.logits[:, -1]  # [B, V]
-            next_pos = positions[:, -1] + 1  # [B]
+            next_pos = positions[:, -1] + 1  # [b]
             for step in range(steps):
-                token = self._pick(logits, generators)  # [B]
-                live = ~done
-                written[:, step] = torch.where(live, token, self.pad_id)
-                lengths += live.long()
-                done |= live & (torch.isin(token, end_ids) | (lengths >= limit))
-                if step + 1 == steps or ((step + 1) % STOP_CHECK_EVERY == 0 and bool(done.all())):
+                token = self._pick(logits, generators)  # [b]
+                live = ~done[rows_now]  # [b]
+                written[rows_now, step] = torch.where(live, token, self.pad_id)
+                lengths[rows_now] += live.long()
+                done[rows_now] |= live & (torch.isin(token, end_ids) | (lengths[rows_now] >= limit[rows_now]))
+                if step + 1 == steps:
                     break
+                if (step + 1) % STOP_CHECK_EVERY == 0:
+                    finished = int(done[rows_now].sum())  # waits for the device
+                    if finished == len(rows_now):
+                        break
+                    if finished * COMPACT_WHEN >= len(rows_now) and hasattr(cache, "reorder_cache"):
+                        keep = (~done[rows_now]).nonzero().squeeze(1)  # [b'] rows still writing
+                        cache.reorder_cache(keep)
+                        mask, next_pos, token, rows_now = (
+                            mask[keep],
+                            next_pos[keep],
+                            token[keep],
+                            rows_now[keep],
+                        )
+                        if generators is not None:
+                            generators = [generators[i] for i in keep.tolist()]
                 if should_stop is not None and should_stop():
                     raise GenerationStopped
-                mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                ones = torch.ones((len(rows_now), 1), dtype=mask.dtype, device=self.device)
+                mask = torch.cat([mask, ones], dim=1)
                 out = self._forward(token[:, None], mask, next_pos[:, None], cache)
                 cache, logits = self._cache_of(out), out.logits[:, -1]
                 next_pos = next_pos + 1

@@ -220,3 +220,24 @@ def test_an_empty_reply_is_a_counted_failure(tokenizer):
         ("empty reply", 0, 1),
         ("empty reply", 0, 2),
     ]
+
+
+@pytest.mark.parametrize("seeds", [None, [11, 12, 13, 14, 15]])
+def test_rows_ending_early_leave_the_batch_and_change_nothing(model, tokenizer, seeds):
+    """Rows with smaller limits end first and are compacted out of the batch (and its cache); each reply
+    must equal that prompt decoded alone."""
+    gen = _generator(model, tokenizer, **({"temperature": 0.9} if seeds else {}))
+    prompts = [list(range(5 + i, 20 + 3 * i)) for i in range(5)]
+    limits = [3, 40, 9, 17, 25]
+    sizes: list[int] = []
+    forward = gen._forward
+    gen._forward = lambda ids, *rest: sizes.append(ids.shape[0]) or forward(ids, *rest)
+    batched = gen.generate(prompts, limits, seeds)
+    gen._forward = forward
+    alone = [
+        gen.generate([p], [n], None if seeds is None else [seeds[i]])[0]
+        for i, (p, n) in enumerate(zip(prompts, limits, strict=True))
+    ]
+    assert [(r.tokens, r.ended) for r in batched] == [(r.tokens, r.ended) for r in alone]
+    assert all(len(r.tokens) + r.ended <= n for r, n in zip(batched, limits, strict=True))
+    assert sizes[0] == 5 and min(sizes) < 5  # finished rows left the batch
