@@ -16,6 +16,8 @@ import pytest
 
 from dflash_pipe.data import demo_data_path
 from dflash_pipe.data.regenerated import REGEN_FILE
+from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.train.ledger import Ledger
 
 pytestmark = pytest.mark.slow
 
@@ -81,23 +83,40 @@ def test_killed_mid_regeneration_resumes_without_redoing(tmp_path: Path):
     n_train = CONVERSATIONS - CONVERSATIONS // 10
     assert 12 <= len(written) < CONVERSATIONS, len(written)
 
+    # launched again: stops after 4 steps with a checkpoint (regeneration possibly still going)
     second = subprocess.run(
-        _cmd(run_dir, data), env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+        [*_cmd(run_dir, data), "--max-steps", "4", "--checkpoint-every", "2"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    after = regen_file.read_bytes()
-    assert after.startswith(before.rsplit(b"\n", 1)[0])  # the first run's lines are kept as written
-    indexes = [_index(r) for r in _records(regen_file)]
-    assert sorted(indexes) == list(range(CONVERSATIONS))  # each conversation once: nothing generated twice
-    assert "regen" in second.stderr and f"{n_train}/{n_train} conv" in second.stderr
+    assert regen_file.read_bytes().startswith(before.rsplit(b"\n", 1)[0])  # the first run's lines kept
+    assert f"({len(written)} reused" in second.stdout + second.stderr
+    # --resume to the end of the epoch: nothing written is generated again
+    third = subprocess.run(
+        [*_cmd(run_dir, data)[:4], "--plain", "--resume", str(run_dir), "--max-steps", "1000"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    out = third.stdout + third.stderr
+    assert "stopped: finished" in out and f"{n_train}/{n_train} conv" in out
+    records = _records(regen_file)
+    assert sorted(_index(r) for r in records) == list(range(CONVERSATIONS))  # each conversation once
+    ledger = Ledger.from_dict(read_trainer_state(latest_checkpoint(run_dir)).ledger)
+    voids = {_index(r) for r in records if "messages" not in r}
+    assert ledger.count(0) + len(voids - ledger.trained(0)) == n_train  # every sample trained but voids
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in metrics if "loss" in r]
-    assert losses and any(k.startswith("regen/") for r in metrics for k in r)
+    assert any("loss" in r for r in metrics) and any(k.startswith("regen/") for r in metrics for k in r)
     # the samples trained are the target's replies, not the dataset's
     source = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
     changed = sum(
-        r["messages"][1]["content"] != source[_index(r)][1]["content"]
-        for r in _records(regen_file)
-        if "messages" in r
+        r["messages"][1]["content"] != source[_index(r)][1]["content"] for r in records if "messages" in r
     )
     assert changed > CONVERSATIONS // 2
