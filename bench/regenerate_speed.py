@@ -14,7 +14,8 @@ the limit in both paths, and the figure is the tokens each path really generated
 ``same_as_hf`` counts the prompts whose greedy reply (largest batch) is identical to HF's one-at-a-time one.
 Launch rows: ``dflash-pipe launch --max-steps 2`` on the demo conversations, ``--responses target`` and
 ``--responses dataset``, timed from the process start to its first logged loss; at a model shape the target
-is saved with that shape's layers but the demo tokenizer's vocabulary (the replies must decode to text).
+is saved with that shape's layers but the demo tokenizer's vocabulary (the replies must decode to text),
+and replies are capped at 256 tokens (random weights never end a turn).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def launch_rows(shape: str, device: str, scratch: Path, extra: list[str]) -> lis
             demo_tokenizer().save_pretrained(target)
             del model
         args += ["--target-model", str(target), "--data", str(demo_data_path()), "--max-length", "1024"]
+        args += ["--max-new-tokens", "256"]  # random weights never end a turn: chat-sized replies
     rows = []
     for responses in ("target", "dataset"):
         run_dir = scratch / f"run-{shape}-{responses}"
