@@ -23,7 +23,7 @@ from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, build_batch, load_replicas
 from dflash_pipe.producer.payloads import payload_for
 from dflash_pipe.producer.record import bind_address, write_record
-from dflash_pipe.producer.regen import GenerateDone, GenerateJob
+from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.staging import HostStaging, PrivateStaging
@@ -610,8 +610,9 @@ class ProducerProc:
                 raise RunAborted(f"target replica {item.replica} failed: {item.error!r}") from item.error
             if isinstance(item, GenerateDone):
                 self._generating -= 1
-                self.regen.accept(item)  # type: ignore[union-attr]
-                self._note_regen_failures(item)
+                note = self.regen.accept(item)  # type: ignore[union-attr]
+                if note:
+                    self._note(note)
                 continue
             self._in_target -= 1
             self.scheduler.add_ready(item)
@@ -644,17 +645,6 @@ class ProducerProc:
                 return
             self._plans.put(job)
             self._generating += 1
-
-    def _note_regen_failures(self, done: GenerateDone) -> None:
-        failed = [r for r in done.results if r.failed is not None]
-        if failed:
-            first = failed[0].failed
-            assert first is not None
-            self._note(
-                f"regeneration: {len(failed)} conversation(s) of job {done.job.job_id} stopped at a turn that "
-                f"could not be generated (first: conversation {failed[0].index}, turn {first.turn}: "
-                f"{first.reason}); their earlier turns are kept. So far: {self.regen.tally.failed_text()}"  # type: ignore[union-attr]
-            )
 
     def _dispatch(self) -> None:
         if self._done_sent:
@@ -818,15 +808,6 @@ def _drain(q: queue.Queue) -> None:
             q.get_nowait()
         except queue.Empty:
             return
-
-
-def first_open_epoch(ledger: Any, voids: set[int]) -> int:
-    """The first epoch with a sample left to train: ``Ledger.current_epoch`` where the void ids (regenerated
-    conversations with nothing to train) count as trained, since no epoch plans them."""
-    for epoch in range(ledger.epochs):
-        if ledger.count(epoch) + len(voids - ledger.trained(epoch)) < ledger.num_samples:
-            return epoch
-    return ledger.epochs
 
 
 def choose_offers(

@@ -152,8 +152,9 @@ class Regeneration:
         self._jobs += 1
         return GenerateJob(job_id=self._jobs, items=items)
 
-    def accept(self, done: GenerateDone) -> None:
-        """Writes a job's conversations to the regenerated file and makes their samples plannable."""
+    def accept(self, done: GenerateDone) -> str | None:
+        """Writes a job's conversations to the regenerated file and makes their samples plannable; returns
+        the line the dashboard shows when some turn of the job could not be generated."""
         self.store.append(done.results)
         for record in done.results:
             self.tally.add(record)
@@ -162,6 +163,16 @@ class Regeneration:
                 self._arrived.append(record.index)
         if self.complete and self.finished is None:
             self.finished = time.monotonic()
+        failed = [rec for rec in done.results if rec.failed is not None]
+        if not failed:
+            return None
+        first = failed[0].failed
+        assert first is not None
+        return (
+            f"regeneration: {len(failed)} conversation(s) of job {done.job.job_id} stopped at a turn that could "
+            f"not be generated (first: conversation {failed[0].index}, turn {first.turn}: {first.reason}); their "
+            f"earlier turns are kept. So far: {self.tally.failed_text()}"
+        )
 
     def _place(self, record: Regenerated) -> Sample | None:
         sample = to_sample(record, record.index, self.tokenizer, self.data)
@@ -271,3 +282,12 @@ class Regeneration:
             "new_tokens": self.tally.new_tokens,
             "seconds": elapsed,
         }
+
+
+def first_open_epoch(ledger: Any, voids: set[int]) -> int:
+    """The first epoch with a sample left to train: ``Ledger.current_epoch`` where the void ids (regenerated
+    conversations with nothing to train) count as trained, since no epoch plans them."""
+    for epoch in range(ledger.epochs):
+        if ledger.count(epoch) + len(voids - ledger.trained(epoch)) < ledger.num_samples:
+            return epoch
+    return ledger.epochs

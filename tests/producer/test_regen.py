@@ -16,8 +16,7 @@ from dflash_pipe.data.regenerated import (
     provenance,
 )
 from dflash_pipe.data.render import render_conversation
-from dflash_pipe.producer.proc import first_open_epoch
-from dflash_pipe.producer.regen import GenerateDone, Regeneration
+from dflash_pipe.producer.regen import GenerateDone, Regeneration, first_open_epoch
 from dflash_pipe.train.ledger import Ledger
 
 N = 12
@@ -135,3 +134,15 @@ def test_jobs_group_conversations_of_similar_length_within_a_window(tmp_path, to
         jobs.append([i for i, _ in job.items])
     # the 10 training conversations fit one window (8 jobs of 2): shortest first, each exactly once
     assert jobs == [[9, 8], [7, 6], [5, 4], [3, 2], [1, 0]]
+
+
+def test_a_job_with_failed_turns_returns_the_dashboard_note(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    job = regen.next_job()
+    assert regen.accept(GenerateDone(job=job, results=_answer(job.items), seconds=0.1, replica="cpu")) is None
+    job = regen.next_job()
+    note = regen.accept(GenerateDone(job=job, results=_answer(job.items, empty={5}), seconds=0.1, replica="cpu"))
+    assert note == (
+        "regeneration: 1 conversation(s) of job 2 stopped at a turn that could not be generated (first: "
+        "conversation 5, turn 0: empty reply); their earlier turns are kept. So far: 1 empty reply"
+    )
