@@ -142,3 +142,20 @@ def test_launch_with_target_responses_refuses_pretokenized_data(target, tmp_path
     result = CliRunner().invoke(main, [*args, "--run-dir", str(tmp_path / "run"), "--responses", "target"])
     assert result.exit_code == 2, result.output
     assert "ids.jsonl:1: this line is pre-tokenized" in result.output
+
+
+def test_a_config_file_sets_responses_and_the_regen_section(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "data:\n  responses: target\n  chat_template_kwargs: {enable_thinking: false}\n"
+        "regen:\n  temperature: 0.6\n  top_p: 0.95\n  max_new_tokens: 512\n"
+    )
+    result = _run("launch", "--print-config", "--config", str(config), "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    assert "temperature: 0.6" in result.output and "max_new_tokens: 512" in result.output
+    config.write_text("regen:\n  temperature: -2\n")
+    bad = _run("launch", "--print-config", "--config", str(config), "--run-dir", str(tmp_path / "run"))
+    assert bad.exit_code == 2 and "regen.temperature must be >= 0" in bad.output
+    config.write_text("regen:\n  temprature: 0.5\n")
+    typo = _run("launch", "--print-config", "--config", str(config), "--run-dir", str(tmp_path / "run"))
+    assert typo.exit_code == 2 and "Did you mean `regen.temperature`?" in typo.output
