@@ -40,6 +40,13 @@ def _cmd(run_dir: Path, data: Path) -> list[str]:
     ]
 
 
+def _finish(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Runs a launch to its end; it must succeed."""
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def _records(path: Path) -> list[dict]:
     lines = path.read_text().splitlines()
     return [json.loads(line) for line in lines[1:] if line.strip()]
@@ -84,27 +91,13 @@ def test_killed_mid_regeneration_resumes_without_redoing(tmp_path: Path):
     assert 12 <= len(written) < CONVERSATIONS, len(written)
 
     # launched again: stops after 4 steps with a checkpoint (regeneration possibly still going)
-    second = subprocess.run(
-        [*_cmd(run_dir, data), "--max-steps", "4", "--checkpoint-every", "2"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    second = _finish(_cmd(run_dir, data) + ["--max-steps", "4", "--checkpoint-every", "2"], env)
     assert regen_file.read_bytes().startswith(before.rsplit(b"\n", 1)[0])  # the first run's lines kept
     assert f"({len(written)} reused" in second.stdout + second.stderr
     # --resume to the end of the epoch: nothing written is generated again
-    third = subprocess.run(
-        [*_cmd(run_dir, data)[:4], "--plain", "--resume", str(run_dir), "--max-steps", "1000"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    third = _finish(
+        [*_cmd(run_dir, data)[:4], "--plain", "--resume", str(run_dir), "--max-steps", "1000"], env
     )
-    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     out = third.stdout + third.stderr
     assert "stopped: finished" in out and f"{n_train}/{n_train} conv" in out
     records = _records(regen_file)

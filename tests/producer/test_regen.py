@@ -141,7 +141,9 @@ def test_a_job_with_failed_turns_returns_the_dashboard_note(tmp_path, tok):
     job = regen.next_job()
     assert regen.accept(GenerateDone(job=job, results=_answer(job.items), seconds=0.1, replica="cpu")) is None
     job = regen.next_job()
-    note = regen.accept(GenerateDone(job=job, results=_answer(job.items, empty={5}), seconds=0.1, replica="cpu"))
+    note = regen.accept(
+        GenerateDone(job=job, results=_answer(job.items, empty={5}), seconds=0.1, replica="cpu")
+    )
     assert note == (
         "regeneration: 1 conversation(s) of job 2 stopped at a turn that could not be generated (first: "
         "conversation 5, turn 0: empty reply); their earlier turns are kept. So far: 1 empty reply"
