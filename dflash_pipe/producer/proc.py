@@ -360,6 +360,8 @@ class ProducerProc:
         if todo:
             self._note(f"regenerating the {todo} held-out conversation(s) for the eval set")
         self.ctx.eval_samples = regen.regenerate_eval(regen.make_generator(self._cores[0]))
+        if why := regen.nothing_to_train():  # a reused file that holds nothing trainable
+            raise RunAborted(why)
 
     def _ack_window(self) -> dict[str, float]:
         if self._window_start is None or self._last_ack is None:
@@ -613,6 +615,8 @@ class ProducerProc:
                 note = self.regen.accept(item)  # type: ignore[union-attr]
                 if note:
                     self._note(note)
+                if why := self.regen.nothing_to_train():  # type: ignore[union-attr]
+                    raise RunAborted(why)
                 continue
             self._in_target -= 1
             self.scheduler.add_ready(item)

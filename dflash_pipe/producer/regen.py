@@ -183,6 +183,16 @@ class Regeneration:
             self.train_samples[record.index] = sample
         return sample
 
+    def nothing_to_train(self) -> str | None:
+        """Once every training conversation is regenerated: why no sample came out of them, else None."""
+        if not self.complete or len(self.voids) < self.num_train:
+            return None
+        return (
+            f"regeneration left no sample to train: all {self.num_train} training conversations came out with "
+            f"no trainable turn (failed turns: {self.tally.failed_text()}). Check data.max_length (prompts "
+            "must fit under it) and that the target writes replies (its chat template and end-of-turn token)"
+        )
+
     @property
     def complete(self) -> bool:
         """Every training conversation regenerated (and written)."""

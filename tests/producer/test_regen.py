@@ -148,3 +148,15 @@ def test_a_job_with_failed_turns_returns_the_dashboard_note(tmp_path, tok):
         "regeneration: 1 conversation(s) of job 2 stopped at a turn that could not be generated (first: "
         "conversation 5, turn 0: empty reply); their earlier turns are kept. So far: 1 empty reply"
     )
+
+
+def test_no_trainable_sample_at_all_is_a_clear_error(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    while (job := regen.next_job()) is not None:
+        assert regen.nothing_to_train() is None
+        every = {i for i, _ in job.items}
+        regen.accept(
+            GenerateDone(job=job, results=_answer(job.items, empty=every), seconds=0.1, replica="cpu")
+        )
+    why = regen.nothing_to_train()
+    assert why is not None and "all 10 training conversations" in why and "10 empty reply" in why
