@@ -376,7 +376,8 @@ class ProducerProc:
 
     def wait_report(self) -> dict[str, float]:
         """Shares of the observed time: target replicas idle (the ready queue at its bound, waiting for
-        credits), workers holding unused credits (waiting for batches), and the mean ready-queue depth."""
+        credits), workers holding unused credits (waiting for batches), and the mean ready-queue depth; the
+        replicas' busy seconds, and of those the seconds spent regenerating conversations."""
         busy = sum(t.busy_s for t in self._threads)
         return {
             "observed_s": self.waits.elapsed_s,
@@ -384,6 +385,7 @@ class ProducerProc:
             "workers_starved_share": self.waits.mean("workers_starved"),
             "queue_depth_mean": self.waits.mean("queue_depth"),
             "target_busy_s": busy,
+            "target_generate_s": sum(t.generate_s for t in self._threads),
         }
 
     def _observe_waits(self) -> None:
