@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -48,12 +49,71 @@ def main() -> None:
     """
 
 
-@main.command()
-@click.option(
+TARGET_MODEL = click.option(
     "--target-model",
     type=click.Path(path_type=Path),
     help="HF model directory of the target (default: the built-in demo target).",
 )
+DEVICE = click.option(
+    "--device",
+    type=click.Choice(["auto", "cuda", "cpu"]),
+    default="auto",
+    show_default=True,
+    help="auto: CUDA if a GPU is visible, else CPU.",
+)
+
+
+def regen_flags(*, launch: bool) -> Callable:
+    """The regeneration flags, shared by ``launch`` (where they fill ``data.*`` / ``regen.*``) and
+    ``regenerate``; unset ones leave the config's value (``regenerate``: RegenConfig's defaults)."""
+    options = [
+        click.option(
+            "--chat-template-arg",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Extra apply_chat_template argument for rendering and generation prompts, e.g. "
+            "enable_thinking=false (VALUE read as JSON, else a string); repeatable.",
+        ),
+        click.option("--temperature", type=float, help="Regeneration: 0 greedy (default), > 0 sampled."),
+        click.option(
+            "--top-p", type=float, help="Regeneration: nucleus sampling threshold in (0, 1] (default 1)."
+        ),
+        click.option(
+            "--top-k", type=int, help="Regeneration: sample among the k most likely tokens (0: all)."
+        ),
+        click.option(
+            "--regen-seed", type=int, help="Regeneration: sampling seed (per conversation and turn)."
+        ),
+        click.option(
+            "--max-new-tokens",
+            type=int,
+            help="Regeneration: tokens per assistant turn at most (default 1024).",
+        ),
+        click.option(
+            "--regen-batch", type=int, help="Regeneration: conversations decoded together (default 32)."
+        ),
+    ]
+    if launch:
+        options.insert(
+            0,
+            click.option(
+                "--responses",
+                type=click.Choice(["dataset", "target"]),
+                help="Train on the data's assistant turns, or on the target's own replies: it regenerates "
+                "every turn first, turn by turn, while the drafters already train (default dataset; demo target).",
+            ),
+        )
+
+    def apply(fn: Callable) -> Callable:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return apply
+
+
+@main.command()
+@TARGET_MODEL
 @click.option(
     "--data",
     "data_path",
@@ -71,13 +131,7 @@ def main() -> None:
     type=click.Path(path_type=Path),
     help="Continue the run in this directory from its latest checkpoint, with its saved config.",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cuda", "cpu"]),
-    default="auto",
-    show_default=True,
-    help="auto: CUDA if a GPU is visible, else CPU.",
-)
+@DEVICE
 @click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4 or 0,1.")
 @click.option("--drafter-gpus", help="GPUs of the drafter workers (one process each), e.g. 5-7.")
 @click.option(
@@ -117,6 +171,7 @@ def main() -> None:
     + presets_help()
     + ".",
 )
+@regen_flags(launch=True)
 @click.option("--draft-layers", type=int, help="Drafter depth (default 5).")
 @click.option(
     "--layer-types",
@@ -229,6 +284,7 @@ def launch(**opts) -> None:
       dflash-pipe launch --target-model /models/Qwen3-8B --data chat.jsonl \\
           --target-gpus 0-4 --drafter-gpus 5-7 --run-dir runs/q8b
       dflash-pipe launch --target-gpus 0 --drafter-gpus 0 ...   # one GPU for both (warns)
+      dflash-pipe launch --responses target ...            # train on the target's own replies
       dflash-pipe launch --resume runs/q8b                 # continue after Ctrl-C or a crash
       dflash-pipe launch --config launch/node-8gpu.yaml --max-steps 100   # a recipe; flags win
       dflash-pipe launch --config run.yaml --dry-run       # the plan, nothing started
@@ -291,6 +347,88 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
         console.print(f"Resume with: dflash-pipe launch --resume {cfg.run_dir}")
         sys.exit(1)
     print_summary(cfg.run_dir, summary, console)
+
+
+@main.command()
+@TARGET_MODEL
+@click.option(
+    "--data",
+    "data_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL conversations (messages or ShareGPT) whose assistant turns the target answers anew.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Output JSONL (messages format, provenance header); an existing one made the same way is resumed.",
+)
+@DEVICE
+@click.option("--gpu", type=int, default=0, show_default=True, help="The GPU to generate on (with CUDA).")
+@click.option(
+    "--max-length",
+    type=int,
+    default=3072,
+    show_default=True,
+    help="Training length the file is for: a turn is generated only while the conversation fits under it.",
+)
+@click.option(
+    "--skip-bad-lines", is_flag=True, help="Skip and count malformed data lines instead of stopping."
+)
+@regen_flags(launch=False)
+def regenerate(**opts) -> None:
+    """Regenerate every assistant turn of --data with the target, turn by turn, into --out.
+
+    \b
+    The step `launch --responses target` runs inside the pipeline, alone: for people who want the file.
+    Run the same command again after a kill or Ctrl-C: only what is not in --out yet is generated.
+    Train on the result with: dflash-pipe launch --data OUT --responses dataset ...
+    \b
+    Example:
+      dflash-pipe regenerate --target-model /models/Qwen3-8B --data chat.jsonl --out chat.qwen3-8b.jsonl
+    """
+    from dflash_pipe.data import DataConfig, DataError
+    from dflash_pipe.data.config import RegenConfig
+    from dflash_pipe.launch_options import parse_template_args
+    from dflash_pipe.regenerate import regenerate_file
+
+    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "regen_seed": "seed"}
+    names |= {"max_new_tokens": "max_new_tokens", "regen_batch": "batch_size"}
+    try:
+        settings = RegenConfig(
+            **{field: opts[flag] for flag, field in names.items() if opts[flag] is not None}
+        )
+        data = DataConfig(
+            path=opts["data_path"],
+            max_length=opts["max_length"],
+            skip_bad_lines=opts["skip_bad_lines"],
+            chat_template_kwargs=parse_template_args(opts["chat_template_arg"]),
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    device = opts["device"]
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{opts['gpu']}"
+    target = opts["target_model"]
+    if target is None:
+        from dflash_pipe.target import build_demo_target
+
+        target = build_demo_target(progress=True)
+    try:
+        summary = regenerate_file(Path(target), data, settings, opts["out"], device=device)
+    except DataError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: what is in {opts['out']} stays; run the same command to go on")
+        sys.exit(130)
+    for line in summary.lines():
+        console.print(line, markup=False, highlight=False)
 
 
 @main.command()

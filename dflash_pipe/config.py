@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_pipe.data import DataConfig
+from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
 
@@ -130,6 +131,8 @@ class RunConfig:
     target_model: Path | None = None
     """HF model directory; None runs the embedded demo target."""
     data: DataConfig
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    """How the target regenerates the assistant turns (used with ``data.responses = "target"``)."""
     drafter: DrafterOptions = field(default_factory=DrafterOptions)
     train: TrainConfig = field(default_factory=TrainConfig)
     wire: WireConfig = field(default_factory=WireConfig)
@@ -171,6 +174,7 @@ class RunConfig:
         data = dict(data)
         parts = {
             "data": DataConfig,
+            "regen": RegenConfig,
             "drafter": DrafterOptions,
             "train": TrainConfig,
             "wire": WireConfig,

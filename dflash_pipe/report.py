@@ -36,6 +36,22 @@ def print_summary(run_dir: Path, summary: Any, console: Console) -> None:
         f"{summary.steady_tokens_per_s:,.0f} tokens/s after the first step); "
         f"stopped: {summary.stop_reason}; last checkpoint: {summary.last_checkpoint}"
     )
+    regen = getattr(summary, "regen", None)
+    if regen:
+        console.print(regen_line(regen), markup=False, highlight=False)
+
+
+def regen_line(regen: Mapping[str, Any]) -> str:
+    """The summary's regeneration line (``ProducerSummary.regen``)."""
+    failed = ", ".join(f"{n} {why}" for why, n in sorted(regen["failed_turns"].items())) or "none"
+    rate = regen["new_tokens"] / regen["seconds"] if regen["seconds"] > 0 else 0.0
+    return (
+        f"regenerated: {regen['conversations_generated']} conversations now ({regen['conversations_reused']} "
+        f"reused from {regen['file']}), {regen['turns']} turns ({regen['truncated_turns']} cut at the token "
+        f"limit), failed turns: {failed} ({regen['skipped_turns']} turns left out), "
+        f"{regen['dropped_conversations']} conversations with nothing to train; {regen['new_tokens']:,} tokens, "
+        f"{regen['seconds']:.0f} s from the first job to the last reply ({rate:,.0f} generated tokens/s)"
+    )
 
 
 def report(run_dir: Path, out_dir: Path | None, console: Console) -> list[Path]:

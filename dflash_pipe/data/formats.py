@@ -7,6 +7,9 @@ Formats, detected per line by their top-level key:
 - pre-tokenized: ``{"input_ids": [1, 2, ...], "loss_mask": [0, 1, ...]}`` (same length; mask 0/1 or bool)
 
 ShareGPT turns are mapped to messages, so both formats give identical samples for the same conversation.
+A file written by regeneration (``dflash_pipe.data.regenerated``) is in the messages format plus lines of its
+own bookkeeping (key ``BOOKKEEPING_KEY``, no ``messages``: the provenance header, conversations it could not
+regenerate), which every reader skips.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ SHAREGPT_ROLES = {
     "observation": "tool",
 }
 """ShareGPT ``from`` values and the message role each becomes."""
+
+
+BOOKKEEPING_KEY = "dflash_pipe"
+"""A line with this key and no ``messages`` is a regenerated file's bookkeeping, not a sample."""
+
+
+def is_bookkeeping(obj: Any) -> bool:
+    """True for a regenerated file's provenance header or the record of a conversation it left out."""
+    return isinstance(obj, dict) and BOOKKEEPING_KEY in obj and "messages" not in obj
 
 
 class FormatError(Exception):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .config import DataConfig
-from .formats import Conversation, FormatError, PreTokenized, parse_record
+from .formats import Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
 from .render import has_chat_template, render_conversation
 from .samples import DataError
 
@@ -79,31 +79,53 @@ def tokenize_piece(
             if not raw.strip():
                 continue  # blank lines (e.g. a trailing newline) are not samples
             try:
-                ids, mask = _tokenize_line(raw, tokenizer, vocab_size, path, lineno)
+                line = _tokenize_line(raw, tokenizer, vocab_size, path, lineno, cfg.chat_template_kwargs)
             except FormatError as e:
                 if not cfg.skip_bad_lines:
                     raise DataError(f"{path}:{lineno}: {e}") from None
                 out.reasons[e.kind] += 1
                 continue
+            if line is None:
+                continue  # a regenerated file's provenance header, or a conversation it could not regenerate
+            ids, mask = line
             if len(ids) > cfg.max_length:
-                ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
                 out.truncated += 1
-            if int(np.count_nonzero(mask[:-1] & mask[1:])) < cfg.min_loss_tokens:
+            fitted = fit_sample(ids, mask, cfg)
+            if fitted is None:
                 out.dropped_short += 1
                 continue
-            out.samples.append((np.asarray(ids, dtype=np.int64), np.ascontiguousarray(mask, dtype=bool)))
+            out.samples.append(fitted)
     return out
 
 
+def fit_sample(
+    ids: list[int] | np.ndarray, mask: np.ndarray, cfg: DataConfig
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A sample cut to ``cfg.max_length``, or None when it keeps fewer than ``cfg.min_loss_tokens`` trainable
+    anchor positions (p with mask[p] and mask[p+1])."""
+    ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+    if int(np.count_nonzero(mask[:-1] & mask[1:])) < cfg.min_loss_tokens:
+        return None
+    return np.asarray(ids, dtype=np.int64), np.ascontiguousarray(mask, dtype=bool)
+
+
 def _tokenize_line(
-    raw: bytes, tokenizer: Any, vocab_size: int | None, path: Path, lineno: int
-) -> tuple[list[int] | np.ndarray, np.ndarray]:
-    """One line -> (ids, bool mask); ``FormatError`` for a bad line, ``DataError`` for a bad tokenizer."""
+    raw: bytes,
+    tokenizer: Any,
+    vocab_size: int | None,
+    path: Path,
+    lineno: int,
+    template_kwargs: dict[str, Any],
+) -> tuple[list[int] | np.ndarray, np.ndarray] | None:
+    """One line -> (ids, bool mask), or None for a regenerated file's own bookkeeping lines;
+    ``FormatError`` for a bad line, ``DataError`` for a bad tokenizer."""
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
         raise FormatError("not JSON", detail, "Write one JSON object per line (JSONL)") from None
+    if is_bookkeeping(obj):
+        return None
     record = parse_record(obj)
     if isinstance(record, PreTokenized):
         ids = np.asarray(record.input_ids, dtype=np.int64)
@@ -126,4 +148,4 @@ def _tokenize_line(
             f"{path}:{lineno}: rendering conversations needs a fast tokenizer (character offsets), got "
             f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
         )
-    return render_conversation(tokenizer, record.messages)
+    return render_conversation(tokenizer, record.messages, template_kwargs)

@@ -28,9 +28,12 @@ def has_chat_template(tokenizer: Any) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
-def render_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], np.ndarray]:
-    """Render and tokenize one conversation; return its ids and a bool mask (True on assistant tokens)."""
-    full, spans = assistant_char_spans(tokenizer, messages)
+def render_conversation(
+    tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+) -> tuple[list[int], np.ndarray]:
+    """Render and tokenize one conversation; return its ids and a bool mask (True on assistant tokens).
+    ``template_kwargs`` go to ``apply_chat_template`` (e.g. ``enable_thinking``)."""
+    full, spans = assistant_char_spans(tokenizer, messages, template_kwargs)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = enc["input_ids"]
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [S, 2] char (start, end)
@@ -42,15 +45,18 @@ def render_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> tuple
     return ids, mask
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering of ``messages`` and the character span of every assistant turn in it."""
+    kwargs = template_kwargs or {}
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     prompts = [messages[:i] for i in turns if i > 0]
     try:
         full, *completed = _render(
-            tokenizer, [messages] + [messages[: i + 1] for i in turns], gen_prompt=False
+            tokenizer, [messages] + [messages[: i + 1] for i in turns], gen_prompt=False, kwargs=kwargs
         )
-        prompted = iter(_render(tokenizer, prompts, gen_prompt=True) if prompts else [])
+        prompted = iter(_render(tokenizer, prompts, gen_prompt=True, kwargs=kwargs) if prompts else [])
     except Exception as e:  # jinja2 errors (raise_exception in templates), KeyError, TypeError, ...
         raise FormatError(
             "template error",
@@ -89,8 +95,17 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tupl
     return full, spans
 
 
-def _render(tokenizer: Any, conversations: list[list[dict[str, str]]], *, gen_prompt: bool) -> list[str]:
-    out = tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=gen_prompt)
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> str:
+    """The text the target continues to write the next assistant turn (``add_generation_prompt``)."""
+    return _render(tokenizer, [messages], gen_prompt=True, kwargs=template_kwargs)[0]
+
+
+def _render(
+    tokenizer: Any, conversations: list[list[dict[str, str]]], *, gen_prompt: bool, kwargs: dict[str, Any]
+) -> list[str]:
+    out = tokenizer.apply_chat_template(
+        conversations, tokenize=False, add_generation_prompt=gen_prompt, **kwargs
+    )
     return [out] if isinstance(out, str) else list(out)
 
 

@@ -1,7 +1,9 @@
 """Target threads: one per target replica, turning planned batches into BATCH messages ahead of demand.
 
 Each thread owns one ``TargetCore`` on its own GPU, so every target GPU works in parallel (torch releases
-the GIL inside kernels). The producer's main thread never computes; it only routes.
+the GIL inside kernels). The producer's main thread never computes; it only routes. With
+``data.responses = "target"`` the same threads also take ``GenerateJob``s from the plan queue and regenerate
+conversations on their replica (``dflash_pipe.producer.regen``), between feature batches.
 
 Features leave the GPU without stalling it: each batch's ``[T, k*H]`` features are copied into a staging slot
 (``HostStaging``: pinned host memory, or GPU memory of the CUDA IPC ring, device to device) on a side CUDA
@@ -16,17 +18,20 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dflash_pipe.data import Sample
 from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
+from dflash_pipe.producer.regen import GenerateDone, GenerateJob
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import PendingRun, RunContext
 from dflash_pipe.producer.staging import HostSlot, HostStaging
 from dflash_pipe.target import TargetCore
+from dflash_pipe.target.generate import GenerationStopped
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.fp8 import wire_features
@@ -168,13 +173,16 @@ class TargetThread(threading.Thread):
         self,
         core: TargetCore,
         samples: Sequence[Sample],
-        plans: queue.Queue[PlannedBatch | None],
-        ready: queue.Queue[ReadyBatch | TargetFailure],
+        plans: queue.Queue[PlannedBatch | GenerateJob | None],
+        ready: queue.Queue[ReadyBatch | GenerateDone | TargetFailure],
         rate: RateMeter,
         name: str,
         staging: HostStaging,
         wire_dtype: str = "bf16",
+        make_generator: Callable[[TargetCore], Any] | None = None,
     ) -> None:
+        """``make_generator``: builds this replica's ``TurnGenerator`` for the ``GenerateJob``s that come
+        through ``plans`` (runs with ``data.responses = "target"``)."""
         super().__init__(name=f"target-{name}", daemon=True)
         self.core = core
         self.samples = samples
@@ -185,7 +193,14 @@ class TargetThread(threading.Thread):
         self.staging = staging
         self.wire_dtype = wire_dtype
         self.busy_s = 0.0
-        """Seconds spent launching forwards and waiting for their copies (not waiting for plans)."""
+        """Seconds spent launching forwards, waiting for their copies and generating (not waiting for
+        plans)."""
+        self.generate_s = 0.0
+        """Of those, seconds spent regenerating conversations."""
+        self._make_generator = make_generator
+        self._generator: Any = None
+        self.stopping = threading.Event()
+        """Set by the producer's close(): a generation job in progress stops at its next decode step."""
         self._pending: InFlight | None = None
 
     def run(self) -> None:
@@ -195,6 +210,9 @@ class TargetThread(threading.Thread):
             apply_dynamo_settings()  # per thread: the compiled target layers and flex functions
             copier = FeatureCopier(self.core, self.staging, self.wire_dtype)
             while (plan := self._next_plan()) is not None:
+                if isinstance(plan, GenerateJob):
+                    self._generate(plan)
+                    continue
                 t0 = time.perf_counter()
                 launched = copier.launch(plan, [self.samples[i] for i in plan.sample_ids], flush=self._finish)
                 self._finish()  # the previous batch's copy drained while this one was queued
@@ -204,7 +222,24 @@ class TargetThread(threading.Thread):
         except BaseException as exc:  # reported by the main thread, never swallowed
             self.ready.put(TargetFailure(replica=self.replica, error=exc))
 
-    def _next_plan(self) -> PlannedBatch | None:
+    def _generate(self, job: GenerateJob) -> None:
+        """Hands over the pending batch first (its worker may wait for it), then regenerates the job."""
+        self._finish()
+        if self._generator is None:
+            if self._make_generator is None:
+                raise RuntimeError("a GenerateJob reached a target thread that was given no make_generator")
+            self._generator = self._make_generator(self.core)
+        t0 = time.perf_counter()
+        try:
+            results = self._generator.regenerate(job.items, should_stop=self.stopping.is_set)
+        except GenerationStopped:
+            return  # shutting down: the job's conversations are generated again on resume
+        seconds = time.perf_counter() - t0
+        self.busy_s += seconds
+        self.generate_s += seconds
+        self.ready.put(GenerateDone(job=job, results=results, seconds=seconds, replica=self.replica))
+
+    def _next_plan(self) -> PlannedBatch | GenerateJob | None:
         """The next plan without waiting while a batch is pending; with none queued, hand that batch over
         first (its consumers may be waiting for it), then wait."""
         if self._pending is not None:

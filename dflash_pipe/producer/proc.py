@@ -11,7 +11,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, build_batch, load_replicas
 from dflash_pipe.producer.payloads import payload_for
 from dflash_pipe.producer.record import bind_address, write_record
+from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.staging import HostStaging, PrivateStaging
@@ -43,6 +44,8 @@ _SHOW_EVERY_S = 0.5
 MIN_RATE_SPAN_S = 1.0
 """A stage's tokens/s goes into the metrics only once its meter has measured over at least this long."""
 _EVAL_BATCH_SAMPLES = 4
+_TARGET_JOIN_S = 10.0
+"""How long close() waits for each target thread to finish its current batch or decode step."""
 REQUIRED_CAPABILITIES = ("frames",)
 """What a worker must support: payloads as raw tensor frames on the socket."""
 
@@ -137,6 +140,8 @@ class ProducerSummary:
     what the pipeline sustains."""
     waits: dict[str, float] = field(default_factory=dict)
     """Where time went between the first ACK and DONE (see ``ProducerProc.wait_report``)."""
+    regen: dict[str, Any] = field(default_factory=dict)
+    """With ``data.responses = "target"``: what regeneration did (``Regeneration.summary``)."""
 
 
 class ProducerProc:
@@ -168,11 +173,15 @@ class ProducerProc:
         self._store = _start_rendezvous_store(self.address)
         self.rendezvous = f"tcp://{_host_of(self.address)}:{self._store.port}"
         self.peers: dict[bytes, Peer] = {}
+        self.regen = ctx.regen
+        start_epoch = first_open_epoch(ctx.ledger, self.regen.voids if self.regen else set())
         self.scheduler = BatchScheduler(
             plan_epoch=self._plan_epoch,
             epochs=self.cfg.train.epochs,
-            start_epoch=min(ctx.ledger.current_epoch(), self.cfg.train.epochs),
-            trained_in_start_epoch=ctx.ledger.trained(ctx.ledger.current_epoch()),
+            start_epoch=min(start_epoch, self.cfg.train.epochs),
+            trained_in_start_epoch=ctx.ledger.trained(start_epoch)
+            if start_epoch < ctx.ledger.epochs
+            else set(),
         )
         self.metrics = make_logger(
             self.cfg.run_dir,
@@ -184,9 +193,11 @@ class ProducerProc:
         self.target_rate = RateMeter()
         self.wire_rate = RateMeter()
         self.train_rate = RateMeter()
-        self._plans: queue.Queue[PlannedBatch | None] = queue.Queue()
-        self._ready: queue.Queue[ReadyBatch | TargetFailure] = queue.Queue()
+        self._plans: queue.Queue[PlannedBatch | GenerateJob | None] = queue.Queue()
+        self._ready: queue.Queue[ReadyBatch | GenerateDone | TargetFailure] = queue.Queue()
         self._in_target = 0
+        self._generating = 0
+        """Regeneration jobs handed to the target threads and not back yet."""
         self._threads: list[TargetThread] = []
         self._cores: list[TargetCore] = []
         self._replicas = replicas
@@ -219,7 +230,9 @@ class ProducerProc:
 
     # --- set-up ----------------------------------------------------------------------------------------
 
-    def _plan_epoch(self, epoch: int, exclude: set[int]) -> list[list[int]]:
+    def _plan_epoch(self, epoch: int, exclude: set[int]) -> Iterable[list[int] | None]:
+        if self.regen is not None:
+            return self.regen.epoch0(exclude) if epoch == 0 else self.regen.later_epoch(epoch, exclude)
         lengths = [int(s.input_ids.numel()) for s in self.ctx.train_samples]
         return plan_batches(
             lengths, self.cfg.data.token_budget, seed=self.cfg.train.seed, epoch=epoch, exclude=exclude
@@ -230,9 +243,12 @@ class ProducerProc:
         slots for the batches computed ahead, those in the target threads and every launched worker's
         credits, so the ring rarely applies back-pressure."""
         wire = self.cfg.wire
-        tokens = max(
-            [self.cfg.data.token_budget, *(int(s.input_ids.numel()) for s in self.ctx.train_samples)]
+        longest = (
+            self.cfg.data.max_length  # regenerated samples: not known yet, at most max_length
+            if self.regen is not None
+            else max(int(s.input_ids.numel()) for s in self.ctx.train_samples)
         )
+        tokens = max(self.cfg.data.token_budget, longest)
         k, width = len(self.ctx.drafter.target_layer_ids), self.ctx.drafter.feature_size
         per_token = width * (1 if wire.wire_dtype == "fp8" else self.ctx.target_dtype.itemsize) + 4 * k
         replicas = max(1, len(self.cfg.layout.target_devices()))
@@ -288,6 +304,7 @@ class ProducerProc:
                 name=str(core.device),
                 staging=self.staging,
                 wire_dtype=self.cfg.wire.wire_dtype,
+                make_generator=self.regen.make_generator if self.regen is not None else None,
             )
             thread.start()
             self._threads.append(thread)
@@ -314,6 +331,8 @@ class ProducerProc:
         previous = _install_sigint(self._stop_requested)
         try:
             self.start_targets()
+            if self.regen is not None:
+                self._regenerate_eval()
             self._eval_batches = self._build_eval_batches() if self.ctx.eval_samples else []
             stop_reason = self._run(watch)
         finally:
@@ -329,7 +348,20 @@ class ProducerProc:
             steady_tokens_per_s=self._steady_rate(),
             **self._ack_window(),
             waits=self.wait_report(),
+            regen=self.regen.summary() if self.regen is not None else {},
         )
+
+    def _regenerate_eval(self) -> None:
+        """The held-out conversations regenerated on the first replica before serving (the eval batches are
+        built once, from them)."""
+        regen = self.regen
+        assert regen is not None
+        todo = len(regen.source.conversations) - regen.num_train
+        if todo:
+            self._note(f"regenerating the {todo} held-out conversation(s) for the eval set")
+        self.ctx.eval_samples = regen.regenerate_eval(regen.make_generator(self._cores[0]))
+        if why := regen.nothing_to_train():  # a reused file that holds nothing trainable
+            raise RunAborted(why)
 
     def _ack_window(self) -> dict[str, float]:
         if self._window_start is None or self._last_ack is None:
@@ -344,7 +376,8 @@ class ProducerProc:
 
     def wait_report(self) -> dict[str, float]:
         """Shares of the observed time: target replicas idle (the ready queue at its bound, waiting for
-        credits), workers holding unused credits (waiting for batches), and the mean ready-queue depth."""
+        credits), workers holding unused credits (waiting for batches), and the mean ready-queue depth; the
+        replicas' busy seconds, and of those the seconds spent regenerating conversations."""
         busy = sum(t.busy_s for t in self._threads)
         return {
             "observed_s": self.waits.elapsed_s,
@@ -352,6 +385,7 @@ class ProducerProc:
             "workers_starved_share": self.waits.mean("workers_starved"),
             "queue_depth_mean": self.waits.mean("queue_depth"),
             "target_busy_s": busy,
+            "target_generate_s": sum(t.generate_s for t in self._threads),
         }
 
     def _observe_waits(self) -> None:
@@ -551,6 +585,8 @@ class ProducerProc:
             waits = self.wait_report()
             values["wait/target_idle_share"] = waits["target_idle_share"]
             values["wait/workers_starved_share"] = waits["workers_starved_share"]
+            if self.regen is not None:
+                values.update({f"regen/{k}": v for k, v in self.regen.status().items()})
         if "simulated/tau" in values:
             self._state.tau = float(values["simulated/tau"])
         if "real/tau" in values:
@@ -583,6 +619,14 @@ class ProducerProc:
                 return
             if isinstance(item, TargetFailure):
                 raise RunAborted(f"target replica {item.replica} failed: {item.error!r}") from item.error
+            if isinstance(item, GenerateDone):
+                self._generating -= 1
+                note = self.regen.accept(item)  # type: ignore[union-attr]
+                if note:
+                    self._note(note)
+                if why := self.regen.nothing_to_train():  # type: ignore[union-attr]
+                    raise RunAborted(why)
+                continue
             self._in_target -= 1
             self.scheduler.add_ready(item)
 
@@ -597,9 +641,23 @@ class ProducerProc:
                 return
             plan = self.scheduler.next_plan()
             if plan is None:
-                return
+                break
             self._plans.put(plan)
             self._in_target += 1
+        self._refill_generation()
+
+    def _refill_generation(self) -> None:
+        """One regeneration job per target thread at most: each replica alternates between generating and
+        the feature batches queued meanwhile, so the workers train on the first replies while the rest
+        are generated."""
+        if self.regen is None or self._done_sent:
+            return
+        while self._generating < len(self._threads):
+            job = self.regen.next_job()
+            if job is None:
+                return
+            self._plans.put(job)
+            self._generating += 1
 
     def _dispatch(self) -> None:
         if self._done_sent:
@@ -726,21 +784,43 @@ class ProducerProc:
             for p in self.peers.values()
         ]
         s.messages = list(self._messages)
+        s.regen = self.regen.status() if self.regen is not None else None
         self.dashboard.update(s)
+
+    def _stop_targets(self) -> None:
+        """Queued work is dropped and a generation in progress stops at its next decode step; with
+        regeneration the threads are waited for, so none is inside a torch call when the process exits
+        (which aborts it: "terminate called without an active exception")."""
+        _drain(self._plans)
+        for thread in self._threads:
+            thread.stopping.set()
+            self._plans.put(None)
+        if self.regen is not None:
+            for thread in self._threads:
+                thread.join(timeout=_TARGET_JOIN_S)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for _ in self._threads:
-            self._plans.put(None)
+        self._stop_targets()
         self.dashboard.close()
         self.metrics.close()
+        if self.regen is not None:
+            self.regen.store.close()
         self.endpoint.close()
         self.staging.close()
         for ring in (self.ring, self.cuda_ring):  # closing the staging twice is a no-op
             if ring is not None:
                 ring.close()
+
+
+def _drain(q: queue.Queue) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
 
 
 def choose_offers(

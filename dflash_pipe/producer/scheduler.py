@@ -7,12 +7,16 @@ in an epoch" are testable on their own.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PlanFn = Callable[[int, set[int]], list[list[int]]]
-"""(epoch, sample ids to exclude) -> that epoch's batches as lists of sample ids."""
+PlanFn = Callable[[int, set[int]], Iterable[list[int] | None]]
+"""(epoch, sample ids to exclude) -> that epoch's batches as lists of sample ids. An iterator may yield
+None for "nothing to plan yet, ask again" (epoch 0 while the target still regenerates the data)."""
+
+
+_END = object()
 
 
 @dataclass(slots=True)
@@ -79,20 +83,26 @@ class BatchScheduler:
     def __post_init__(self) -> None:
         self._plans = self._generate()
 
-    def _generate(self) -> Iterator[PlannedBatch]:
+    def _generate(self) -> Iterator[PlannedBatch | None]:
         batch_id = 0
         for epoch in range(self.start_epoch, self.epochs):
             exclude = self.trained_in_start_epoch if epoch == self.start_epoch else set()
             for ids in self.plan_epoch(epoch, exclude):
+                if ids is None:
+                    yield None  # not plannable yet
+                    continue
                 yield PlannedBatch(batch_id=batch_id, epoch=epoch, sample_ids=ids)
                 batch_id += 1
 
     def next_plan(self) -> PlannedBatch | None:
-        """The next batch the target should compute, or None once every epoch is planned."""
+        """The next batch the target should compute; None once every epoch is planned (``finished`` can
+        then become true) or while the plan waits for samples that do not exist yet."""
         if self._exhausted:
             return None
-        plan = next(self._plans, None)  # type: ignore[arg-type]
+        plan = next(self._plans, _END)  # type: ignore[arg-type]
         if plan is None:
+            return None
+        if plan is _END:
             self._exhausted = True
             return None
         self.stats.planned += 1

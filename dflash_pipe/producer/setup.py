@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from dflash_pipe.data import DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.train.checkpoint import DRAFTER_CONFIG, latest_checkpoint, read_trainer_state
 from dflash_pipe.train.ledger import Ledger
+
+if TYPE_CHECKING:
+    from dflash_pipe.producer.regen import Regeneration
 
 CONFIG_FILE = "config.json"
 
@@ -50,6 +54,9 @@ class RunContext:
     ledger: Ledger
     resume_from: Path | None
     resume_step: int
+    regen: Regeneration | None = None
+    """With ``data.responses = "target"``: the regeneration; ``train_samples`` then holds None for every
+    conversation not regenerated yet (sample id = conversation index), filled as the replies arrive."""
 
 
 @dataclass(slots=True)
@@ -65,7 +72,9 @@ class PendingRun:
     tokenizer: object
     drafter: DrafterConfig
     target_dtype: torch.dtype
-    data: DataFuture
+    data: DataFuture | None
+    """The data tokenizing in the background; None with ``data.responses = "target"`` (``context()`` reads
+    the conversations, which are tokenized once regenerated)."""
     resume_from: Path | None
     resume_step: int
     saved_ledger: Ledger | None
@@ -74,11 +83,24 @@ class PendingRun:
     def context(self) -> RunContext:
         """Waits for the data (raising its ``DataError``), then splits train/eval, builds or checks the ledger
         and saves the config into the run dir."""
-        data = self.data.result()
-        n_eval = min(self.cfg.eval_samples, len(data.samples) // 10)
-        train_samples = data.samples[: len(data.samples) - n_eval]
-        # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the ledger.
-        eval_samples = data.samples[len(data.samples) - n_eval :]
+        regen = None
+        if self.data is None:
+            regen = self._regeneration()
+            data = LoadedData(
+                samples=[],
+                skipped_lines=regen.source.skipped_lines,
+                truncated=0,
+                dropped_short=0,
+                skip_reasons=regen.source.skip_reasons,
+            )
+            train_samples, eval_samples = regen.train_samples, []  # eval: regenerated when serving starts
+        else:
+            data = self.data.result()
+            n_eval = min(self.cfg.eval_samples, len(data.samples) // 10)
+            train_samples = data.samples[: len(data.samples) - n_eval]
+            # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the
+            # ledger.
+            eval_samples = data.samples[len(data.samples) - n_eval :]
         ledger = self.saved_ledger
         if ledger is None:
             ledger = Ledger(len(train_samples), self.cfg.train.epochs)
@@ -101,10 +123,32 @@ class PendingRun:
             ledger=ledger,
             resume_from=self.resume_from,
             resume_step=self.resume_step,
+            regen=regen,
+        )
+
+    def _regeneration(self) -> Regeneration:
+        """The conversations to regenerate, with what the run dir's regenerated file already holds."""
+        from dflash_pipe.data.regenerated import REGEN_FILE, RegenStore, load_conversations, provenance
+        from dflash_pipe.producer.regen import Regeneration
+
+        source = load_conversations(self.cfg.data)
+        n_eval = min(self.cfg.eval_samples, len(source.conversations) // 10)
+        store = RegenStore(
+            self.cfg.run_dir / REGEN_FILE, provenance(self.target_path, self.cfg.data, self.cfg.regen)
+        )
+        return Regeneration(
+            source,
+            len(source.conversations) - n_eval,
+            store,
+            self.cfg.regen,
+            self.cfg.data,
+            self.tokenizer,
+            seed=self.cfg.train.seed,
         )
 
     def close(self) -> None:
-        self.data.close()
+        if self.data is not None:
+            self.data.close()
 
     def __enter__(self) -> PendingRun:
         return self
@@ -138,7 +182,7 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
             "(config.json + safetensors + tokenizer)."
         )
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    data = DataFuture(cfg.data, tokenizer, progress=progress)
+    data = DataFuture(cfg.data, tokenizer, progress=progress) if cfg.data.responses == "dataset" else None
     try:
         target_config = AutoConfig.from_pretrained(str(target_path))
         opts = cfg.drafter
@@ -164,7 +208,8 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
                 saved_ledger = Ledger.from_dict(state.ledger)
                 resume_step = state.step
     except BaseException:
-        data.close()
+        if data is not None:
+            data.close()
         raise
     return PendingRun(
         cfg=cfg,

@@ -164,8 +164,10 @@ class TargetCore:
         return self.compile_layers and not self._layer_compile_failed
 
     def _compiled_forward(self, layer: nn.Module, *args: object, **kwargs: object) -> object:
-        """The layer through the shared compiled function; eager (with one warning) once that fails."""
-        if not self._layer_compile_failed:
+        """The layer through the shared compiled function; eager (with one warning) once that fails. Calls
+        with a KV cache (regeneration's decoding, ``dflash_pipe.target.generate``) run eager: the compiled
+        graph is the cache-less feature forward."""
+        if not self._layer_compile_failed and _no_cache(kwargs):
             try:
                 return compiled_layer_forward(layer, *args, **kwargs)
             except compiler_errors() as exc:
@@ -262,6 +264,11 @@ class TargetCore:
         if not self._hybrid or not isinstance(layout, PackedLayout):
             return None
         return Segments.build(layout.lengths, self.device)
+
+
+def _no_cache(kwargs: dict) -> bool:
+    """A layer call without a KV cache (the cache's keyword changed name within transformers 5)."""
+    return kwargs.get("past_key_values") is None and kwargs.get("cache") is None
 
 
 def _pick_attention(

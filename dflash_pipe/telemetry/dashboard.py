@@ -54,6 +54,8 @@ class RunState:
     real_tau: float | None = None  # real acceptance length (speculative decoding), when evaluated
     lr: float | None = None
     messages: list[str] = field(default_factory=list)  # recent warnings, oldest first
+    regen: dict[str, float] | None = None
+    """While the target regenerates the data: done, total (conversations), tokens_per_s, failed_turns."""
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.progress <= 1.0):
@@ -79,6 +81,16 @@ def sparkline(values: Sequence[float], width: int = 30) -> str:
         else:
             chars.append(_BLOCKS[min(len(_BLOCKS) - 1, int((v - lo) / span * len(_BLOCKS)))])
     return "".join(chars)
+
+
+def regen_text(regen: Mapping[str, float]) -> str:
+    """``regen 120/3000 conv 1.2k tok/s 2 failed``: where the target's regeneration of the data stands."""
+    done, total = int(regen.get("done", 0)), int(regen.get("total", 0))
+    text = f"regen {done}/{total} conv"
+    if done < total:
+        text += f" {format_rate(regen.get('tokens_per_s'))} tok/s"
+    failed = int(regen.get("failed_turns", 0))
+    return text + (f" {failed} failed" if failed else "")
 
 
 def format_duration(seconds: float | None) -> str:
@@ -222,6 +234,8 @@ class Dashboard:
         )
         if rates:
             parts.append(f"tok/s {rates}")
+        if state.regen is not None:
+            parts.append(regen_text(state.regen))
         parts.append(f"queue {state.queue_depth} leased {state.leased}")
         if state.workers:
             training = sum(1 for w in state.workers if w.get("state") == "training")
@@ -248,6 +262,8 @@ class Dashboard:
         stages.add_column("tokens/s", justify="right")
         for name in STAGES:
             stages.add_row(name, format_rate(state.tokens_per_s.get(name)))
+        if state.regen is not None:
+            stages.add_row("regenerate", regen_text(state.regen).removeprefix("regen "))
         stages.add_row("queue", f"{state.queue_depth} ready", style="dim")
         stages.add_row("leased", f"{state.leased} in flight", style="dim")
 

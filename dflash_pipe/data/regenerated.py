@@ -1,0 +1,336 @@
+"""Regenerated conversations on disk: the source conversations in, one JSONL file of the target's replies out.
+
+The file (``RUN_DIR/regenerated.jsonl`` in a run, ``--out`` for ``dflash-pipe regenerate``) is in the
+messages format, so it trains as ``--data FILE --responses dataset``. Its first line is the provenance
+header ``{"dflash_pipe": {"regenerated": {...}}}`` (target, settings, source file); each later line is one
+conversation, keyed by its index in the source (the order of its conversations, bad lines skipped):
+
+- ``{"messages": [...], "regen": {"index": 3, "turns": 2, "truncated": 0, "new_tokens": 118, "failed": null}}``
+- ``{"dflash_pipe": {"index": 7, "failed": {...}}}`` when not one turn could be generated (every reader
+  skips it, see ``formats.is_bookkeeping``).
+
+A conversation is appended once all its turns are generated, and flushed with its job, so a process killed
+mid-regeneration loses only the job in progress: reopening the file keeps every complete line, cuts a torn
+last line and reports which indexes are done. A file whose header differs from this run's target or settings
+is refused (not silently mixed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import DataConfig, RegenConfig
+from .formats import BOOKKEEPING_KEY, Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
+from .samples import DataError
+
+FILE_VERSION = 1
+REGEN_FILE = "regenerated.jsonl"
+"""The regenerated conversations of a run, in its run dir."""
+
+
+@dataclass(slots=True)
+class TurnFailure:
+    """The first assistant turn that could not be generated; it and the turns after it are left out."""
+
+    turn: int
+    """Index of the assistant turn (0 = the first assistant reply)."""
+    reason: str
+    """``prompt too long`` (no room left under data.max_length), ``empty reply`` (the target ended the turn
+    at once), ``template error`` (the chat template refused the conversation) or ``sample full`` (an
+    earlier reply filled data.max_length, so training would cut this turn off)."""
+    skipped_turns: int
+    """Assistant turns not generated because of it (this one and every later one)."""
+
+
+@dataclass(slots=True)
+class Regenerated:
+    """One conversation as the target answered it."""
+
+    index: int
+    """The conversation's index in the source file (over the conversations kept)."""
+    messages: list[dict[str, str]]
+    """The conversation up to its last generated assistant turn (empty when none could be generated)."""
+    turns: int = 0
+    """Assistant turns generated."""
+    truncated: int = 0
+    """Turns cut at the token limit (max_new_tokens, or the room left under data.max_length)."""
+    new_tokens: int = 0
+    """Tokens the target generated for this conversation."""
+    failed: TurnFailure | None = None
+
+    def to_line(self) -> dict[str, Any]:
+        failed = None if self.failed is None else _failure_dict(self.failed)
+        if not self.turns:
+            return {BOOKKEEPING_KEY: {"index": self.index, "failed": failed}}
+        regen = {
+            "index": self.index,
+            "turns": self.turns,
+            "truncated": self.truncated,
+            "new_tokens": self.new_tokens,
+            "failed": failed,
+        }
+        return {"messages": self.messages, "regen": regen}
+
+    @classmethod
+    def from_line(cls, obj: dict[str, Any]) -> Regenerated:
+        info = obj.get("regen") if "messages" in obj else obj.get(BOOKKEEPING_KEY)
+        if not isinstance(info, dict) or not isinstance(info.get("index"), int):
+            raise ValueError("not a regenerated conversation (no regen index)")
+        failed = info.get("failed")
+        return cls(
+            index=info["index"],
+            messages=list(obj.get("messages", [])),
+            turns=int(info.get("turns", 0)),
+            truncated=int(info.get("truncated", 0)),
+            new_tokens=int(info.get("new_tokens", 0)),
+            failed=TurnFailure(**failed) if isinstance(failed, dict) else None,
+        )
+
+
+def _failure_dict(f: TurnFailure) -> dict[str, Any]:
+    return {"turn": f.turn, "reason": f.reason, "skipped_turns": f.skipped_turns}
+
+
+@dataclass(slots=True)
+class SourceConversations:
+    """The conversations of a data file, in file order, ready to regenerate."""
+
+    path: Path
+    conversations: list[list[dict[str, str]]]
+    skipped_lines: int = 0
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+
+    def assistant_turns(self, indexes: Iterable[int] | None = None) -> int:
+        picked = self.conversations if indexes is None else (self.conversations[i] for i in indexes)
+        return sum(sum(m["role"] == "assistant" for m in c) for c in picked)
+
+
+def load_conversations(cfg: DataConfig) -> SourceConversations:
+    """The conversations of ``cfg.path`` (messages or ShareGPT lines; a regenerated file's bookkeeping lines
+    are skipped). Pre-tokenized lines have no turns to regenerate: a ``DataError`` naming the line. Bad lines
+    raise ``DataError`` or, with ``cfg.skip_bad_lines``, are counted per reason."""
+    path = Path(cfg.path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise DataError(f"{path}: the data file {what}. Pass an existing JSONL file as the data path")
+    out = SourceConversations(path=path, conversations=[])
+    reasons: Counter[str] = Counter()
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+                if is_bookkeeping(obj):
+                    continue
+                record = parse_record(obj)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                if not cfg.skip_bad_lines:
+                    raise DataError(
+                        f"{path}:{lineno}: not JSON: {e}. Write one JSON object per line"
+                    ) from None
+                reasons["not JSON"] += 1
+                continue
+            except FormatError as e:
+                if not cfg.skip_bad_lines:
+                    raise DataError(f"{path}:{lineno}: {e}") from None
+                reasons[e.kind] += 1
+                continue
+            if isinstance(record, PreTokenized):
+                raise DataError(
+                    f"{path}:{lineno}: this line is pre-tokenized (input_ids + loss_mask), so it has no turns "
+                    "for the target to regenerate. Use --responses target with conversations (messages or "
+                    "ShareGPT format), or train this file as it is with --responses dataset"
+                )
+            assert isinstance(record, Conversation)
+            out.conversations.append(record.messages)
+    out.skipped_lines = sum(reasons.values())
+    out.skip_reasons = dict(reasons)
+    if not out.conversations:
+        raise DataError(
+            f"{path}: no conversations to regenerate ({out.skipped_lines} bad lines skipped). Check that the "
+            "file has conversations with assistant replies"
+        )
+    return out
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """Size and sha256 of a file (the source data, the target's config): what provenance compares."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return {"path": str(Path(path).resolve()), "bytes": Path(path).stat().st_size, "sha256": h.hexdigest()}
+
+
+def target_identity(target_path: Path) -> dict[str, Any]:
+    """What names a target for provenance: its config's digest and its weight files' names and sizes
+    (hashing the weights of a 27B target would take minutes)."""
+    target_path = Path(target_path)
+    weights = sorted(
+        (p.name, p.stat().st_size)
+        for p in target_path.iterdir()
+        if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()
+    )
+    out = {"path": str(target_path.resolve()), "weights": weights}
+    for name in ("config.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (target_path / name).is_file():  # the chat template and end-of-turn ids live in these
+            out[name] = file_digest(target_path / name)["sha256"]
+    return out
+
+
+def provenance(target_path: Path, data: DataConfig, settings: RegenConfig) -> dict[str, Any]:
+    """Where a regenerated file comes from: the target, the generation settings, the source file."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        tool = version("dflash-pipe")
+    except PackageNotFoundError:
+        tool = "unknown"
+    out = {
+        "target": target_identity(target_path),
+        "settings": {
+            **settings.provenance(),
+            "max_length": data.max_length,
+            "chat_template_kwargs": data.chat_template_kwargs,
+        },
+        "source": file_digest(data.path),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dflash_pipe": tool,
+    }
+    return json.loads(json.dumps(out))  # as it reads back from the file (tuples become lists)
+
+
+COMPARED = ("target", "settings", "source")
+"""Provenance keys that must match for a file to be reused (not the creation time or tool version; paths
+are not compared, contents are)."""
+
+
+class RegenFileError(DataError):
+    """A regenerated file that cannot be reused: damaged, or made from another target, source or settings."""
+
+
+class RegenStore:
+    """The regenerated file, open for appending; ``done`` holds every conversation already in it."""
+
+    def __init__(self, path: Path, provenance: dict[str, Any]) -> None:
+        """Opens (or creates) ``path``. An existing file must carry the same provenance under ``COMPARED``
+        (else ``RegenFileError`` naming the difference); a torn last line (a kill mid-write) is cut off."""
+        self.path = Path(path)
+        self.provenance = provenance
+        self.done: dict[int, Regenerated] = {}
+        self.torn_bytes = 0
+        """Bytes of a torn last line cut off when the file was opened."""
+        if self.path.exists() and self.path.stat().st_size > 0:
+            self._read_existing()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_header()
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close()
+
+    def _write_header(self) -> None:
+        header = {BOOKKEEPING_KEY: {"regenerated": {"version": FILE_VERSION, **self.provenance}}}
+        self.path.write_text(json.dumps(header) + "\n")
+
+    def _read_existing(self) -> None:
+        raw = self.path.read_bytes()
+        lines = raw.split(b"\n")
+        complete_end = len(raw) - len(lines[-1])  # bytes up to the last newline
+        if lines[-1].strip():  # no newline at the end: the write of that line was cut short
+            self.torn_bytes = len(lines[-1])
+        lines = lines[:-1]
+        if not lines:  # killed while writing the header: nothing was generated yet
+            self._write_header()
+            return
+        try:
+            header = json.loads(lines[0])[BOOKKEEPING_KEY]["regenerated"]
+        except (IndexError, ValueError, KeyError, TypeError):
+            raise RegenFileError(
+                f"{self.path}: not a regenerated-conversations file (its first line is not the dflash-pipe "
+                "provenance header). Move it away, or point the run at a new run dir"
+            ) from None
+        for key in COMPARED:
+            old, new = _content(header.get(key)), _content(self.provenance.get(key))
+            if old != new:
+                raise RegenFileError(
+                    f"{self.path}: made with another {key} ({_diff(old, new)}); "
+                    "its conversations are not what this run's target and settings would say. Delete the file "
+                    "(it is regenerated), or run with the settings it was made with"
+                )
+        for n, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            try:
+                record = Regenerated.from_line(json.loads(line))
+            except (ValueError, TypeError, KeyError) as e:
+                raise RegenFileError(
+                    f"{self.path}:{n}: damaged line ({e}). Delete the file to regenerate everything, or cut "
+                    "the lines from this one on to keep the rest"
+                ) from None
+            self.done[record.index] = record
+        if self.torn_bytes:
+            with open(self.path, "r+b") as f:
+                f.truncate(complete_end)
+
+    def append(self, records: Iterable[Regenerated]) -> None:
+        """Writes the records and flushes them to disk (one job's worth at a time)."""
+        for record in records:
+            self._file.write(json.dumps(record.to_line(), ensure_ascii=False) + "\n")
+            self.done[record.index] = record
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def _content(value: Any) -> Any:
+    """A provenance entry without its path: a moved target or data file is still the same content."""
+    return {k: v for k, v in value.items() if k != "path"} if isinstance(value, dict) else value
+
+
+def _diff(old: Any, new: Any) -> str:
+    """The first differing field of two provenance values, as ``key: file value != this run's``."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                return f"{key}: file has {old.get(key)!r}, this run {new.get(key)!r}"
+    return f"file has {old!r}, this run {new!r}"
+
+
+@dataclass(slots=True)
+class RegenTally:
+    """What regeneration has done so far: shown on the dashboard, logged, and in the run's summary."""
+
+    conversations: int = 0
+    turns: int = 0
+    truncated_turns: int = 0
+    new_tokens: int = 0
+    dropped: int = 0
+    """Conversations with no generated turn (nothing written but their bookkeeping line)."""
+    failed: Counter[str] = field(default_factory=Counter)
+    """Failed turns (the first failing one of each conversation) by reason."""
+    skipped_turns: int = 0
+    """Turns not generated: each failed turn and the turns after it."""
+
+    def add(self, record: Regenerated) -> None:
+        self.conversations += 1
+        self.turns += record.turns
+        self.truncated_turns += record.truncated
+        self.new_tokens += record.new_tokens
+        self.dropped += int(not record.turns)
+        if record.failed is not None:
+            self.failed[record.failed.reason] += 1
+            self.skipped_turns += record.failed.skipped_turns
+
+    def failed_text(self) -> str:
+        return ", ".join(f"{n} {why}" for why, n in sorted(self.failed.items())) or "none"

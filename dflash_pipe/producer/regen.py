@@ -1,0 +1,303 @@
+"""Online regeneration in the producer: what the target replicas generate next, what their replies become,
+and epoch 0's batches planned as the replies arrive.
+
+The target threads take ``GenerateJob``s from the same queue as feature batches (one job per idle replica
+at most, so features for the workers are never queued behind more than one job per replica) and hand back
+``GenerateDone``. The main thread (``Regeneration.accept``) appends the replies to the run's regenerated
+file, renders them into training samples and makes them plannable; epoch 0 (``epoch0``) yields batches of
+what has arrived, and ``None`` while the rest is still being generated. Later epochs plan every sample, as a
+run on dataset responses does. Sample ids are conversation indexes: a conversation left with nothing to
+train (every turn failed, or too short once rendered) is a *void* id that no epoch plans.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_pipe.data import DataConfig, Sample, plan_batches
+from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.formats import FormatError
+from dflash_pipe.data.lines import fit_sample
+from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, SourceConversations
+from dflash_pipe.data.render import render_conversation
+from dflash_pipe.telemetry import RateMeter
+
+SORT_WINDOW_JOBS = 8
+"""Conversations are sorted by length within windows of this many jobs (see ``Regeneration.next_job``)."""
+
+
+def _chars(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"]) for m in messages)
+
+
+@dataclass(slots=True)
+class GenerateJob:
+    """Conversations a target replica regenerates in one batched call."""
+
+    job_id: int
+    items: list[tuple[int, list[dict[str, str]]]]
+
+
+@dataclass(slots=True)
+class GenerateDone:
+    """A job's regenerated conversations, sent back through the ready queue."""
+
+    job: GenerateJob
+    results: list[Regenerated]
+    seconds: float
+    replica: str
+
+
+def to_sample(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConfig) -> Sample | None:
+    """A regenerated conversation as a training sample (rendered like any conversation line), or None when
+    it has nothing to train."""
+    if not record.turns:
+        return None
+    try:
+        ids, mask = render_conversation(tokenizer, record.messages, cfg.chat_template_kwargs)
+    except FormatError:
+        return None
+    fitted = fit_sample(ids, mask, cfg)
+    if fitted is None:
+        return None
+    return Sample(
+        sample_id=sample_id, input_ids=torch.from_numpy(fitted[0]), loss_mask=torch.from_numpy(fitted[1])
+    )
+
+
+class Regeneration:
+    """The regeneration of a run: conversations to generate, samples made of the replies, epoch 0's plans.
+
+    Lives in the producer's main thread (only ``make_generator`` runs in the target threads).
+    """
+
+    def __init__(
+        self,
+        source: SourceConversations,
+        num_train: int,
+        store: RegenStore,
+        settings: RegenConfig,
+        data: DataConfig,
+        tokenizer: Any,
+        *,
+        seed: int,
+    ) -> None:
+        self.source = source
+        self.num_train = num_train
+        self.store = store
+        self.settings = settings
+        self.data = data
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.tally = RegenTally()
+        """What this process generated (the file's earlier lines are counted in ``reused``)."""
+        self.reused = len(store.done)
+        self.rate = RateMeter()
+        """Generated tokens per second."""
+        self.train_samples: list[Sample | None] = [None] * num_train
+        self.eval_samples: list[Sample] = []
+        self.voids: set[int] = set()
+        self._done = 0
+        for index, record in store.done.items():
+            if index < num_train:
+                self._place(record)
+        self._todo = deque(i for i in range(num_train) if i not in store.done)
+        self._window: deque[int] = deque()
+        self._jobs = 0
+        self._arrived: list[int] = []
+        self.started: float | None = None
+        """When the first generation was handed out (None: nothing to generate in this process)."""
+        self.finished: float | None = None
+        """When the last training conversation's reply arrived."""
+
+    # --- what the target threads generate --------------------------------------------------------------
+
+    def make_generator(self, core: Any) -> Any:
+        """A ``TurnGenerator`` for one replica (its own tokenizer copy: the main thread renders meanwhile)."""
+        from dflash_pipe.target.generate import TurnGenerator
+
+        return TurnGenerator(
+            core.model,
+            copy.deepcopy(self.tokenizer),
+            self.settings,
+            device=core.device,
+            max_length=self.data.max_length,
+            template_kwargs=self.data.chat_template_kwargs,
+        )
+
+    def next_job(self) -> GenerateJob | None:
+        """The next training conversations to regenerate, None when every one is done or handed out.
+
+        Jobs are cut from windows of ``SORT_WINDOW_JOBS`` jobs' worth of conversations (in file order),
+        sorted by length within the window: a job's prompts are left-padded to its longest, so similar
+        lengths waste less, while epoch 0 still moves through the file in order."""
+        if not self._window:
+            take = min(len(self._todo), SORT_WINDOW_JOBS * self.settings.batch_size)
+            window = [self._todo.popleft() for _ in range(take)]
+            self._window.extend(sorted(window, key=lambda i: _chars(self.source.conversations[i])))
+        if not self._window:
+            return None
+        self.started = self.started or time.monotonic()
+        items = []
+        while self._window and len(items) < self.settings.batch_size:
+            index = self._window.popleft()
+            items.append((index, self.source.conversations[index]))
+        self._jobs += 1
+        return GenerateJob(job_id=self._jobs, items=items)
+
+    def accept(self, done: GenerateDone) -> str | None:
+        """Writes a job's conversations to the regenerated file and makes their samples plannable; returns
+        the line the dashboard shows when some turn of the job could not be generated."""
+        self.store.append(done.results)
+        for record in done.results:
+            self.tally.add(record)
+            self.rate.add(record.new_tokens)
+            if self._place(record) is not None:
+                self._arrived.append(record.index)
+        if self.complete and self.finished is None:
+            self.finished = time.monotonic()
+        failed = [rec for rec in done.results if rec.failed is not None]
+        if not failed:
+            return None
+        first = failed[0].failed
+        assert first is not None
+        return (
+            f"regeneration: {len(failed)} conversation(s) of job {done.job.job_id} stopped at a turn that could "
+            f"not be generated (first: conversation {failed[0].index}, turn {first.turn}: {first.reason}); their "
+            f"earlier turns are kept. So far: {self.tally.failed_text()}"
+        )
+
+    def _place(self, record: Regenerated) -> Sample | None:
+        sample = to_sample(record, record.index, self.tokenizer, self.data)
+        self._done += 1
+        if sample is None:
+            self.voids.add(record.index)
+        else:
+            self.train_samples[record.index] = sample
+        return sample
+
+    def nothing_to_train(self) -> str | None:
+        """Once every training conversation is regenerated: why no sample came out of them, else None."""
+        if not self.complete or len(self.voids) < self.num_train:
+            return None
+        return (
+            f"regeneration left no sample to train: all {self.num_train} training conversations came out with "
+            f"no trainable turn (failed turns: {self.tally.failed_text()}). Check data.max_length (prompts "
+            "must fit under it) and that the target writes replies (its chat template and end-of-turn token)"
+        )
+
+    @property
+    def complete(self) -> bool:
+        """Every training conversation regenerated (and written)."""
+        return self._done >= self.num_train
+
+    @property
+    def done(self) -> int:
+        return self._done
+
+    def regenerate_eval(self, generator: Any) -> list[Sample]:
+        """The held-out conversations (the file's tail), regenerated now, before serving: the eval batches
+        are built from them once, at the start."""
+        indexes = range(self.num_train, len(self.source.conversations))
+        todo = [i for i in indexes if i not in self.store.done]
+        if todo:
+            self.started = self.started or time.monotonic()
+        for start in range(0, len(todo), self.settings.batch_size):
+            chunk = todo[start : start + self.settings.batch_size]
+            results = generator.regenerate([(i, self.source.conversations[i]) for i in chunk])
+            self.store.append(results)
+            for record in results:
+                self.tally.add(record)
+                self.rate.add(record.new_tokens)
+        samples = []
+        for index in indexes:
+            sample = to_sample(self.store.done[index], index, self.tokenizer, self.data)
+            if sample is not None:
+                samples.append(sample)
+        self.eval_samples = samples
+        return samples
+
+    # --- planning --------------------------------------------------------------------------------------
+
+    def epoch0(self, exclude: set[int]) -> Iterator[list[int] | None]:
+        """Epoch 0's batches: first the samples that exist (minus ``exclude``), then batches of the replies
+        as they arrive (a batch once ``token_budget`` tokens have come, the rest at the end); ``None`` while
+        nothing can be planned yet but conversations are still being generated."""
+        ready = [i for i, s in enumerate(self.train_samples) if s is not None and i not in exclude]
+        self._arrived.clear()  # what arrived before now is in `ready`
+        yield from self._plan(ready, hold_back=False)
+        while True:
+            if self._arrived and (self.complete or self._arrived_tokens() >= self.data.token_budget):
+                batch, self._arrived = self._arrived, []
+                yield from self._plan(batch, hold_back=not self.complete)
+            elif self.complete:
+                return
+            else:
+                yield None
+
+    def later_epoch(self, epoch: int, exclude: set[int]) -> list[list[int]]:
+        """Any epoch after the first: every sample, planned as dataset responses are (voids left out)."""
+        lengths = [0 if s is None else int(s.input_ids.numel()) for s in self.train_samples]
+        return plan_batches(
+            lengths, self.data.token_budget, seed=self.seed, epoch=epoch, exclude=set(exclude) | self.voids
+        )
+
+    def _arrived_tokens(self) -> int:
+        return sum(int(self.train_samples[i].input_ids.numel()) for i in self._arrived)  # type: ignore[union-attr]
+
+    def _plan(self, ids: list[int], *, hold_back: bool) -> Iterator[list[int]]:
+        """``ids`` packed by the token budget; with ``hold_back`` the least-filled batch waits for the next
+        arrivals instead of going out short."""
+        if not ids:
+            return
+        lengths = [int(self.train_samples[i].input_ids.numel()) for i in ids]  # type: ignore[union-attr]
+        planned = plan_batches(lengths, self.data.token_budget, seed=self.seed, epoch=0)
+        if hold_back and len(planned) > 1:
+            short = min(range(len(planned)), key=lambda b: sum(lengths[j] for j in planned[b]))
+            self._arrived.extend(ids[j] for j in planned.pop(short))
+        for b in planned:
+            yield [ids[j] for j in b]
+
+    # --- reporting -------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, float]:
+        """For the dashboard and the metrics: conversations done of all, tokens/s, failed turns."""
+        return {
+            "done": float(self._done),
+            "total": float(self.num_train),
+            "tokens_per_s": self.rate.rate() if self.rate.span() >= 1.0 else 0.0,
+            "failed_turns": float(sum(self.tally.failed.values())),
+            "dropped": float(len(self.voids)),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary's regeneration line."""
+        elapsed = 0.0 if self.started is None else (self.finished or time.monotonic()) - self.started
+        return {
+            "file": str(self.store.path),
+            "conversations_generated": self.tally.conversations,
+            "conversations_reused": self.reused,
+            "turns": self.tally.turns,
+            "truncated_turns": self.tally.truncated_turns,
+            "failed_turns": dict(self.tally.failed),
+            "skipped_turns": self.tally.skipped_turns,
+            "dropped_conversations": len(self.voids),
+            "new_tokens": self.tally.new_tokens,
+            "seconds": elapsed,
+        }
+
+
+def first_open_epoch(ledger: Any, voids: set[int]) -> int:
+    """The first epoch with a sample left to train: ``Ledger.current_epoch`` where the void ids (regenerated
+    conversations with nothing to train) count as trained, since no epoch plans them."""
+    for epoch in range(ledger.epochs):
+        if ledger.count(epoch) + len(voids - ledger.trained(epoch)) < ledger.num_samples:
+            return epoch
+    return ledger.epochs

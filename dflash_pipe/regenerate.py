@@ -1,0 +1,135 @@
+"""``dflash-pipe regenerate``: only the regeneration step, for people who want the file.
+
+The same ``TurnGenerator`` and regenerated-file format as a run with ``--responses target`` (so the output
+trains as ``--data OUT --responses dataset``), on one device, resumable the same way: run the same command
+again after a kill or Ctrl-C and only the conversations not in the file yet are generated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_pipe.data import DataConfig
+from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.regenerated import RegenStore, RegenTally, load_conversations, provenance
+
+
+@dataclass(slots=True)
+class RegenerateSummary:
+    out: Path
+    conversations: int
+    """Conversations in the source file."""
+    reused: int
+    """Already in the output file when the command started (not generated again)."""
+    tally: RegenTally = field(default_factory=RegenTally)
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tally.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        t = self.tally
+        return [
+            f"{self.out}: {self.reused + t.conversations}/{self.conversations} conversations "
+            f"({t.conversations} generated now, {self.reused} already there)",
+            f"turns generated {t.turns} ({t.truncated_turns} cut at the token limit), failed turns: "
+            f"{t.failed_text()} ({t.skipped_turns} turns left out), conversations with nothing kept {t.dropped}",
+            f"{t.new_tokens} tokens in {self.seconds:.1f} s: {self.tokens_per_s:.0f} generated tokens/s",
+        ]
+
+
+def load_model(target_path: Path, device: str) -> Any:
+    """The target as a plain HF causal LM on ``device`` (bf16 on CUDA, fp32 on CPU), SDPA attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False).to(device)
+
+
+def regenerate_file(
+    target_path: Path,
+    data: DataConfig,
+    settings: RegenConfig,
+    out: Path,
+    *,
+    device: str,
+    progress: bool = True,
+) -> RegenerateSummary:
+    """Regenerates every conversation of ``data.path`` not yet in ``out`` (appending to it), with a rich
+    progress bar. Raises ``DataError`` for bad input and ``RegenFileError`` when ``out`` was made with
+    another target, source or settings."""
+    from transformers import AutoTokenizer
+
+    from dflash_pipe.target.generate import TurnGenerator
+
+    source = load_conversations(data)
+    store = RegenStore(out, provenance(target_path, data, settings))
+    try:
+        todo = [i for i in range(len(source.conversations)) if i not in store.done]
+        summary = RegenerateSummary(
+            out=Path(out), conversations=len(source.conversations), reused=len(store.done)
+        )
+        if not todo:
+            return summary
+        tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+        generator = TurnGenerator(
+            load_model(target_path, device),
+            tokenizer,
+            settings,
+            device=device,
+            max_length=data.max_length,
+            template_kwargs=data.chat_template_kwargs,
+        )
+        t0 = time.perf_counter()
+        with _bar(len(todo), progress) as advance:
+            for start in range(0, len(todo), settings.batch_size):
+                chunk = todo[start : start + settings.batch_size]
+                results = generator.regenerate([(i, source.conversations[i]) for i in chunk])
+                store.append(results)
+                for record in results:
+                    summary.tally.add(record)
+                summary.seconds = time.perf_counter() - t0
+                advance(len(chunk), summary.tokens_per_s)
+        return summary
+    finally:
+        store.close()
+
+
+class _bar:
+    """A rich progress bar of conversations with the generated tokens/s (nothing when not shown)."""
+
+    def __init__(self, total: int, show: bool) -> None:
+        self.total, self.show = total, show
+        self._progress: Any = None
+
+    def __enter__(self):
+        if not self.show:
+            return lambda n, rate: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("regenerating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self._progress.start()
+        task = self._progress.add_task("regenerate", total=self.total, rate="")
+
+        def advance(n: int, rate: float) -> None:
+            self._progress.update(task, advance=n, rate=f"{rate:.0f} tok/s")
+
+        return advance
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()

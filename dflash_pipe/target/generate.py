@@ -1,0 +1,357 @@
+"""Regenerate assistant turns with the target: batched decoding with a KV cache, turn by turn.
+
+Knows models, tokenizers and tensors (no files, queues or threads: the producer and ``dflash-pipe
+regenerate`` wrap it). ``TurnGenerator.regenerate`` takes conversations and returns them as the target
+answers them: for assistant turn k of every conversation in the batch, the prompt is the chat-template
+rendering of the conversation so far *with the turns already regenerated* (plus the generation prompt), all
+prompts of the round are decoded together (left padded, one KV cache), and each reply ends at the first
+end-of-turn token (the template's turn terminator and the model's EOS ids) or at the token limit.
+
+Decoding is a plain loop over the model's forward, not ``generate``: the cache is the one the model builds
+for itself (so hybrid and sliding-window targets get theirs), nothing of the checkpoint's
+``generation_config`` (repetition penalties, default top-k) changes what is generated, and sampling draws
+from one ``torch.Generator`` per (conversation, turn) seeded from (seed, index, turn): a turn's tokens do
+not depend on which other conversations share its batch or on where a resumed run starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.regenerated import Regenerated, TurnFailure
+from dflash_pipe.data.render import render_prompt
+from dflash_pipe.target.packing import FLEX_ATTENTION
+
+STOP_CHECK_EVERY = 8
+"""Decode steps between checks whether every row has ended (each check waits for the device)."""
+COMPACT_WHEN = 4
+"""At a check, once 1/COMPACT_WHEN of the batch's rows have ended, they leave the batch (their cache rows
+too: ``Cache.reorder_cache``), so a round's long replies do not drag the finished rows along."""
+
+
+class GenerationStopped(Exception):
+    """``should_stop`` said stop: the call returns nothing (the conversations are generated again later)."""
+
+
+@dataclass(slots=True)
+class Reply:
+    """One decoded turn: its tokens without the end-of-turn token, and whether that token came."""
+
+    tokens: list[int]
+    ended: bool
+
+
+def end_of_turn_ids(
+    tokenizer: Any, generation_config: Any = None, template_kwargs: dict | None = None
+) -> list[int]:
+    """The tokens that end an assistant turn: the chat template's terminator (the special token the template
+    writes right after an assistant message: ``<|im_end|>``, ``<|eot_id|>``, ...), the model's
+    ``generation_config.eos_token_id`` (one or a list) and the tokenizer's EOS."""
+    ids: list[int] = []
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    probe = "\x00dflash-probe\x00"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+    except Exception:  # a template without assistant turns of this shape: the EOS ids must do
+        text = ""
+    if probe in text:
+        after = text.split(probe, 1)[1]
+        first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+        special = set(getattr(tokenizer, "all_special_ids", [])) | set(
+            getattr(tokenizer, "added_tokens_decoder", {})
+        )
+        if first and first[0] in special:
+            ids.append(int(first[0]))
+    out = list(dict.fromkeys(int(i) for i in ids))
+    if not out:
+        raise ValueError(
+            "cannot tell where the target's turns end: its tokenizer has no EOS token, its generation_config "
+            "no eos_token_id, and its chat template writes no special token after an assistant message. Set "
+            "eos_token_id in the model's generation_config.json"
+        )
+    return out
+
+
+def turn_seed(seed: int, index: int, turn: int) -> int:
+    """The sampling seed of one (conversation, turn): independent of batching and of resume."""
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, index, turn]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class TurnGenerator:
+    """Batched, KV-cached regeneration of assistant turns with one causal LM."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        settings: RegenConfig,
+        *,
+        device: torch.device | str,
+        max_length: int,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """``max_length``: the longest sample trained (data.max_length); a turn is generated only while its
+        prompt leaves room under it, and no longer than that room."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.device = torch.device(device)
+        self.max_length = max_length
+        self.template_kwargs = dict(template_kwargs or {})
+        self.end_ids = end_of_turn_ids(
+            tokenizer, getattr(model, "generation_config", None), self.template_kwargs
+        )
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_ids[0]
+        params = inspect.signature(model.forward).parameters
+        self._keep_one = "logits_to_keep" in params
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+
+    def regenerate(
+        self, items: Sequence[tuple[int, list[dict[str, str]]]], should_stop: Callable[[], bool] | None = None
+    ) -> list[Regenerated]:
+        """``items``: (index, messages) per conversation. Every assistant turn is replaced by the target's
+        reply, in rounds: round k decodes the k-th assistant turn of every conversation still going. A turn
+        that cannot be generated ends its conversation there (``Regenerated.failed``). ``should_stop`` is
+        polled between decode steps: True raises ``GenerationStopped`` (a producer shutting down)."""
+        states = [_Conversation(index, messages) for index, messages in items]
+        while True:
+            round_ = [s for s in states if s.advance()]
+            if not round_:
+                break
+            prompts: list[list[int]] = []
+            asking: list[_Conversation] = []
+            for state in round_:
+                prompt = self._prompt(state)
+                if prompt is not None:
+                    prompts.append(prompt)
+                    asking.append(state)
+            if not asking:
+                continue
+            room = [min(self.settings.max_new_tokens, self.max_length - len(p)) for p in prompts]
+            seeds = None
+            if not self.settings.greedy:
+                seeds = [turn_seed(self.settings.seed, s.index, s.turn) for s in asking]
+            replies = self.generate(prompts, room, seeds, should_stop)
+            for state, reply, limit in zip(asking, replies, room, strict=True):
+                text = self.tokenizer.decode(reply.tokens, skip_special_tokens=False)
+                if not text.strip():
+                    state.fail("empty reply")
+                    continue
+                state.answer(text, len(reply.tokens) + int(reply.ended), truncated=not reply.ended)
+                if not reply.ended and limit < self.settings.max_new_tokens:
+                    state.stop_at_length()  # the sample is full: later turns would be cut off anyway
+        return [s.result() for s in states]
+
+    def _prompt(self, state: _Conversation) -> list[int] | None:
+        try:
+            text = render_prompt(self.tokenizer, state.out, self.template_kwargs)
+        except Exception:  # jinja2 errors (raise_exception in templates), KeyError, TypeError, ...
+            state.fail("template error")
+            return None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= self.max_length:
+            state.fail("prompt too long")
+            return None
+        return ids
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new: Sequence[int],
+        seeds: Sequence[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Reply]:
+        """Decodes every prompt together (left padded, one KV cache) until each row has written an
+        end-of-turn token or ``max_new[row]`` tokens; rows that have ended leave the batch as it goes
+        (``COMPACT_WHEN``). ``seeds``: None decodes greedily, else one sampling seed per row (temperature /
+        top-p / top-k of the settings)."""
+        rows = len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.long)
+        for r, prompt in enumerate(prompts):
+            ids[r, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+            mask[r, width - len(prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # [B, S]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
+        limit = torch.as_tensor(list(max_new), dtype=torch.long, device=self.device)  # [B]
+        end_ids = torch.as_tensor(self.end_ids, dtype=torch.long, device=self.device)
+        generators = None
+        if seeds is not None:
+            generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        steps = int(limit.max())
+        written = torch.zeros((rows, steps), dtype=torch.long, device=self.device)  # [B, N] by original row
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)  # [B]
+        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # [B] tokens written per row
+        rows_now = torch.arange(rows, device=self.device)  # [b] the original row of each batch row
+        with self._attention_for_decoding():
+            out = self._forward(ids, mask, positions, None)
+            cache, logits = self._cache_of(out), out.logits[:, -1]  # [B, V]
+            next_pos = positions[:, -1] + 1  # [b]
+            for step in range(steps):
+                token = self._pick(logits, generators)  # [b]
+                live = ~done[rows_now]  # [b]
+                written[rows_now, step] = torch.where(live, token, self.pad_id)
+                lengths[rows_now] += live.long()
+                done[rows_now] |= live & (torch.isin(token, end_ids) | (lengths[rows_now] >= limit[rows_now]))
+                if step + 1 == steps:
+                    break
+                if (step + 1) % STOP_CHECK_EVERY == 0:
+                    finished = int(done[rows_now].sum())  # waits for the device
+                    if finished == len(rows_now):
+                        break
+                    if finished * COMPACT_WHEN >= len(rows_now) and hasattr(cache, "reorder_cache"):
+                        keep = (~done[rows_now]).nonzero().squeeze(1)  # [b'] rows still writing
+                        cache.reorder_cache(keep)
+                        mask, next_pos, token, rows_now = (
+                            mask[keep],
+                            next_pos[keep],
+                            token[keep],
+                            rows_now[keep],
+                        )
+                        if generators is not None:
+                            generators = [generators[i] for i in keep.tolist()]
+                if should_stop is not None and should_stop():
+                    raise GenerationStopped
+                ones = torch.ones((len(rows_now), 1), dtype=mask.dtype, device=self.device)
+                mask = torch.cat([mask, ones], dim=1)
+                out = self._forward(token[:, None], mask, next_pos[:, None], cache)
+                cache, logits = self._cache_of(out), out.logits[:, -1]
+                next_pos = next_pos + 1
+        replies = []
+        for row, n in zip(written.tolist(), lengths.tolist(), strict=True):
+            tokens = row[:n]
+            ended = bool(tokens) and tokens[-1] in self.end_ids
+            replies.append(Reply(tokens=tokens[:-1] if ended else tokens, ended=ended))
+        return replies
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self._keep_one else {}
+        kwargs[self._cache_arg] = cache
+        return self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+        )
+
+    def _cache_of(self, out: Any) -> Any:
+        cache = out.get(self._cache_arg)
+        if cache is None:
+            raise RuntimeError(
+                f"{type(self.model).__name__} returned no KV cache ({self._cache_arg}) with use_cache=True; "
+                "regeneration needs a causal LM that caches its keys and values"
+            )
+        return cache
+
+    def _pick(self, logits: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
+        """The next token per row: argmax, or a draw from the filtered distribution with the row's generator."""
+        logits = logits.float()  # [B, V]
+        if generators is None:
+            return logits.argmax(dim=-1)
+        probs = filtered_probs(logits, self.settings)  # [B, V]
+        return torch.cat(
+            [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
+        )
+
+    @contextlib.contextmanager
+    def _attention_for_decoding(self) -> Iterator[None]:
+        """The packed flex attention of feature batches needs a BlockMask; decoding with a cache runs SDPA."""
+        config = getattr(self.model, "config", None)
+        previous = getattr(config, "_attn_implementation", None)
+        switch = previous == FLEX_ATTENTION and hasattr(self.model, "set_attn_implementation")
+        if switch:
+            self.model.set_attn_implementation("sdpa")
+        try:
+            yield
+        finally:
+            if switch:
+                self.model.set_attn_implementation(previous)
+
+
+def filtered_probs(logits: torch.Tensor, settings: RegenConfig) -> torch.Tensor:
+    """Sampling probabilities ``[B, V]`` after temperature, top-k and top-p (the most likely token always
+    stays)."""
+    logits = logits / settings.temperature
+    if settings.top_k and settings.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, settings.top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if settings.top_p < 1:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above each one
+        sorted_probs = sorted_probs.masked_fill(before >= settings.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return probs
+
+
+class _Conversation:
+    """One conversation being regenerated: the source, what is written so far, where it stands."""
+
+    def __init__(self, index: int, messages: list[dict[str, str]]) -> None:
+        self.index = index
+        self.source = messages
+        self.out: list[dict[str, str]] = []
+        self.pos = 0
+        self.turn = -1
+        self.turns = 0
+        self.truncated = 0
+        self.new_tokens = 0
+        self.failed: TurnFailure | None = None
+        self.stopped = False
+
+    def advance(self) -> bool:
+        """Copies the messages up to the next assistant turn; True when there is one to generate."""
+        if self.failed is not None or self.stopped:
+            return False
+        while self.pos < len(self.source) and self.source[self.pos]["role"] != "assistant":
+            self.out.append(dict(self.source[self.pos]))
+            self.pos += 1
+        if self.pos >= len(self.source):
+            return False
+        self.turn += 1
+        return True
+
+    def answer(self, text: str, new_tokens: int, *, truncated: bool) -> None:
+        self.out.append({"role": "assistant", "content": text})
+        self.pos += 1
+        self.turns += 1
+        self.new_tokens += new_tokens
+        self.truncated += int(truncated)
+
+    def fail(self, reason: str) -> None:
+        left = sum(m["role"] == "assistant" for m in self.source[self.pos :])
+        self.failed = TurnFailure(turn=self.turn, reason=reason, skipped_turns=left)
+
+    def stop_at_length(self) -> None:
+        """The sample reached data.max_length: the later turns are not generated (training would cut them
+        off), and are counted as failed with reason "sample full"."""
+        self.stopped = True
+        left = sum(m["role"] == "assistant" for m in self.source[self.pos :])
+        if left:
+            self.failed = TurnFailure(turn=self.turn + 1, reason="sample full", skipped_turns=left)
+
+    def result(self) -> Regenerated:
+        last = max((i for i, m in enumerate(self.out) if m["role"] == "assistant"), default=-1)
+        return Regenerated(
+            index=self.index,
+            messages=self.out[: last + 1],
+            turns=self.turns,
+            truncated=self.truncated,
+            new_tokens=self.new_tokens,
+            failed=self.failed,
+        )

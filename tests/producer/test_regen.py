@@ -1,0 +1,162 @@
+"""The producer's regeneration bookkeeping: jobs, samples from replies, epoch 0 planned as replies arrive."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_pipe.data import DataConfig, demo_tokenizer
+from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.regenerated import (
+    Regenerated,
+    RegenStore,
+    SourceConversations,
+    TurnFailure,
+    provenance,
+)
+from dflash_pipe.data.render import render_conversation
+from dflash_pipe.producer.regen import GenerateDone, Regeneration, first_open_epoch
+from dflash_pipe.train.ledger import Ledger
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return demo_tokenizer()
+
+
+def _conversations() -> list[list[dict]]:
+    return [
+        [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"dataset {i}"}]
+        for i in range(N)
+    ]
+
+
+def _make(tmp_path: Path, tok, *, budget: int = 64, batch: int = 4) -> Regeneration:
+    data_file = tmp_path / "data.jsonl"
+    if not data_file.exists():
+        data_file.write_text("{}\n")
+    target = tmp_path / "target"
+    target.mkdir(exist_ok=True)
+    (target / "config.json").write_text("{}")
+    data = DataConfig(path=data_file, token_budget=budget, max_length=64)
+    settings = RegenConfig(batch_size=batch)
+    store = RegenStore(tmp_path / "regen.jsonl", provenance(target, data, settings))
+    source = SourceConversations(path=data_file, conversations=_conversations())
+    return Regeneration(source, N - 2, store, settings, data, tok, seed=0)
+
+
+def _answer(items, *, empty: set[int] = frozenset()) -> list[Regenerated]:
+    out = []
+    for index, messages in items:
+        if index in empty:
+            failure = TurnFailure(turn=0, reason="empty reply", skipped_turns=1)
+            out.append(Regenerated(index=index, messages=[], failed=failure))
+            continue
+        reply = [messages[0], {"role": "assistant", "content": f"the target says {index} " * (1 + index % 3)}]
+        out.append(Regenerated(index=index, messages=reply, turns=1, new_tokens=5))
+    return out
+
+
+def test_epoch0_plans_replies_as_they_arrive_and_every_sample_once(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    plans = regen.epoch0(set())
+    assert next(plans) is None  # nothing generated yet
+    planned: list[int] = []
+    while (job := regen.next_job()) is not None:
+        assert len(job.items) <= 4
+        regen.accept(GenerateDone(job=job, results=_answer(job.items, empty={3}), seconds=0.1, replica="cpu"))
+        while (batch := next(plans, "end")) not in (None, "end"):
+            assert all(regen.train_samples[i] is not None for i in batch)  # only what exists is planned
+            planned += batch
+        if batch == "end":
+            break
+    planned += [i for batch in plans if batch is not None for i in batch]  # the rest, once complete
+    assert regen.complete and regen.voids == {3}
+    assert sorted(planned) == [i for i in range(N - 2) if i != 3]
+    assert regen.tally.failed == {"empty reply": 1}
+    # later epochs plan every sample but the void one
+    later = [i for b in regen.later_epoch(1, set()) for i in b]
+    assert sorted(later) == [i for i in range(N - 2) if i != 3]
+
+
+def test_samples_are_rendered_from_the_regenerated_text(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    job = regen.next_job()
+    (result, *_) = results = _answer(job.items)
+    regen.accept(GenerateDone(job=job, results=results, seconds=0.1, replica="cpu"))
+    ids, mask = render_conversation(tok, result.messages)
+    sample = regen.train_samples[result.index]
+    assert sample.input_ids.tolist() == ids and sample.loss_mask.tolist() == mask.tolist()
+
+
+def test_a_reopened_run_reuses_what_was_written(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    job = regen.next_job()
+    regen.accept(GenerateDone(job=job, results=_answer(job.items, empty={1}), seconds=0.1, replica="cpu"))
+    regen.store.close()
+    again = _make(tmp_path, tok)
+    assert again.done == 4 and again.voids == {1} and again.reused == 4
+    assert [i for i, _ in again.next_job().items] == [4, 5, 6, 7]  # nothing written is generated again
+    first = [i for b in iter(again.epoch0({0}).__next__, None) for i in b]
+    assert sorted(first) == [2, 3]  # 0 already trained this epoch, 1 void
+
+
+def test_the_eval_tail_is_regenerated_before_serving(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+
+    class Generator:
+        def regenerate(self, items):
+            return _answer(items)
+
+    samples = regen.regenerate_eval(Generator())
+    assert [s.sample_id for s in samples] == [N - 2, N - 1]
+    assert sorted(i for i in regen.store.done) == [N - 2, N - 1]
+
+
+def test_void_ids_count_as_trained_for_the_resume_epoch():
+    ledger = Ledger(4, 3)
+    ledger.mark(0, [0, 1, 3])
+    assert first_open_epoch(ledger, set()) == 0
+    assert first_open_epoch(ledger, {2}) == 1
+    ledger.mark(1, [0])
+    assert first_open_epoch(ledger, {2}) == 1
+
+
+def test_jobs_group_conversations_of_similar_length_within_a_window(tmp_path, tok):
+    regen = _make(tmp_path, tok, batch=2)
+    for i, conv in enumerate(regen.source.conversations):  # longest first in the file
+        conv[1]["content"] = "x" * (100 - i)
+    jobs = []
+    while (job := regen.next_job()) is not None:
+        jobs.append([i for i, _ in job.items])
+    # the 10 training conversations fit one window (8 jobs of 2): shortest first, each exactly once
+    assert jobs == [[9, 8], [7, 6], [5, 4], [3, 2], [1, 0]]
+
+
+def test_a_job_with_failed_turns_returns_the_dashboard_note(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    job = regen.next_job()
+    assert regen.accept(GenerateDone(job=job, results=_answer(job.items), seconds=0.1, replica="cpu")) is None
+    job = regen.next_job()
+    note = regen.accept(
+        GenerateDone(job=job, results=_answer(job.items, empty={5}), seconds=0.1, replica="cpu")
+    )
+    assert note == (
+        "regeneration: 1 conversation(s) of job 2 stopped at a turn that could not be generated (first: "
+        "conversation 5, turn 0: empty reply); their earlier turns are kept. So far: 1 empty reply"
+    )
+
+
+def test_no_trainable_sample_at_all_is_a_clear_error(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    while (job := regen.next_job()) is not None:
+        assert regen.nothing_to_train() is None
+        every = {i for i, _ in job.items}
+        regen.accept(
+            GenerateDone(job=job, results=_answer(job.items, empty=every), seconds=0.1, replica="cpu")
+        )
+    why = regen.nothing_to_train()
+    assert why is not None and "all 10 training conversations" in why and "10 empty reply" in why
