@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers import AutoConfig, PreTrainedConfig
 
 from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM, compiler_errors
+from dflash_pipe.target.families import TargetPlan, UnsupportedTargetError, check_loaded, plan_target
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
 from dflash_pipe.target.packing import (
     Attention,
@@ -81,21 +82,25 @@ class TargetCore:
             if isinstance(model_path, PreTrainedConfig)
             else AutoConfig.from_pretrained(str(model_path))
         )
+        self.plan: TargetPlan = plan_target(config)  # refuses what is not a decoder-only LM
+        if self.plan.padded_reason and packing == "packed":
+            log.warning("target %s: packed rows are not exact here: %s", model_path, self.plan.padded_reason)
+            self.packing = packing = "padded"
         self.attention: Attention = _pick_attention(
             packing, attention, config.get_text_config(), self.device, split=len(devices) > 1
         )
-        implementation = register_flex_attention() if self.attention == "flex" else "sdpa"
+        implementation = self.plan.attn_implementation or (
+            register_flex_attention() if self.attention == "flex" else "sdpa"
+        )
+        loader = self.plan.loader  # AutoModelForCausalLM, or the multimodal wrapper of a text model
         if isinstance(model_path, PreTrainedConfig):
             with torch.device(self.device if len(devices) == 1 else "cpu"):
-                model = AutoModelForCausalLM.from_config(
-                    config, dtype=dtype, attn_implementation=implementation
-                )
+                model = loader.from_config(config, dtype=dtype, attn_implementation=implementation)
             model_path = f"<random {type(config).__name__}>"
         else:
             # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
-            model = AutoModelForCausalLM.from_pretrained(
-                str(model_path), dtype=dtype, attn_implementation=implementation
-            )
+            model = loader.from_pretrained(str(model_path), dtype=dtype, attn_implementation=implementation)
+        self.model_path = str(model_path)
         model.eval().requires_grad_(False)
         self.model: nn.Module = model
         self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models
@@ -118,6 +123,20 @@ class TargetCore:
         if compile_layers:
             for layer in self.layers:
                 layer.forward = functools.partial(self._compiled_forward, layer)
+        check_loaded(self)  # a few probe tokens: causal, and packed samples kept apart (else padded)
+
+    def use_padded(self) -> None:
+        """Runs right-padded rows from now on (the target's packed rows are not exact)."""
+        if self.attention == "flex":  # the packed flex function needs a packed row's BlockMask
+            switch = getattr(self.model, "set_attn_implementation", None)
+            if switch is None:
+                raise UnsupportedTargetError(
+                    f"target {self.model_path}: packed rows are not exact and this transformers cannot switch "
+                    'the loaded model to SDPA; build the TargetCore with packing="padded"'
+                )
+            switch("sdpa")
+            self.attention = "sdpa"
+        self.packing = "padded"
 
     @property
     def layers_compiled(self) -> bool:

@@ -1,0 +1,138 @@
+"""Target families: which transformers class loads a checkpoint, which attention it runs, and whether its
+samples may share a packed row.
+
+Decided once, when a ``TargetCore`` is built (``plan_target`` from the config alone, so a launch can refuse
+a target before anything loads; ``check_loaded`` once the weights are in):
+
+- **Loader.** ``AutoModelForCausalLM`` when transformers has a causal LM for the config. A multimodal
+  checkpoint whose config has none (Kimi-K2.5) loads through its own wrapper class
+  (``AutoModelForImageTextToText``: transformers' own weight renames for that checkpoint apply) and
+  ``TargetCore`` runs only its language model. Anything else is refused, naming the model type.
+- **Attention implementation.** A model class that refuses SDPA (gpt-oss: its attention sinks) runs
+  transformers' eager attention, which implements them.
+- **Packing.** A family whose packed rows transformers cannot keep apart runs right-padded rows instead
+  (``PADDED_FAMILIES``, with the reason in one log line). Every target is then probed on a few tokens:
+  features before a position must not depend on the token there (else it is not a causal LM and is
+  refused), and in a packed row one sample's features must not depend on another sample's tokens (else the
+  target falls back to padded rows, with one log line). Those probes guard the families and transformers
+  versions that the coverage test (tests/target/test_family_coverage.py) has not seen.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dflash_pipe.target.core import TargetCore
+
+log = logging.getLogger("dflash_pipe.target")
+
+PADDED_FAMILIES: dict[str, str] = {
+    "gpt_oss": (
+        "GptOssModel builds its attention masks without the position ids, so transformers cannot see where "
+        "the samples of a packed row start (measured: 50-66% relative error on every sample after the "
+        "first); it runs right-padded rows with eager attention (the only transformers attention on CPU and "
+        "without the kernels package that computes its attention sinks)"
+    ),
+}
+"""model_type -> why its samples must not share a row (the log line says so)."""
+
+PROBE_LENGTH = 12
+"""Tokens per probe sample: longer than a causal conv window (4), short enough to cost nothing."""
+
+
+class UnsupportedTargetError(ValueError):
+    """The target checkpoint is not a model dflash-pipe can take features from; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetPlan:
+    """How one target checkpoint is loaded and run."""
+
+    model_type: str
+    loader: Any
+    """The transformers auto class that loads it (AutoModelForCausalLM or AutoModelForImageTextToText)."""
+    attn_implementation: str | None
+    """An implementation the model class needs (eager for gpt-oss), or None: TargetCore picks flex/sdpa."""
+    padded_reason: str | None
+    """Why packed rows are not exact for this family (it runs padded), or None."""
+
+
+def plan_target(config: Any) -> TargetPlan:
+    """The loader, attention and packing of a target from its config; ``UnsupportedTargetError`` if none."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto import modeling_auto
+
+    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
+    causal = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    wrappers = modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_type = str(getattr(text, "model_type", ""))
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedTargetError(
+            f"target model type {model_type!r} is an encoder-decoder model; dflash-pipe trains drafters for "
+            "decoder-only causal LMs (Qwen, Llama, gpt-oss, DeepSeek, ...). Point --target-model at one"
+        )
+    if model_type in causal:
+        loader, class_name = AutoModelForCausalLM, causal[model_type]
+    elif model_type in wrappers and text is not config and text_type in causal:
+        loader, class_name = AutoModelForImageTextToText, wrappers[model_type]
+    else:
+        raise UnsupportedTargetError(
+            f"target model type {model_type!r} has no causal-LM class in this transformers "
+            f"(and no multimodal wrapper around a causal text model); dflash-pipe needs a decoder-only LM. "
+            "Point --target-model at one, or upgrade transformers if a newer one supports this model"
+        )
+    attn = None
+    model_class = getattr(__import__("transformers"), class_name, None)
+    if model_class is not None and getattr(model_class, "_supports_sdpa", True) is False:
+        attn = "eager"  # e.g. gpt-oss: SDPA has no attention sinks
+    reason = PADDED_FAMILIES.get(model_type) or PADDED_FAMILIES.get(text_type)
+    return TargetPlan(model_type=model_type, loader=loader, attn_implementation=attn, padded_reason=reason)
+
+
+def check_loaded(core: TargetCore) -> None:
+    """Probes a freshly loaded target (a few tokens): refuses a non-causal model, and moves a packed target
+    whose samples leak into each other to padded rows (one log line)."""
+    vocab = core.vocab_size
+    n = PROBE_LENGTH
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2 * n,), generator=gen)
+    tol = 1e-4 if core.dtype == torch.float32 else 2e-2  # a leak is >= a few %; bf16 noise is below 1%
+
+    # Causality: the token at n-1 must not change the features of positions 0..n-2.
+    one = core.features(ids[:n], [n])
+    last = ids[:n].clone()
+    last[-1] = (last[-1] + 1) % vocab
+    moved = _relative(core.features(last, [n])[:-1], one[:-1])
+    if moved > tol:
+        raise UnsupportedTargetError(
+            f"target {core.model_path}: its features at a position depend on later tokens (relative change "
+            f"{moved:.1e} when only the last token changes), so it is not a causal LM; DFlash needs a causal "
+            "decoder-only target"
+        )
+    if core.packing != "packed":
+        return
+    # Packing: sample 0's tokens must not change sample 1's features in the same row.
+    row = core.features(ids, [n, n])
+    other = ids.clone()
+    other[:n] = (other[:n] + 1) % vocab
+    leak = _relative(core.features(other, [n, n])[n:], row[n:])
+    if leak > tol:
+        log.warning(
+            "target %s (%s): samples packed into one row leak into each other (relative change %.1e of a "
+            "sample when only the one before it changes); running right-padded rows instead (exact, slower)",
+            core.model_path,
+            core.plan.model_type,
+            leak,
+        )
+        core.use_padded()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
