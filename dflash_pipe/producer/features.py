@@ -32,6 +32,13 @@ from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.fp8 import wire_features
 
 _SLOT_ALIGN = 64  # bytes; every wire tensor in a slot starts on this boundary
+_STOP_POLL_S = (
+    0.2  # how often a target thread waiting for a free staging slot checks for the producer's close
+)
+
+
+class TargetStopped(Exception):
+    """The producer closed while a target thread waited for a staging slot (the thread just ends)."""
 
 
 @dataclass(slots=True)
@@ -114,10 +121,18 @@ class InFlight:
 class FeatureCopier:
     """Launches a batch's forward and the asynchronous copy of its features into a staging slot."""
 
-    def __init__(self, core: TargetCore, staging: HostStaging, wire_dtype: str = "bf16") -> None:
+    def __init__(
+        self,
+        core: TargetCore,
+        staging: HostStaging,
+        wire_dtype: str = "bf16",
+        stopping: threading.Event | None = None,
+    ) -> None:
         self.core = core
         self.staging = staging
         self.wire_dtype = wire_dtype
+        self.stopping = stopping
+        """Set when the producer closes: a wait for a free slot gives up (``TargetStopped``)."""
         cuda = core.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=core.device) if cuda else None
 
@@ -158,7 +173,14 @@ class FeatureCopier:
                 return self.staging.acquire(nbytes, timeout_s=0.0)
             except TimeoutError:
                 flush()
-        return self.staging.acquire(nbytes)
+        if self.stopping is None:
+            return self.staging.acquire(nbytes)
+        while True:  # every slot is leased: wait, but not past the producer's close
+            try:
+                return self.staging.acquire(nbytes, timeout_s=_STOP_POLL_S)
+            except TimeoutError:
+                if self.stopping.is_set():
+                    raise TargetStopped from None
 
 
 class TargetThread(threading.Thread):
@@ -187,20 +209,30 @@ class TargetThread(threading.Thread):
         self.busy_s = 0.0
         """Seconds spent launching forwards and waiting for their copies (not waiting for plans)."""
         self._pending: InFlight | None = None
+        self.stopping = threading.Event()
+        """Set by ``stop()``: no new batch starts (the one computing finishes)."""
+
+    def stop(self) -> None:
+        """Asks the thread to end after the batch it computes; ``join()`` to wait for that. The producer
+        must not exit (nor free the staging memory) while this thread is inside the target's forward: a
+        daemon thread running torch code at interpreter exit aborts the process (SIGABRT)."""
+        self.stopping.set()
 
     def run(self) -> None:
         try:
             if self.core.device.type == "cuda" and self.core.device.index is not None:
                 torch.cuda.set_device(self.core.device)  # streams and events of this thread live there
             apply_dynamo_settings()  # per thread: the compiled target layers and flex functions
-            copier = FeatureCopier(self.core, self.staging, self.wire_dtype)
-            while (plan := self._next_plan()) is not None:
+            copier = FeatureCopier(self.core, self.staging, self.wire_dtype, stopping=self.stopping)
+            while not self.stopping.is_set() and (plan := self._next_plan()) is not None:
                 t0 = time.perf_counter()
                 launched = copier.launch(plan, [self.samples[i] for i in plan.sample_ids], flush=self._finish)
                 self._finish()  # the previous batch's copy drained while this one was queued
                 self._pending = launched
                 self.busy_s += time.perf_counter() - t0
             self._finish()
+        except TargetStopped:
+            pass  # the producer is closing; nothing waits for this batch
         except BaseException as exc:  # reported by the main thread, never swallowed
             self.ready.put(TargetFailure(replica=self.replica, error=exc))
 

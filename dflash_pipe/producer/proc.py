@@ -7,6 +7,7 @@ watch, show.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import threading
@@ -43,6 +44,8 @@ _SHOW_EVERY_S = 0.5
 MIN_RATE_SPAN_S = 1.0
 """A stage's tokens/s goes into the metrics only once its meter has measured over at least this long."""
 _EVAL_BATCH_SAMPLES = 4
+TARGET_STOP_TIMEOUT_S = 120.0
+"""How long closing waits for each target thread's current batch (a forward of a big target, or its compile)."""
 REQUIRED_CAPABILITIES = ("frames",)
 """What a worker must support: payloads as raw tensor frames on the socket."""
 
@@ -725,8 +728,7 @@ class ProducerProc:
         if self._closed:
             return
         self._closed = True
-        for _ in self._threads:
-            self._plans.put(None)
+        self._stop_targets()
         self.dashboard.close()
         self.metrics.close()
         self.endpoint.close()
@@ -734,6 +736,27 @@ class ProducerProc:
         for ring in (self.ring, self.cuda_ring):  # closing the staging twice is a no-op
             if ring is not None:
                 ring.close()
+
+    def _stop_targets(self) -> None:
+        """Target threads end before the staging memory is freed and before the process exits: the plans
+        not started are dropped, each thread finishes the batch it computes. (A daemon thread still inside
+        the target's forward when the interpreter exits aborts the process with SIGABRT; a thread copying
+        into a freed slot would crash it.)"""
+        for thread in self._threads:
+            thread.stop()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._plans.get_nowait()
+        for _ in self._threads:
+            self._plans.put(None)  # wakes a thread waiting for a plan
+        deadline = time.monotonic() + TARGET_STOP_TIMEOUT_S
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if stuck := [t.name for t in self._threads if t.is_alive()]:
+            self._note(
+                f"target thread(s) {', '.join(stuck)} still computing after {TARGET_STOP_TIMEOUT_S:.0f} s; "
+                "exiting anyway"
+            )
 
 
 def choose_offers(

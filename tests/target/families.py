@@ -45,6 +45,16 @@ class Family:
         return path
 
 
+    def save_target(self, path: Path, seed: int = 0) -> Path:
+        """A launchable target dir: the checkpoint over the demo tokenizer's vocabulary, plus that tokenizer."""
+        from dflash_pipe.data import demo_tokenizer
+
+        tokenizer = demo_tokenizer()
+        self.save(path, vocab=len(tokenizer) + 8, seed=seed)  # + 8: rows for the multimodal token ids
+        tokenizer.save_pretrained(path)
+        return path
+
+
 def _cls(name: str) -> Callable[..., PreTrainedConfig] | None:
     return getattr(transformers, name, None)
 
