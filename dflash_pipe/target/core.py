@@ -22,6 +22,8 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM, compiler_errors
 from dflash_pipe.target.families import TargetPlan, UnsupportedTargetError, check_loaded, plan_target
+from dflash_pipe.target.gated_deltanet import fast_forward, linear_kernels
+from dflash_pipe.target.hybrid import Boundaries, Segments, describe, inspect_layers, wrap_mixers
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
 from dflash_pipe.target.packing import (
     Attention,
@@ -104,6 +106,10 @@ class TargetCore:
         model.eval().requires_grad_(False)
         self.model: nn.Module = model
         self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models
+        self._boundaries = Boundaries()
+        self._hybrid = False  # linear-attention mixers wrapped: packed rows carry their boundaries
+        self._layer_types: tuple[str, ...] | None = None
+        self._setup_hybrid(model, config.get_text_config(), model_path)
         if len(devices) > 1:
             spread(model, self.layers, devices)
         else:
@@ -117,7 +123,9 @@ class TargetCore:
         self.num_layers: int = num_hidden_layers(self.config) or len(self.layers)
         self.layer_ids: tuple[int, ...] = _validate_layer_ids(layer_ids, self.num_layers, model_path)
         if compile_layers is None:
-            compile_layers = self.device.type == "cuda" and self.attention == "flex" and packing == "packed"
+            compile_layers = (
+                self.device.type == "cuda" and self.attention == "flex" and self.packing == "packed"
+            )
         self.compile_layers = compile_layers
         self._layer_compile_failed = False
         if compile_layers:
@@ -137,6 +145,39 @@ class TargetCore:
             switch("sdpa")
             self.attention = "sdpa"
         self.packing = "padded"
+
+    def _setup_hybrid(self, model: nn.Module, text_config: object, name: object) -> None:
+        """Linear-attention layers of a packed row get the sample boundaries (``dflash_pipe.target.hybrid``);
+        a layer the packed path is not proven on turns the whole target to padded rows, with one warning."""
+        plan = inspect_layers(text_config, self.layers)
+        if self.packing != "packed":
+            return
+        if plan.unproven:
+            log.warning(
+                'target %s: %s; it runs on right-padded rows (packing="padded": exact, every pad position '
+                "costs a token) instead of packed",
+                name,
+                plan.unproven,
+            )
+            self.packing = "padded"
+            if self.attention == "flex":
+                model.set_attn_implementation("sdpa")
+                self.attention = "sdpa"
+            return
+        if not plan.hybrid:
+            return
+        kernels = linear_kernels(self.device)
+        if self.device.type == "cuda" and kernels is None:
+            log.warning(
+                "target %s is a hybrid and flash-linear-attention is not importable: its linear-attention "
+                "layers run per sample through transformers' torch fallback (exact, slow); install "
+                "dflash-pipe[gpu]",
+                name,
+            )
+        counts = wrap_mixers(plan, self._boundaries, lambda module: fast_forward(module, kernels))
+        self._hybrid = True
+        self._layer_types = tuple(getattr(text_config, "layer_types", None) or ()) or None
+        log.info("target %s: %s", name, describe(counts))
 
     @property
     def layers_compiled(self) -> bool:
@@ -197,7 +238,8 @@ class TargetCore:
 
         handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in hooked]
         try:
-            result = self.decoder(**layout.model_inputs(), use_cache=False)
+            with self._boundaries.active(self._segments(layout)):
+                result = self.decoder(**layout.model_inputs(), use_cache=False)
         except _StopForward:
             result = None
         finally:
@@ -224,14 +266,23 @@ class TargetCore:
         """
         lens = check_lengths(input_ids, lengths)
         layout = self._layout(input_ids, lens)
-        logits = self.model(**layout.model_inputs(), use_cache=False).logits  # [B, S, V] or [1, T, V]
+        with self._boundaries.active(self._segments(layout)):
+            logits = self.model(**layout.model_inputs(), use_cache=False).logits  # [B, S, V] or [1, T, V]
         return layout.pack(logits.argmax(dim=-1).to(self.device))  # [T]
 
     def _layout(self, input_ids: torch.Tensor, lengths: list[int]) -> PackedLayout | PaddedLayout:
         if self.packing == "padded":
             return PaddedLayout.build(input_ids, lengths, self.device)
         compile = self.device.type == "cuda"
-        return PackedLayout.build(input_ids, lengths, self.device, self.attention, compile=compile)
+        return PackedLayout.build(
+            input_ids, lengths, self.device, self.attention, compile=compile, layer_types=self._layer_types
+        )
+
+    def _segments(self, layout: PackedLayout | PaddedLayout) -> Segments | None:
+        """The row's sample boundaries for the linear-attention layers (hybrid targets, packed rows only)."""
+        if not self._hybrid or not isinstance(layout, PackedLayout):
+            return None
+        return Segments.build(layout.lengths, self.device)
 
 
 def _pick_attention(
@@ -282,8 +333,10 @@ def _pick_attention(
 
 
 def _head_dim(text_config: object) -> int:
+    """The attention head size; 0 for a model without attention heads (e.g. Mamba: no flex then)."""
     explicit = getattr(text_config, "head_dim", None)
-    return int(explicit or text_config.hidden_size // text_config.num_attention_heads)
+    heads = getattr(text_config, "num_attention_heads", None)
+    return int(explicit or (text_config.hidden_size // heads if heads else 0))
 
 
 def _validate_layer_ids(layer_ids: Sequence[int], num_layers: int, model_path: str | Path) -> tuple[int, ...]:

@@ -92,6 +92,8 @@ class PackedLayout:
     position_ids: torch.Tensor  # [1, T'] int64, 0..len-1 within each sample (and within the padding)
     attention_mask: Any  # a flex BlockMask, or None (sdpa: transformers derives it from position_ids)
     total: int  # T, the real tokens
+    lengths: tuple[int, ...]  # the row's segments: the samples, then flex's padding tail if any
+    layer_types: tuple[str, ...] | None = None  # a hybrid's layer types: the BlockMask goes per type
 
     @classmethod
     def build(
@@ -102,7 +104,11 @@ class PackedLayout:
         attention: Attention,
         *,
         compile: bool,
+        layer_types: Sequence[str] | None = None,
     ) -> PackedLayout:
+        """``layer_types`` (hybrids only): the mask then goes to the model as a ``{layer type: mask}`` mapping,
+        attention types getting the BlockMask and linear-attention layers None (they take boundaries, not a
+        mask), because transformers' padding-mask builder for linear layers cannot read a BlockMask."""
         total = sum(lengths)
         ids = input_ids.detach().cpu().long()
         pad = -total % FLEX_PAD_TO if attention == "flex" and compile else 0
@@ -115,14 +121,20 @@ class PackedLayout:
         # One host tensor, one copy: ids, positions and sample index travel together.
         rows = _to_device(torch.stack([ids, positions, sample]), device)  # [3, T']
         mask = packed_block_mask(rows[2], compile=compile) if attention == "flex" else None
-        return cls(input_ids=rows[0][None], position_ids=rows[1][None], attention_mask=mask, total=total)
+        return cls(
+            input_ids=rows[0][None],
+            position_ids=rows[1][None],
+            attention_mask=mask,
+            total=total,
+            lengths=tuple(int(n) for n in lengths),
+            layer_types=tuple(layer_types) if layer_types else None,
+        )
 
     def model_inputs(self) -> dict[str, Any]:
-        return {
-            "input_ids": self.input_ids,
-            "position_ids": self.position_ids,
-            "attention_mask": self.attention_mask,
-        }
+        mask = self.attention_mask
+        if mask is not None and self.layer_types is not None:
+            mask = {t: None if t == LINEAR_ATTENTION else mask for t in set(self.layer_types)}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": mask}
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``[1, T', ...]`` -> ``[T, ...]`` (a view: the row already holds the samples back to back)."""
@@ -221,7 +233,8 @@ def packed_flex_attention(
     """transformers ``AttentionInterface`` function: flex_attention with the batch's packed BlockMask.
 
     Returns ``[1, T, Hq, D]`` like every HF attention function. Only plain causal attention is supported;
-    sliding-window or soft-capped layers are refused (``TargetCore`` picks sdpa for such models).
+    sliding-window, soft-capped or attention-sink layers are refused (``TargetCore`` picks sdpa or eager for
+    such models).
     """
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -231,7 +244,8 @@ def packed_flex_attention(
             f"{type(attention_mask).__name__}; call the model through TargetCore, or load it with "
             'attn_implementation="sdpa" for a plain forward'
         )
-    unsupported = {k: kwargs[k] for k in ("sliding_window", "softcap") if kwargs.get(k) is not None}
+    # s_aux: gpt-oss's attention sinks (an extra softmax column per head), which flex_attention lacks
+    unsupported = {k: kwargs[k] for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None}
     if unsupported or dropout:
         raise RuntimeError(
             f"{type(module).__name__} asks for {unsupported or {'dropout': dropout}}, which the packed flex "
@@ -255,13 +269,22 @@ def register_flex_attention() -> str:
     return FLEX_ATTENTION
 
 
+LINEAR_ATTENTION = "linear_attention"
+
+FLEX_HYBRIDS = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+"""Hybrid text configs whose attention layers are plain causal attention (the linear-attention layers in
+between take the sample boundaries instead of a mask, ``dflash_pipe.target.hybrid``)."""
+
+
 def plain_causal(text_config: Any) -> bool:
-    """True when every layer is full causal attention without soft-capping (what the flex path computes)."""
+    """True when every attention layer is full causal attention without soft-capping (what the flex path
+    computes); the linear-attention layers of the hybrids in ``FLEX_HYBRIDS`` do not count."""
     if getattr(text_config, "attn_logit_softcapping", None) or getattr(text_config, "softcap", None):
         return False
     types = getattr(text_config, "layer_types", None)
     if types is not None:
-        return all(t == "full_attention" for t in types)
+        linear_ok = getattr(text_config, "model_type", None) in FLEX_HYBRIDS
+        return all(t == "full_attention" or (linear_ok and t == LINEAR_ATTENTION) for t in types)
     return getattr(text_config, "sliding_window", None) is None and not getattr(
         text_config, "attention_chunk_size", None
     )

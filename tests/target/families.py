@@ -44,7 +44,6 @@ class Family:
         model.save_pretrained(path)
         return path
 
-
     def save_target(self, path: Path, seed: int = 0) -> Path:
         """A launchable target dir: the checkpoint over the demo tokenizer's vocabulary, plus that tokenizer."""
         from dflash_pipe.data import demo_tokenizer

@@ -31,6 +31,15 @@ TOLERANCE = 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matmuls are much faster on one thread, and the CI box is shared by other test runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
@@ -120,11 +129,14 @@ def test_gpt_oss_runs_padded_eager_and_says_why(checkpoints, caplog):
 
 
 def test_a_leaking_packed_target_falls_back_to_padded_rows(checkpoints, batch, monkeypatch, caplog):
-    """The probe, not the family table: gpt-oss's packed rows leak, so without its table entry the probe
-    must catch that, say so once, and run padded rows (exact)."""
+    """The probe, not the family table or the layer rules: gpt-oss's packed rows leak, so without its table
+    entry, and with no layer rule objecting, the probe must catch that, say so once, and run padded rows."""
+    from dflash_pipe.target import core as core_module
     from dflash_pipe.target import families
+    from dflash_pipe.target.hybrid import HybridPlan
 
     monkeypatch.setattr(families, "PADDED_FAMILIES", {})
+    monkeypatch.setattr(core_module, "inspect_layers", lambda *_: HybridPlan(mixers=(), unproven=None))
     with caplog.at_level("WARNING", logger="dflash_pipe.target"):
         core = TargetCore(checkpoints["gpt_oss"], LAYER_IDS, "cpu", torch.float32)
     assert core.packing == "padded"
