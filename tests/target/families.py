@@ -72,9 +72,9 @@ def _attention(vocab: int, **extra) -> dict:
     )
 
 
-def _linear_attention(vocab: int, **extra) -> dict:
-    """Qwen3.5 / Qwen3-Next shape: layers 0-2 Gated DeltaNet, layer 3 gated full attention (3 of every 4)."""
-    return _attention(
+def _linear_attention(vocab: int, layers: int = LAYERS, **extra) -> dict:
+    """Qwen3.5 / Qwen3-Next shape: 3 of every 4 layers Gated DeltaNet, the 4th gated full attention."""
+    fields = _attention(
         vocab,
         head_dim=16,
         linear_conv_kernel_dim=4,
@@ -82,9 +82,11 @@ def _linear_attention(vocab: int, **extra) -> dict:
         linear_value_head_dim=8,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
         **extra,
     )
+    fields["num_hidden_layers"] = layers
+    return fields
 
 
 def _moe(**extra) -> dict:
@@ -207,8 +209,8 @@ def kimi_k25(v: int) -> PreTrainedConfig:
     )
 
 
-def qwen3_5_text(v: int) -> PreTrainedConfig:
-    return _cls("Qwen3_5TextConfig")(**_linear_attention(v))
+def qwen3_5_text(v: int, layers: int = LAYERS) -> PreTrainedConfig:
+    return _cls("Qwen3_5TextConfig")(**_linear_attention(v, layers))
 
 
 def qwen3_5_multimodal(v: int) -> PreTrainedConfig:
