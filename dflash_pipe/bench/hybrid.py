@@ -76,6 +76,8 @@ class PathSpec:
     min_len: int
     max_len: int
     seed: int = 0
+    fp32_check_before_s: float = 0.0
+    """The packed path's fp32 check on the device runs if the child is younger than this (0: never)."""
 
 
 def hybrid_config(shape: str, dtype: str = "bfloat16"):
@@ -197,9 +199,13 @@ def run_path(spec: PathSpec) -> dict[str, Any]:
     def run(batch: list[int]) -> None:
         core.features(torch.cat([samples[i] for i in batch]), [len(samples[i]) for i in batch])
 
+    _progress(f"{spec.path}: built in {build_s:.1f} s, {len(batches)} batches planned")
     t0 = time.perf_counter()
-    for batch in batches[: spec.warmup]:
+    for k, batch in enumerate(batches[: spec.warmup]):
         run(batch)
+        if cuda:
+            torch.cuda.synchronize(device)
+        _progress(f"{spec.path}: warm-up batch {k} done at {time.perf_counter() - t0:.1f} s")
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -212,6 +218,7 @@ def run_path(spec: PathSpec) -> dict[str, Any]:
             torch.cuda.synchronize(device)
             memory.append(torch.cuda.memory_allocated(device) / 2**20)
         seconds.append(time.perf_counter() - t)
+        _progress(f"{spec.path}: timed batch {len(seconds)} in {seconds[-1]:.3f} s")
     lengths = [len(samples[i]) for b in batches[spec.warmup :] for i in b]
     tokens, total = sum(lengths), sum(seconds)
     flops = model_flops(core, lengths)
@@ -235,7 +242,13 @@ def run_path(spec: PathSpec) -> dict[str, Any]:
     }
     if spec.path != "dense":
         row["features_vs_each_sample_alone"] = feature_check(core, config.vocab_size)
+        _progress(f"{spec.path}: features checked: {row['features_vs_each_sample_alone']['rel_err']}")
     return row
+
+
+def _progress(message: str) -> None:
+    """Child progress on stderr (the parent keeps its tail when a path times out)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _fla_importable() -> bool:
@@ -264,8 +277,11 @@ def run_child(spec: PathSpec, timeout_s: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "dflash_pipe.bench.hybrid", json.dumps(asdict(spec))]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"path": spec.path, "error": f"timed out after {timeout_s:.0f} s"}
+    except subprocess.TimeoutExpired as exc:
+        out, err = (_text(exc.stdout), _text(exc.stderr))
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        row = json.loads(lines[-1]) if lines else {"path": spec.path}
+        return {**row, "error": f"timed out after {timeout_s:.0f} s", "stderr_tail": err.splitlines()[-15:]}
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
@@ -310,6 +326,7 @@ def bench_hybrid(
             token_budget=token_budget,
             min_len=min_len,
             max_len=max_len,
+            fp32_check_before_s=child_timeout_s / 2,
         )
         started = time.perf_counter()
         row = run_child(spec, child_timeout_s)
@@ -372,12 +389,18 @@ def _ratio(a: dict | None, b: dict | None) -> float | None:
     return a["tokens_per_s"] / b["tokens_per_s"]
 
 
+def _text(data: bytes | str | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
 def _main(argv: list[str]) -> None:
+    started = time.perf_counter()
     spec = PathSpec(**json.loads(argv[0]))
     row = run_path(spec)
-    if spec.path == "packed":
+    print(json.dumps(row), flush=True)  # kept even if the fp32 check below runs out of time
+    if spec.path == "packed" and time.perf_counter() - started < spec.fp32_check_before_s:
         row["fp32_exactness"] = fp32_exactness(spec.device)
-    print(json.dumps(row), flush=True)
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -305,7 +305,8 @@ def _pick_attention(
         why = (
             "padded rows use sdpa"
             if packing == "padded"
-            else "the model has sliding-window or soft-capped layers"
+            else "the model has sliding-window or soft-capped layers, or is a hybrid whose attention layers "
+            "flex is not proven on (dflash_pipe.target.packing.FLEX_HYBRIDS)"
         )
         raise ValueError(
             f'attention="flex" needs packing="packed" and plain causal layers ({why}); use "sdpa"'

@@ -57,29 +57,16 @@ def fla_kernels() -> Kernels | None:
         log.debug("flash-linear-attention not usable: %s: %s", type(exc).__name__, exc)
         return None
 
+    def varlen(segments: Segments) -> dict[str, torch.Tensor]:
+        return {"cu_seqlens": segments.cu_seqlens, "cu_seqlens_cpu": segments.cu_seqlens_cpu}
+
     def conv(x, weight, bias, activation, segments):
-        out, _ = causal_conv1d(
-            x,
-            weight=weight,
-            bias=bias,
-            activation=activation,
-            cu_seqlens=segments.cu_seqlens,
-            cu_seqlens_cpu=segments.cu_seqlens_cpu,
-        )
-        return out
+        return causal_conv1d(x, weight=weight, bias=bias, activation=activation, **varlen(segments))[0]
 
     def delta_rule(q, k, v, g, beta, segments):
-        out, _ = chunk_gated_delta_rule(
-            q,
-            k,
-            v,
-            g=g,
-            beta=beta,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=segments.cu_seqlens,
-            cu_seqlens_cpu=segments.cu_seqlens_cpu,
-        )
-        return out
+        return chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, **varlen(segments)
+        )[0]
 
     return Kernels(name="fla", conv=conv, delta_rule=delta_rule)
 

@@ -152,20 +152,40 @@ class Segments:
         """``[N, S, ...]`` -> ``[1, T, ...]`` (the inverse of ``unpack`` on real tokens)."""
         return rows.reshape(-1, *rows.shape[2:]).index_select(0, self.slots)[None]
 
+    def to(self, device: torch.device) -> Segments:
+        """The same segments with their device tensors on ``device`` (a target split across GPUs)."""
+        if self.slots.device == device:
+            return self
+        return Segments(
+            lengths=self.lengths,
+            cu_seqlens=self.cu_seqlens.to(device),
+            cu_seqlens_cpu=self.cu_seqlens_cpu,
+            slots=self.slots.to(device),
+        )
+
 
 class Boundaries:
     """The current packed row's segments, read by the wrapped mixers during one forward (None outside)."""
 
     def __init__(self) -> None:
         self.current: Segments | None = None
+        self._copies: dict[torch.device, Segments] = {}
 
     @contextlib.contextmanager
     def active(self, segments: Segments | None) -> Iterator[None]:
-        self.current = segments
+        self.current, self._copies = segments, {}
         try:
             yield
         finally:
-            self.current = None
+            self.current, self._copies = None, {}
+
+    def on(self, device: torch.device) -> Segments | None:
+        """The current segments on ``device`` (copied once per forward for each further device)."""
+        if self.current is None:
+            return None
+        if device not in self._copies:
+            self._copies[device] = self.current.to(device)
+        return self._copies[device]
 
 
 FastForward = Callable[[nn.Module, torch.Tensor, Segments], torch.Tensor]
@@ -195,11 +215,12 @@ def _packed_mixer_forward(
     """The mixer on a packed row with its samples kept apart; the class's own forward when no packed row is
     active (a padded batch, or a plain forward outside ``TargetCore``)."""
     original = type(module).forward
-    segments = boundaries.current
-    if segments is None:
+    if boundaries.current is None:
         return original(module, *args, **kwargs)
     args_list = list(args)
     hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args_list.pop(0)  # [1, T, H]
+    segments = boundaries.on(hidden.device)
+    assert segments is not None
     if hidden.shape[0] != 1 or hidden.shape[1] != sum(segments.lengths):
         raise RuntimeError(
             f"{type(module).__name__} got hidden states of shape {tuple(hidden.shape)} inside a packed row of "

@@ -98,6 +98,8 @@ def _torch_varlen_kernels(modeling) -> Kernels:
         return torch.cat(outs)[None]
 
     def delta_rule(q, k, v, g, beta, segments: Segments):
+        groups = v.shape[2] // q.shape[2]  # grouped values: fla maps value head i to key head i // groups
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
         outs = []
         for s, e in zip(
             segments.cu_seqlens_cpu[:-1].tolist(), segments.cu_seqlens_cpu[1:].tolist(), strict=True
