@@ -127,18 +127,15 @@ def check_loaded(core: TargetCore) -> None:
     vocab, n = core.vocab_size, PROBE_LENGTH
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (2 * n,), generator=gen)
-    # Without a leak nothing moves (measured: exactly 0 for every family of the coverage test, fp32 and
-    # bf16); a tiny random BERT's bidirectional attention moves 6e-4, recurrent state across samples tens
-    # of %. bf16 leaves room for GPU kernels' rounding.
-    tol = 1e-5 if core.dtype == torch.float32 else 1e-2
     row = core.features(ids, [n, n])
+    floor = _moved(core.features(ids, [n, n]), row, core)  # the same input again: the kernels' own noise
 
     # Causality: the last quarter of the row must not change the features of any position before it.
     cut = 2 * n - n // 2
     late = ids.clone()
     late[cut:] = (late[cut:] + 1) % vocab
-    moved = _relative(core.features(late, [n, n])[:cut], row[:cut])
-    if moved > tol:
+    moved = _moved(core.features(late, [n, n])[:cut], row[:cut], core)
+    if moved > _threshold(core, floor):
         raise UnsupportedTargetError(
             f"target {core.model_path}: its features at a position depend on later tokens (relative change "
             f"{moved:.1e} when only later tokens change), so it is not a causal LM; DFlash needs a causal "
@@ -149,8 +146,8 @@ def check_loaded(core: TargetCore) -> None:
     # Packing: sample 0's tokens must not change sample 1's features in the same row.
     other = ids.clone()
     other[:n] = (other[:n] + 1) % vocab
-    leak = _relative(core.features(other, [n, n])[n:], row[n:])
-    if leak > tol:
+    leak = _moved(core.features(other, [n, n])[n:], row[n:], core)
+    if leak > _threshold(core, floor):
         log.warning(
             "target %s (%s): samples packed into one row leak into each other (relative change %.1e of a "
             "sample when only the one before it changes); running right-padded rows instead (exact, slower)",
@@ -159,6 +156,25 @@ def check_loaded(core: TargetCore) -> None:
             leak,
         )
         core.use_padded()
+
+
+def _threshold(core: TargetCore, floor: float) -> float:
+    """How far a feature may move without a leak. Measured: exactly 0 for every family of the coverage test
+    (fp32 and bf16, CPU); a leak moves it by 6e-4 (a tiny random BERT's bidirectional attention) to tens of %
+    (recurrent state across samples). bf16 leaves room for rounding; kernels that are not deterministic
+    (atomics) raise the bar to well above their own run-to-run noise, so noise never reads as a leak."""
+    base = 1e-5 if core.dtype == torch.float32 else 1e-2
+    return max(base, 20 * floor)
+
+
+def _moved(a: torch.Tensor, b: torch.Tensor, core: TargetCore) -> float:
+    """The largest relative change of any selected layer's slice (a deep layer amplifies rounding, a leak
+    shows from the first layer after it)."""
+    hidden = core.hidden_size
+    return max(
+        _relative(a[:, j * hidden : (j + 1) * hidden], b[:, j * hidden : (j + 1) * hidden])
+        for j in range(len(core.layer_ids))
+    )
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -175,3 +175,21 @@ def test_kimi_k25_loads_its_wrapper_and_runs_only_the_language_model(checkpoints
     assert type(core.model).__name__ == "Kimi_K25ForConditionalGeneration"
     assert type(core.decoder).__name__ == "DeepseekV3Model"
     assert core.hidden_size == 32 and core.num_layers == LAYERS
+
+
+def test_kernel_noise_is_not_read_as_a_leak(checkpoints):
+    """GPU kernels with atomics differ run to run; the probe measures that noise on a repeated input, so a
+    target whose features wobble by 1e-3 on every call is neither refused nor moved to padded rows."""
+    from dflash_pipe.target.families import check_loaded
+
+    core = TargetCore(checkpoints["qwen3"], LAYER_IDS, "cpu", torch.float32)
+    exact = core.features
+    gen = torch.Generator().manual_seed(1)
+
+    def noisy(ids, lengths):
+        out = exact(ids, lengths)
+        return out * (1 + 1e-3 * torch.randn(out.shape, generator=gen))
+
+    core.features = noisy
+    check_loaded(core)
+    assert core.packing == "packed"
