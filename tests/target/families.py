@@ -36,6 +36,8 @@ class Family:
     """Builds the config for a vocabulary size (a launch needs its tokenizer's)."""
     hybrid: bool = False
     """Has linear-attention layers (Gated DeltaNet / KDA): exact only with per-sample boundaries."""
+    padded: bool = False
+    """Runs right-padded rows even when packed rows are asked for (packed rows would not be exact)."""
 
     def save(self, path: Path, *, vocab: int = VOCAB, seed: int = 0) -> Path:
         """A random checkpoint of the family saved with ``save_pretrained``, as on the Hub."""
@@ -68,6 +70,9 @@ def _attention(vocab: int, **extra) -> dict:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
         **extra,
     )
 
@@ -242,9 +247,58 @@ def kimi_linear(v: int) -> PreTrainedConfig:
         num_local_experts=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         mlp_layer_types=["dense"] + ["sparse"] * (LAYERS - 1),
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+    )
+
+
+def mixtral(v: int) -> PreTrainedConfig:
+    return _cls("MixtralConfig")(**_attention(v, num_local_experts=4, num_experts_per_tok=2))
+
+
+def gemma2(v: int) -> PreTrainedConfig:
+    """Soft-capped attention logits and alternating sliding windows (flex refuses soft-capping)."""
+    return _cls("Gemma2Config")(**_attention(v, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16))
+
+
+def ministral3(v: int) -> PreTrainedConfig:
+    """yarn RoPE by default."""
+    return _cls("Ministral3Config")(**_attention(v, head_dim=16))
+
+
+def _plain(cls_name: str) -> Callable[[int], PreTrainedConfig]:
+    return lambda v: _cls(cls_name)(**_attention(v))
+
+
+def cohere2(v: int) -> PreTrainedConfig:
+    return _cls("Cohere2Config")(**_attention(v, sliding_window=WINDOW))
+
+
+def _recurrent_fields(v: int) -> dict:
+    fields = _attention(v)
+    fields.pop("max_position_embeddings")
+    return fields
+
+
+def lfm2(v: int) -> PreTrainedConfig:
+    """LFM2: short-conv layers between attention layers (a sequence mixer the packed row does not know)."""
+    return _cls("Lfm2Config")(**_recurrent_fields(v), layer_types=["conv", "conv", "full_attention", "conv"])
+
+
+def falcon_h1(v: int) -> PreTrainedConfig:
+    """Falcon-H1: Mamba-2 and attention side by side in every layer."""
+    mamba = dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1)
+    return _cls("FalconH1Config")(**_recurrent_fields(v), mamba_chunk_size=8, **mamba)
+
+
+def granitemoehybrid(v: int) -> PreTrainedConfig:
+    """Granite-4: Mamba-2 layers and attention layers, MoE."""
+    mamba = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
+    return _cls("GraniteMoeHybridConfig")(
+        **_recurrent_fields(v),
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        layer_types=["mamba", "mamba", "attention", "mamba"],
+        **mamba,
     )
 
 
@@ -265,10 +319,26 @@ _ROWS: list[tuple[str, str, str, Callable[[int], PreTrainedConfig], bool]] = [
     ("qwen3_5_moe", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", qwen3_5_moe, True),
     ("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", qwen3_next, True),
     ("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", kimi_linear, True),
+    # More families, cheap to check: dense and MoE variants, then hybrids whose mixers the packed row does
+    # not know (Mamba-2, short convs), which must run padded rows.
+    ("mixtral", "MixtralConfig", "MixtralForCausalLM", mixtral, False),
+    ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", _plain("Qwen2Config"), False),
+    ("phi3", "Phi3Config", "Phi3ForCausalLM", _plain("Phi3Config"), False),
+    ("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _plain("Olmo2Config"), False),
+    ("glm4", "Glm4Config", "Glm4ForCausalLM", _plain("Glm4Config"), False),
+    ("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", _plain("SmolLM3Config"), False),
+    ("gemma2", "Gemma2Config", "Gemma2ForCausalLM", gemma2, False),
+    ("cohere2", "Cohere2Config", "Cohere2ForCausalLM", cohere2, False),
+    ("ministral3", "Ministral3Config", "Ministral3ForCausalLM", ministral3, False),
+    ("lfm2", "Lfm2Config", "Lfm2ForCausalLM", lfm2, False),
+    ("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM", falcon_h1, False),
+    ("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", granitemoehybrid, False),
 ]
+PADDED = {"gpt_oss", "lfm2", "falcon_h1", "granitemoehybrid"}
+"""Rows that must run right-padded rows when packed ones are asked for."""
 
 FAMILIES: dict[str, Family] = {
-    row: Family(name=row, model_class=model, config=build, hybrid=hybrid)
+    row: Family(name=row, model_class=model, config=build, hybrid=hybrid, padded=row in PADDED)
     for row, config_cls, model, build, hybrid in _ROWS
     if _cls(config_cls) is not None and _cls(model) is not None
 }

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from dflash_pipe.target import TargetCore
-from dflash_pipe.target.families import PADDED_FAMILIES, UnsupportedTargetError
+from dflash_pipe.target.families import UnsupportedTargetError
 from dflash_pipe.target.packing import plain_causal
 from tests.target.families import FAMILIES, LAYERS, VOCAB
 
@@ -77,7 +77,7 @@ def paths(row: str) -> list[tuple[str, str | None]]:
     """(packing, attention) pairs the row is checked on."""
     rows = [("packed", None), ("padded", None)]
     text = FAMILIES[row].config(VOCAB).get_text_config()
-    if plain_causal(text) and row not in PADDED_FAMILIES:
+    if plain_causal(text) and not FAMILIES[row].padded:
         rows.append(("packed", "flex"))  # what TargetCore picks on a GPU for this family
     return rows
 
@@ -93,7 +93,7 @@ def test_features_equal_each_sample_alone(row, packing, attention, checkpoints, 
     core = TargetCore(path, LAYER_IDS, "cpu", torch.float32, packing=packing, attention=attention)
     errors = relative_errors(core.features(batch, LENGTHS), _reference(row, path, tuple(batch.tolist())))
     assert max(errors) <= TOLERANCE, f"{row} {packing}/{core.attention}: relative errors per sample {errors}"
-    expected = "padded" if packing == "padded" or row in PADDED_FAMILIES else "packed"
+    expected = "padded" if packing == "padded" or FAMILIES[row].padded else "packed"
     assert core.packing == expected, (
         f"{row}: asked for {packing} rows, runs {core.packing} (wanted {expected})"
     )
