@@ -32,9 +32,8 @@ from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.fp8 import wire_features
 
 _SLOT_ALIGN = 64  # bytes; every wire tensor in a slot starts on this boundary
-_STOP_POLL_S = (
-    0.2  # how often a target thread waiting for a free staging slot checks for the producer's close
-)
+_STOP_POLL_S = 0.2
+"""How often a target thread waiting for a free staging slot checks whether the producer closes."""
 
 
 class TargetStopped(Exception):
