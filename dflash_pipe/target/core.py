@@ -21,7 +21,13 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedConfig
 
 from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM, compiler_errors
-from dflash_pipe.target.families import TargetPlan, UnsupportedTargetError, check_loaded, plan_target
+from dflash_pipe.target.families import (
+    TargetPlan,
+    UnsupportedTargetError,
+    check_loaded,
+    keep_language_model,
+    plan_target,
+)
 from dflash_pipe.target.gated_deltanet import fast_forward, linear_kernels
 from dflash_pipe.target.hybrid import Boundaries, Segments, describe, inspect_layers, wrap_mixers
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
@@ -103,6 +109,12 @@ class TargetCore:
             # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
             model = loader.from_pretrained(str(model_path), dtype=dtype, attn_implementation=implementation)
         self.model_path = str(model_path)
+        if self.plan.wrapper:
+            log.info(
+                "target %s: only its language model is kept (freed: %s)",
+                model_path,
+                keep_language_model(model),
+            )
         model.eval().requires_grad_(False)
         self.model: nn.Module = model
         self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models

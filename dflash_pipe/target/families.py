@@ -6,8 +6,9 @@ a target before anything loads; ``check_loaded`` once the weights are in):
 
 - **Loader.** ``AutoModelForCausalLM`` when transformers has a causal LM for the config. A multimodal
   checkpoint whose config has none (Kimi-K2.5) loads through its own wrapper class
-  (``AutoModelForImageTextToText``: transformers' own weight renames for that checkpoint apply) and
-  ``TargetCore`` runs only its language model. Anything else is refused, naming the model type.
+  (``AutoModelForImageTextToText``: transformers' own weight renames for that checkpoint apply, which
+  differ between versions), then everything but its language model is freed (``keep_language_model``).
+  Anything else is refused, naming the model type.
 - **Attention implementation.** A model class that refuses SDPA (gpt-oss: its attention sinks) runs
   transformers' eager attention, which implements them.
 - **Packing.** A family whose packed rows transformers cannot keep apart runs right-padded rows instead
@@ -63,6 +64,11 @@ class TargetPlan:
     padded_reason: str | None
     """Why packed rows are not exact for this family (it runs padded), or None."""
 
+    @property
+    def wrapper(self) -> bool:
+        """Loaded through a multimodal wrapper (no causal-LM class): only its language model is kept."""
+        return self.loader.__name__ != "AutoModelForCausalLM"
+
 
 def plan_target(config: Any) -> TargetPlan:
     """The loader, attention and packing of a target from its config; ``UnsupportedTargetError`` if none."""
@@ -97,13 +103,27 @@ def plan_target(config: Any) -> TargetPlan:
     return TargetPlan(model_type=model_type, loader=loader, attn_implementation=attn, padded_reason=reason)
 
 
+def keep_language_model(model: Any) -> list[str]:
+    """Frees what a multimodal wrapper loaded besides its language model (vision tower, projector): a
+    text-only forward never runs them. Returns their names. Only the wrapper's base model is pruned; the LM
+    head (on the wrapper) and the language model's embeddings stay."""
+    decoder = model.get_decoder()
+    base = getattr(model, "model", None)
+    if base is None or decoder is base:
+        return []
+    dropped = [name for name, child in base.named_children() if child is not decoder]
+    for name in dropped:
+        setattr(base, name, None)
+    return dropped
+
+
 def describe_target(config: Any) -> str:
     """One line on a target from its config (``launch --dry-run``): family, shape, layer types, and how it
     runs; ``UnsupportedTargetError`` for a target a launch refuses."""
     plan = plan_target(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     parts = [str(getattr(text, "model_type", plan.model_type))]
-    if plan.loader.__name__ != "AutoModelForCausalLM":
+    if plan.wrapper:
         parts[0] += f" (the text model of the multimodal {plan.model_type})"
     layers = getattr(text, "num_hidden_layers", "?")
     parts.append(f"{layers} layers, hidden {getattr(text, 'hidden_size', '?')}")

@@ -168,13 +168,21 @@ def test_an_encoder_decoder_and_a_vision_model_are_refused_from_their_config():
         plan_target(transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
 
 
-def test_kimi_k25_loads_its_wrapper_and_runs_only_the_language_model(checkpoints):
+def test_kimi_k25_loads_its_wrapper_and_keeps_only_the_language_model(checkpoints, batch):
     """Kimi-K2.5 has no causal-LM class: the checkpoint loads through its multimodal wrapper (transformers'
-    own weight renames) and the features come from the DeepSeek-V3 text model inside it."""
+    own weight renames), the vision tower and projector are freed, and the features and the greedy next
+    tokens (the LM head, tied to the embedding) come from the DeepSeek-V3 text model inside it."""
     core = TargetCore(checkpoints["kimi_k25"], (0, 3), "cpu", torch.float32)
     assert type(core.model).__name__ == "Kimi_K25ForConditionalGeneration"
     assert type(core.decoder).__name__ == "DeepseekV3Model"
     assert core.hidden_size == 32 and core.num_layers == LAYERS
+    kept = sum(p.numel() for p in core.model.parameters())
+    assert kept == sum(p.numel() for p in core.decoder.parameters())  # tied head: nothing else is left
+    full = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(checkpoints["kimi_k25"]).eval()
+    assert sum(p.numel() for p in full.parameters()) > kept
+    with torch.no_grad():
+        want = [full(input_ids=s[None]).logits[0].argmax(-1) for s in batch.split(LENGTHS)]
+    assert torch.equal(core.greedy_next(batch, LENGTHS), torch.cat(want))
 
 
 def test_kernel_noise_is_not_read_as_a_leak(checkpoints):
