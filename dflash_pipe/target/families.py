@@ -144,6 +144,9 @@ def describe_target(config: Any) -> str:
 def check_loaded(core: TargetCore) -> None:
     """Probes a freshly loaded target on one row of two samples: refuses a non-causal model, and moves a
     packed target whose samples leak into each other to padded rows (one log line)."""
+    from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
+
+    apply_dynamo_settings()  # the probe may compile the target's layers: with the target threads' settings
     vocab, n = core.vocab_size, PROBE_LENGTH
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (2 * n,), generator=gen)
