@@ -109,12 +109,8 @@ class TargetCore:
             # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
             model = loader.from_pretrained(str(model_path), dtype=dtype, attn_implementation=implementation)
         self.model_path = str(model_path)
-        if self.plan.wrapper:
-            log.info(
-                "target %s: only its language model is kept (freed: %s)",
-                model_path,
-                keep_language_model(model),
-            )
+        if freed := keep_language_model(model):  # a multimodal wrapper: only the text model stays
+            log.info("target %s: only its language model is kept (freed: %s)", model_path, ", ".join(freed))
         model.eval().requires_grad_(False)
         self.model: nn.Module = model
         self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models

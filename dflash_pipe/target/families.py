@@ -22,6 +22,7 @@ a target before anything loads; ``check_loaded`` once the weights are in):
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -103,15 +104,20 @@ def plan_target(config: Any) -> TargetPlan:
     return TargetPlan(model_type=model_type, loader=loader, attn_implementation=attn, padded_reason=reason)
 
 
+_NON_TEXT = re.compile(r"vision|visual|audio|image|video|projector|mm_|multi_modal", re.I)
+"""Names of a multimodal wrapper's parts that a text-only forward never runs."""
+
+
 def keep_language_model(model: Any) -> list[str]:
-    """Frees what a multimodal wrapper loaded besides its language model (vision tower, projector): a
-    text-only forward never runs them. Returns their names. Only the wrapper's base model is pruned; the LM
-    head (on the wrapper) and the language model's embeddings stay."""
-    decoder = model.get_decoder()
+    """Frees what a multimodal wrapper loaded besides its language model (vision tower, projector: a
+    text-only forward never runs them) and returns their names; a no-op for a plain causal LM. Only parts of
+    the wrapper's base model whose names say they are not text are freed; the LM head and the language
+    model's embeddings stay."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     base = getattr(model, "model", None)
-    if base is None or decoder is base:
+    if decoder is None or base is None or decoder is base:
         return []
-    dropped = [name for name, child in base.named_children() if child is not decoder]
+    dropped = [n for n, child in base.named_children() if child is not decoder and _NON_TEXT.search(n)]
     for name in dropped:
         setattr(base, name, None)
     return dropped

@@ -168,17 +168,22 @@ def test_an_encoder_decoder_and_a_vision_model_are_refused_from_their_config():
         plan_target(transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
 
 
-def test_kimi_k25_loads_its_wrapper_and_keeps_only_the_language_model(checkpoints, batch):
-    """Kimi-K2.5 has no causal-LM class: the checkpoint loads through its multimodal wrapper (transformers'
-    own weight renames), the vision tower and projector are freed, and the features and the greedy next
-    tokens (the LM head, tied to the embedding) come from the DeepSeek-V3 text model inside it."""
-    core = TargetCore(checkpoints["kimi_k25"], (0, 3), "cpu", torch.float32)
-    assert type(core.model).__name__ == "Kimi_K25ForConditionalGeneration"
-    assert type(core.decoder).__name__ == "DeepseekV3Model"
+@pytest.mark.parametrize(
+    ("row", "decoder"), [("kimi_k25", "DeepseekV3Model"), ("gemma3-multimodal", "Gemma3TextModel")]
+)
+def test_a_multimodal_wrapper_keeps_only_its_language_model(row, decoder, checkpoints, batch):
+    """Kimi-K2.5 has no causal-LM class (its checkpoint loads through its multimodal wrapper, with
+    transformers' own weight renames); Gemma 3's causal LM is its wrapper. Either way the vision tower and
+    projector are freed, and the features and the greedy next tokens (the LM head, tied to the embedding)
+    come from the text model inside, as the full wrapper computes them."""
+    core = TargetCore(checkpoints[row], (0, 3), "cpu", torch.float32)
+    assert type(core.model).__name__ == FAMILIES[row].model_class
+    assert type(core.decoder).__name__ == decoder
     assert core.hidden_size == 32 and core.num_layers == LAYERS
     kept = sum(p.numel() for p in core.model.parameters())
     assert kept == sum(p.numel() for p in core.decoder.parameters())  # tied head: nothing else is left
-    full = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(checkpoints["kimi_k25"]).eval()
+    full_class = getattr(transformers, FAMILIES[row].model_class)
+    full = full_class.from_pretrained(checkpoints[row], dtype=torch.float32).eval()
     assert sum(p.numel() for p in full.parameters()) > kept
     with torch.no_grad():
         want = [full(input_ids=s[None]).logits[0].argmax(-1) for s in batch.split(LENGTHS)]
