@@ -39,15 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     bad = sorted(set(paths) - set(PATHS))
     if bad:
         p.error(f"--paths: unknown {bad}; pick from {list(PATHS)}")
+    sizes = ("shape", "device", "batches", "warmup", "token_budget", "min_len", "max_len")
     result = bench_hybrid(
-        shape=args.shape,
-        device=args.device,
+        **{k: getattr(args, k) for k in sizes},
         paths=paths,
-        batches=args.batches,
-        warmup=args.warmup,
-        token_budget=args.token_budget,
-        min_len=args.min_len,
-        max_len=args.max_len,
         child_timeout_s=args.child_timeout,
         on_path=lambda partial: save_result(partial, args.out),
     )

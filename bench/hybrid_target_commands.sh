@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl || exit 1
 export PYTHONPATH=$PWD
-timeout "${TEST_TIMEOUT:-100}" python3 -m pytest tests/target/test_hybrid.py -q -x -p no:cacheprovider -n 8 -k "not cuda" 2>&1 | tail -4
+timeout "${TEST_TIMEOUT:-100}" python3 -m pytest tests/target/test_hybrid.py -q -x -p no:cacheprovider -n 8 2>&1 | tail -4
 export PYTHONPATH=$PWD:/tmp/fla
-[ "${CUDA_TESTS:-0}" = 1 ] && timeout 120 python3 -m pytest tests/target/test_hybrid.py -q -x -p no:cacheprovider -k cuda -s 2>&1 | tail -6
+[ "${CUDA_TESTS:-0}" = 1 ] && timeout 180 python3 -m pytest tests/target/test_hybrid_cuda.py -q -x -p no:cacheprovider -s 2>&1 | tail -6
 timeout "${BENCH_TIMEOUT:-440}" python3 bench/hybrid_target.py --out "$OUT/h200_hybrid_target" ${BENCH_ARGS:-} 2>&1 | grep -v "^{" | tail -40

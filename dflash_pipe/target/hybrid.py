@@ -47,8 +47,11 @@ LINEAR_MIXERS: dict[str, str | None] = {
 """Linear-attention mixer classes proven exact (tests/target/test_hybrid.py) -> their fast packed layout
 (``dflash_pipe.target.gated_deltanet``), or None where only the per-sample path exists."""
 
-_RECURRENT_NAME = re.compile(r"mamba|deltanet|recurrent|rwkv|shortconv|ssm|retention|hyena|lightning", re.I)
-"""Class names of sequence mixers that carry state along the row (matched outside the known mixers)."""
+_RECURRENT_NAME = re.compile(
+    r"Mamba|DeltaNet|Recurrent|Rwkv|RWKV|ShortConv|Ssm|SSM|Retention|Hyena|Lightning"
+)
+"""Class names of sequence mixers that carry state along the row (matched outside the known mixers).
+Case-sensitive CamelCase parts: "ssm" in any case would also match GptOssMLP."""
 
 PACKED_ONLY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
