@@ -7,12 +7,12 @@ a target before anything loads; ``check_loaded`` once the weights are in):
 - **Loader.** ``AutoModelForCausalLM`` when transformers has a causal LM for the config. A multimodal
   checkpoint whose config has none (Kimi-K2.5) loads through its own wrapper class
   (``AutoModelForImageTextToText``: transformers' own weight renames for that checkpoint apply, which
-  differ between versions), then everything but its language model is freed (``keep_language_model``).
-  Anything else is refused, naming the model type.
+  differ between versions). Anything else is refused, naming the model type. A multimodal wrapper (Kimi's,
+  Gemma 3's) then frees what a text-only forward never runs (``keep_language_model``).
 - **Attention implementation.** A model class that refuses SDPA (gpt-oss: its attention sinks) runs
   transformers' eager attention, which implements them.
 - **Packing.** A family whose packed rows transformers cannot keep apart runs right-padded rows instead
-  (``PADDED_FAMILIES``, with the reason in one log line). Every target is then probed on a few tokens:
+  (``PADDED_FAMILIES``, with the reason in one log line). Every target is then probed on a two-sample row:
   features before a position must not depend on the token there (else it is not a causal LM and is
   refused), and in a packed row one sample's features must not depend on another sample's tokens (else the
   target falls back to padded rows, with one log line). Those probes guard the families and transformers
@@ -96,8 +96,10 @@ def plan_target(config: Any) -> TargetPlan:
             f"(and no multimodal wrapper around a causal text model); dflash-pipe needs a decoder-only LM. "
             "Point --target-model at one, or upgrade transformers if a newer one supports this model"
         )
+    import transformers
+
     attn = None
-    model_class = getattr(__import__("transformers"), class_name, None)
+    model_class = getattr(transformers, class_name, None)
     if model_class is not None and getattr(model_class, "_supports_sdpa", True) is False:
         attn = "eager"  # e.g. gpt-oss: SDPA has no attention sinks
     reason = PADDED_FAMILIES.get(model_type) or PADDED_FAMILIES.get(text_type)
