@@ -336,10 +336,11 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from dflash_pipe.producer.proc import RunAborted
     from dflash_pipe.producer.setup import SetupError
     from dflash_pipe.report import print_summary
+    from dflash_pipe.target.families import UnsupportedTargetError
 
     try:
         summary = run(cfg, resume=resume, console=console, live=live)
-    except (DataError, SetupError, FileNotFoundError) as exc:
+    except (DataError, SetupError, FileNotFoundError, UnsupportedTargetError) as exc:
         console.print(f"[red]error:[/] {exc}")
         sys.exit(2)
     except RunAborted as exc:

@@ -286,6 +286,22 @@ def config_text(cfg: RunConfig) -> str:
     return dump(cfg.to_dict())
 
 
+def _target_line(cfg: RunConfig) -> str:
+    """The target's family and shape from its config.json, or why a launch would refuse it (no weights read)."""
+    from transformers import AutoConfig
+
+    from dflash_pipe.producer.setup import SetupError, check_options_fit_target, check_target_family
+    from dflash_pipe.target.families import describe_target
+
+    config = AutoConfig.from_pretrained(str(cfg.target_model))
+    try:
+        check_target_family(config, cfg.target_model)
+        check_options_fit_target(cfg.drafter, config, cfg.target_model)
+    except SetupError as exc:
+        return f"[a launch would stop here: {exc}]"
+    return describe_target(config)
+
+
 def plan_text(cfg: RunConfig, *, resume: bool) -> str:
     """What ``launch`` would do with this config; touches no GPU, model or socket."""
     from dflash_pipe.telemetry.metrics import sink_problem
@@ -304,6 +320,8 @@ def plan_text(cfg: RunConfig, *, resume: bool) -> str:
     else:
         found = (cfg.target_model / "config.json").exists()
         row("target", f"{cfg.target_model}" + ("" if found else "  [no config.json there on this machine]"))
+        if found:
+            row("", _target_line(cfg))
     data_found = cfg.data.path.exists()
     row(
         "data",

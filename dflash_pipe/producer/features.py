@@ -37,6 +37,12 @@ from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.fp8 import wire_features
 
 _SLOT_ALIGN = 64  # bytes; every wire tensor in a slot starts on this boundary
+_STOP_POLL_S = 0.2
+"""How often a target thread waiting for a free staging slot checks whether the producer closes."""
+
+
+class TargetStopped(Exception):
+    """The producer closed while a target thread waited for a staging slot (the thread just ends)."""
 
 
 @dataclass(slots=True)
@@ -119,10 +125,18 @@ class InFlight:
 class FeatureCopier:
     """Launches a batch's forward and the asynchronous copy of its features into a staging slot."""
 
-    def __init__(self, core: TargetCore, staging: HostStaging, wire_dtype: str = "bf16") -> None:
+    def __init__(
+        self,
+        core: TargetCore,
+        staging: HostStaging,
+        wire_dtype: str = "bf16",
+        stopping: threading.Event | None = None,
+    ) -> None:
         self.core = core
         self.staging = staging
         self.wire_dtype = wire_dtype
+        self.stopping = stopping
+        """Set when the producer closes: a wait for a free slot gives up (``TargetStopped``)."""
         cuda = core.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=core.device) if cuda else None
 
@@ -163,7 +177,14 @@ class FeatureCopier:
                 return self.staging.acquire(nbytes, timeout_s=0.0)
             except TimeoutError:
                 flush()
-        return self.staging.acquire(nbytes)
+        if self.stopping is None:
+            return self.staging.acquire(nbytes)
+        while True:  # every slot is leased: wait, but not past the producer's close
+            try:
+                return self.staging.acquire(nbytes, timeout_s=_STOP_POLL_S)
+            except TimeoutError:
+                if self.stopping.is_set():
+                    raise TargetStopped from None
 
 
 class TargetThread(threading.Thread):
@@ -199,17 +220,24 @@ class TargetThread(threading.Thread):
         """Of those, seconds spent regenerating conversations."""
         self._make_generator = make_generator
         self._generator: Any = None
-        self.stopping = threading.Event()
-        """Set by the producer's close(): a generation job in progress stops at its next decode step."""
         self._pending: InFlight | None = None
+        self.stopping = threading.Event()
+        """Set by ``stop()``: no new batch starts (the one computing finishes) and a generation job in
+        progress stops at its next decode step."""
+
+    def stop(self) -> None:
+        """Asks the thread to end after the batch it computes; ``join()`` to wait for that. The producer
+        must not exit (nor free the staging memory) while this thread is inside the target's forward: a
+        daemon thread running torch code at interpreter exit aborts the process (SIGABRT)."""
+        self.stopping.set()
 
     def run(self) -> None:
         try:
             if self.core.device.type == "cuda" and self.core.device.index is not None:
                 torch.cuda.set_device(self.core.device)  # streams and events of this thread live there
             apply_dynamo_settings()  # per thread: the compiled target layers and flex functions
-            copier = FeatureCopier(self.core, self.staging, self.wire_dtype)
-            while (plan := self._next_plan()) is not None:
+            copier = FeatureCopier(self.core, self.staging, self.wire_dtype, stopping=self.stopping)
+            while not self.stopping.is_set() and (plan := self._next_plan()) is not None:
                 if isinstance(plan, GenerateJob):
                     self._generate(plan)
                     continue
@@ -219,6 +247,8 @@ class TargetThread(threading.Thread):
                 self._pending = launched
                 self.busy_s += time.perf_counter() - t0
             self._finish()
+        except TargetStopped:
+            pass  # the producer is closing; nothing waits for this batch
         except BaseException as exc:  # reported by the main thread, never swallowed
             self.ready.put(TargetFailure(replica=self.replica, error=exc))
 

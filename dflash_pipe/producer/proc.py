@@ -7,6 +7,7 @@ watch, show.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import threading
@@ -44,8 +45,8 @@ _SHOW_EVERY_S = 0.5
 MIN_RATE_SPAN_S = 1.0
 """A stage's tokens/s goes into the metrics only once its meter has measured over at least this long."""
 _EVAL_BATCH_SAMPLES = 4
-_TARGET_JOIN_S = 10.0
-"""How long close() waits for each target thread to finish its current batch or decode step."""
+TARGET_STOP_TIMEOUT_S = 120.0
+"""How long closing waits for each target thread's current batch (a forward of a big target, or its compile)."""
 REQUIRED_CAPABILITIES = ("frames",)
 """What a worker must support: payloads as raw tensor frames on the socket."""
 
@@ -787,18 +788,6 @@ class ProducerProc:
         s.regen = self.regen.status() if self.regen is not None else None
         self.dashboard.update(s)
 
-    def _stop_targets(self) -> None:
-        """Queued work is dropped and a generation in progress stops at its next decode step; with
-        regeneration the threads are waited for, so none is inside a torch call when the process exits
-        (which aborts it: "terminate called without an active exception")."""
-        _drain(self._plans)
-        for thread in self._threads:
-            thread.stopping.set()
-            self._plans.put(None)
-        if self.regen is not None:
-            for thread in self._threads:
-                thread.join(timeout=_TARGET_JOIN_S)
-
     def close(self) -> None:
         if self._closed:
             return
@@ -814,13 +803,26 @@ class ProducerProc:
             if ring is not None:
                 ring.close()
 
-
-def _drain(q: queue.Queue) -> None:
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return
+    def _stop_targets(self) -> None:
+        """Target threads end before the staging memory is freed and before the process exits: the plans
+        not started are dropped, each thread finishes the batch it computes. (A daemon thread still inside
+        the target's forward when the interpreter exits aborts the process with SIGABRT; a thread copying
+        into a freed slot would crash it.)"""
+        for thread in self._threads:
+            thread.stop()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._plans.get_nowait()
+        for _ in self._threads:
+            self._plans.put(None)  # wakes a thread waiting for a plan
+        deadline = time.monotonic() + TARGET_STOP_TIMEOUT_S
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if stuck := [t.name for t in self._threads if t.is_alive()]:
+            self._note(
+                f"target thread(s) {', '.join(stuck)} still computing after {TARGET_STOP_TIMEOUT_S:.0f} s; "
+                "exiting anyway"
+            )
 
 
 def choose_offers(

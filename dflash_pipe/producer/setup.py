@@ -19,6 +19,7 @@ import torch
 from dflash_pipe.config import DrafterOptions, RunConfig
 from dflash_pipe.data import DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
+from dflash_pipe.drafter.config import default_target_layer_ids
 from dflash_pipe.train.checkpoint import DRAFTER_CONFIG, latest_checkpoint, read_trainer_state
 from dflash_pipe.train.ledger import Ledger
 
@@ -181,12 +182,14 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
             f"--target-model {target_path}: no config.json there. Pass a Hugging Face model directory "
             "(config.json + safetensors + tokenizer)."
         )
+    # The target and the options first: a target or flag that cannot work stops before any work starts.
+    target_config = AutoConfig.from_pretrained(str(target_path))
+    check_target_family(target_config, target_path)
+    opts = cfg.drafter
+    check_options_fit_target(opts, target_config, target_path)
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     data = DataFuture(cfg.data, tokenizer, progress=progress) if cfg.data.responses == "dataset" else None
     try:
-        target_config = AutoConfig.from_pretrained(str(target_path))
-        opts = cfg.drafter
-        check_options_fit_target(opts, target_config, target_path)
         drafter = DrafterConfig.from_target(
             target_config,
             tokenizer=tokenizer,
@@ -243,12 +246,33 @@ RESUME_FIELDS = (
 """Drafter fields a checkpoint must share with the resumed run (shapes and the meaning of the features)."""
 
 
+def check_target_family(target_config: object, target_path: Path) -> None:
+    """A target dflash-pipe cannot take features from is refused from its config, naming its model type."""
+    from dflash_pipe.target.families import UnsupportedTargetError, plan_target
+
+    try:
+        plan_target(target_config)
+    except UnsupportedTargetError as exc:
+        raise SetupError(f"--target-model {target_path}: {exc}") from None
+
+
 def check_options_fit_target(opts: DrafterOptions, target_config: object, target_path: Path) -> None:
-    """--target-layer-ids and --mask-token-id checked against the target, with errors naming the flag."""
+    """--target-layer-ids, --draft-layers and --mask-token-id checked against the target, with errors naming
+    the flag."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     layers, vocab = int(tc.num_hidden_layers), int(tc.vocab_size)
     ids = opts.target_layer_ids
-    if ids is not None:
+    if ids is None:
+        spread = default_target_layer_ids(layers, opts.num_layers)
+        if list(spread) != sorted(set(spread)) or not 0 <= spread[0] <= spread[-1] < layers:
+            most = 1 if layers <= 4 else layers - 3
+            raise OptionsError(
+                f"--draft-layers {opts.num_layers}: the target at {target_path} has only {layers} layers, too "
+                f"few to spread {opts.num_layers} feature layers over (the default picks {list(spread)}). Pass "
+                f"--draft-layers {most} or fewer, or --target-layer-ids with {opts.num_layers} distinct "
+                f"increasing ids in 0-{layers - 1}"
+            )
+    else:
         bad = [i for i in ids if not 0 <= i < layers]
         if bad:
             raise OptionsError(

@@ -18,9 +18,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers import AutoConfig, PreTrainedConfig
 
 from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM, compiler_errors
+from dflash_pipe.target.families import (
+    TargetPlan,
+    UnsupportedTargetError,
+    check_loaded,
+    keep_language_model,
+    plan_target,
+)
 from dflash_pipe.target.gated_deltanet import fast_forward, linear_kernels
 from dflash_pipe.target.hybrid import Boundaries, Segments, describe, inspect_layers, wrap_mixers
 from dflash_pipe.target.layers import find_decoder_layers, num_hidden_layers
@@ -83,21 +90,27 @@ class TargetCore:
             if isinstance(model_path, PreTrainedConfig)
             else AutoConfig.from_pretrained(str(model_path))
         )
+        self.plan: TargetPlan = plan_target(config)  # refuses what is not a decoder-only LM
+        if self.plan.padded_reason and packing == "packed":
+            log.warning("target %s: packed rows are not exact here: %s", model_path, self.plan.padded_reason)
+            self.packing = packing = "padded"
         self.attention: Attention = _pick_attention(
             packing, attention, config.get_text_config(), self.device, split=len(devices) > 1
         )
-        implementation = register_flex_attention() if self.attention == "flex" else "sdpa"
+        implementation = self.plan.attn_implementation or (
+            register_flex_attention() if self.attention == "flex" else "sdpa"
+        )
+        loader = self.plan.loader  # AutoModelForCausalLM, or the multimodal wrapper of a text model
         if isinstance(model_path, PreTrainedConfig):
             with torch.device(self.device if len(devices) == 1 else "cpu"):
-                model = AutoModelForCausalLM.from_config(
-                    config, dtype=dtype, attn_implementation=implementation
-                )
+                model = loader.from_config(config, dtype=dtype, attn_implementation=implementation)
             model_path = f"<random {type(config).__name__}>"
         else:
             # No device_map: that needs `accelerate`, which we do not depend on. Load on CPU, then move.
-            model = AutoModelForCausalLM.from_pretrained(
-                str(model_path), dtype=dtype, attn_implementation=implementation
-            )
+            model = loader.from_pretrained(str(model_path), dtype=dtype, attn_implementation=implementation)
+        self.model_path = str(model_path)
+        if freed := keep_language_model(model):  # a multimodal wrapper: only the text model stays
+            log.info("target %s: only its language model is kept (freed: %s)", model_path, ", ".join(freed))
         model.eval().requires_grad_(False)
         self.model: nn.Module = model
         self.layers: nn.ModuleList = find_decoder_layers(model)  # first: it names unsupported models
@@ -118,12 +131,28 @@ class TargetCore:
         self.num_layers: int = num_hidden_layers(self.config) or len(self.layers)
         self.layer_ids: tuple[int, ...] = _validate_layer_ids(layer_ids, self.num_layers, model_path)
         if compile_layers is None:
-            compile_layers = self.device.type == "cuda" and self.attention == "flex" and packing == "packed"
+            compile_layers = (
+                self.device.type == "cuda" and self.attention == "flex" and self.packing == "packed"
+            )
         self.compile_layers = compile_layers
         self._layer_compile_failed = False
         if compile_layers:
             for layer in self.layers:
                 layer.forward = functools.partial(self._compiled_forward, layer)
+        check_loaded(self)  # a few probe tokens: causal, and packed samples kept apart (else padded)
+
+    def use_padded(self) -> None:
+        """Runs right-padded rows from now on (the target's packed rows are not exact)."""
+        if self.attention == "flex":  # the packed flex function needs a packed row's BlockMask
+            switch = getattr(self.model, "set_attn_implementation", None)
+            if switch is None:
+                raise UnsupportedTargetError(
+                    f"target {self.model_path}: packed rows are not exact and this transformers cannot switch "
+                    'the loaded model to SDPA; build the TargetCore with packing="padded"'
+                )
+            switch("sdpa")
+            self.attention = "sdpa"
+        self.packing = "padded"
 
     def _setup_hybrid(self, model: nn.Module, text_config: object, name: object) -> None:
         """Linear-attention layers of a packed row get the sample boundaries (``dflash_pipe.target.hybrid``);

@@ -233,7 +233,8 @@ def packed_flex_attention(
     """transformers ``AttentionInterface`` function: flex_attention with the batch's packed BlockMask.
 
     Returns ``[1, T, Hq, D]`` like every HF attention function. Only plain causal attention is supported;
-    sliding-window or soft-capped layers are refused (``TargetCore`` picks sdpa for such models).
+    sliding-window, soft-capped or attention-sink layers are refused (``TargetCore`` picks sdpa or eager for
+    such models).
     """
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -243,7 +244,8 @@ def packed_flex_attention(
             f"{type(attention_mask).__name__}; call the model through TargetCore, or load it with "
             'attn_implementation="sdpa" for a plain forward'
         )
-    unsupported = {k: kwargs[k] for k in ("sliding_window", "softcap") if kwargs.get(k) is not None}
+    # s_aux: gpt-oss's attention sinks (an extra softmax column per head), which flex_attention lacks
+    unsupported = {k: kwargs[k] for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None}
     if unsupported or dropout:
         raise RuntimeError(
             f"{type(module).__name__} asks for {unsupported or {'dropout': dropout}}, which the packed flex "

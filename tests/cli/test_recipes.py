@@ -25,6 +25,7 @@ def test_the_recipes_are_there():
     names = {str(p.relative_to(LAUNCH)) for p in [*RUN_CONFIGS, *SCRIPTS]}
     for name in (
         "node-8gpu.yaml",
+        "qwen3.6-27b.yaml",
         "one-gpu.yaml",
         "cpu-demo.yaml",
         "two-nodes/producer.yaml",
@@ -84,3 +85,32 @@ def test_two_node_worker_recipe_parses(tmp_path: Path):
         text=True,
     )
     assert out.returncode != 0 and "set PRODUCER_HOST" in out.stderr
+
+
+def test_the_qwen36_recipe_plans_the_original_topology_on_a_hybrid_target(tmp_path: Path):
+    """launch/qwen3.6-27b.yaml with its target path pointed at a tiny local Qwen3.5-architecture hybrid (8
+    layers: 5 feature layers need at least 8): the dry run reads that target's config, accepts it with the
+    recipe's drafter, and plans 5 target replicas on GPUs 0-4 and 3 drafter workers on GPUs 5-7."""
+    import transformers
+    import yaml
+
+    from tests.target.families import FAMILIES, qwen3_5_text
+
+    assert "qwen3_5-text" in FAMILIES  # the installed transformers has Qwen3.5
+    target = tmp_path / "qwen3_5"
+    config = qwen3_5_text(128, layers=8)
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(target)
+    recipe = ["launch", "--config", str(LAUNCH / "qwen3.6-27b.yaml"), "--target-model", str(target)]
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    result = CliRunner().invoke(main, [*recipe, *run_dir, "--dry-run"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert f"target         {target}\n" in out
+    assert "qwen3_5_text; 8 layers, hidden 32; 6 linear_attention + 2 full_attention; runs packed rows" in out
+    assert "target GPUs    cuda:0, cuda:1, cuda:2, cuda:3, cuda:4 (5 replica thread(s)" in out
+    assert "drafter GPUs   cuda:5, cuda:6, cuda:7 (one worker process each, NCCL)" in out
+    printed = CliRunner().invoke(main, [*recipe, *run_dir, "--print-config"], catch_exceptions=False)
+    drafter = yaml.safe_load(printed.output)["drafter"]
+    assert drafter["num_layers"] == 5 and drafter["block_size"] == 16
+    assert drafter["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
+    assert drafter["sliding_window"] == 2048

@@ -71,9 +71,9 @@ def test_a_data_error_surfaces_from_the_background(tmp_path: Path, monkeypatch):
 
 
 def test_a_setup_error_stops_the_tokenization(tmp_path: Path, monkeypatch):
-    """An option error raised while the data tokenizes stops the tokenization (it would never end)."""
+    """A set-up error raised while the data tokenizes (the drafter shape, which needs the tokenizer's mask
+    token) stops the tokenization (it would never end)."""
     running = threading.Event()
-    real_check = setup.check_options_fit_target
 
     def endless(*args, cancel, **kwargs):
         running.set()
@@ -81,12 +81,23 @@ def test_a_setup_error_stops_the_tokenization(tmp_path: Path, monkeypatch):
             time.sleep(0.01)
         raise LoadCancelled("stopped")
 
-    def check_while_tokenizing(*args):
-        assert running.wait(timeout=30), "the tokenization did not start before the options were checked"
-        real_check(*args)
+    def from_target_while_tokenizing(*args, **kwargs):
+        assert running.wait(timeout=30), (
+            "the tokenization did not start before the drafter shape was resolved"
+        )
+        raise OptionsError("--mask-token-id: simulated")
 
     monkeypatch.setattr(data_loader, "tokenize_piece", endless)
-    monkeypatch.setattr(setup, "check_options_fit_target", check_while_tokenizing)
+    monkeypatch.setattr(setup.DrafterConfig, "from_target", from_target_while_tokenizing)
+    with pytest.raises(OptionsError, match="simulated"):
+        prepare_run(config(tmp_path / "r"), resume=False, progress=False)
+    assert tokenizing() == []
+
+
+def test_options_that_do_not_fit_the_target_stop_before_the_data_is_read(tmp_path: Path, monkeypatch):
+    """Layer ids are checked against the target's config before the tokenizer loads or the data tokenizes."""
+    started = []
+    monkeypatch.setattr(data_loader, "tokenize_piece", lambda *a, **k: started.append(1))
     with pytest.raises(OptionsError, match="--target-layer-ids"):
         prepare_run(config(tmp_path / "r", target_layer_ids=(1, 99)), resume=False, progress=False)
-    assert tokenizing() == []
+    assert started == [] and tokenizing() == []

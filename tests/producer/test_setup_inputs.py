@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import ViTConfig
 
 from dflash_pipe.config import DrafterOptions, RunConfig
 from dflash_pipe.data import DataConfig, demo_data_path
 from dflash_pipe.layout import LayoutConfig
-from dflash_pipe.producer.setup import OptionsError, RunDirError, prepare_run
+from dflash_pipe.producer.setup import OptionsError, RunDirError, SetupError, prepare_run
 from dflash_pipe.train.checkpoint import DRAFTER_CONFIG, TRAINER_STATE, latest_checkpoint
+from tests.tiny_models import tiny_qwen3_config
 
 
 def config(run_dir: Path, **drafter) -> RunConfig:
@@ -40,6 +42,34 @@ def test_target_layer_ids_unsorted(tmp_path: Path):
     with pytest.raises(OptionsError) as info:
         prepare_run(config(tmp_path / "r", target_layer_ids=(2, 1)), resume=False, progress=False)
     one_line(info.value, "increasing order", "1,2")
+
+
+def test_default_draft_layers_on_a_shallow_target(tmp_path: Path):
+    """5 draft layers (the default) cannot spread over a 4-layer target: one line naming both flags, from
+    the target's config alone (before the tokenizer or the data)."""
+    target = tmp_path / "shallow"
+    tiny_qwen3_config(num_hidden_layers=4).save_pretrained(target)
+    cfg = config(tmp_path / "r")
+    cfg.target_model = target
+    cfg.drafter.num_layers = 5
+    with pytest.raises(OptionsError) as info:
+        prepare_run(cfg, resume=False, progress=False)
+    one_line(
+        info.value, "--draft-layers 5", "only 4 layers", "--draft-layers 1 or fewer", "--target-layer-ids"
+    )
+    tiny_qwen3_config(num_hidden_layers=7).save_pretrained(target)
+    with pytest.raises(OptionsError, match="--draft-layers 4 or fewer"):
+        prepare_run(cfg, resume=False, progress=False)
+
+
+def test_a_target_that_is_no_decoder_only_lm_is_refused_by_its_config(tmp_path: Path):
+    target = tmp_path / "vit"
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(target)
+    cfg = config(tmp_path / "r")
+    cfg.target_model = target
+    with pytest.raises(SetupError) as info:
+        prepare_run(cfg, resume=False, progress=False)
+    one_line(info.value, f"--target-model {target}", "'vit' has no causal-LM class")
 
 
 def test_mask_token_beyond_the_vocabulary(tmp_path: Path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -166,3 +167,80 @@ def test_cuda_copies_into_pinned_slots(target_dir, samples):
         ids = torch.cat([s.input_ids for s in chosen])
         ref = core.features(ids, [len(s.input_ids) for s in chosen]).cpu()
         assert torch.equal(feats, ref)
+
+
+def slow_core(target_dir) -> tuple[TargetCore, list[int]]:
+    """A target whose every forward takes 0.2 s (a big one), and the list its forwards append to."""
+    core = TargetCore(target_dir, LAYERS, "cpu", torch.float32)
+    started: list[int] = []
+    real = core.features
+
+    def slow(ids, lengths):
+        started.append(1)
+        time.sleep(0.2)
+        return real(ids, lengths)
+
+    core.features = slow
+    return core, started
+
+
+def test_stop_ends_the_thread_after_the_batch_it_computes(target_dir, samples):
+    """stop() lets the batch in the forward finish and starts no other: the producer joins its target
+    threads before it exits (a thread inside torch at interpreter exit aborts the process)."""
+    core, started = slow_core(target_dir)
+    plan_q: queue.Queue = queue.Queue()
+    ready_q: queue.Queue = queue.Queue()
+    for i in range(len(LENGTHS)):
+        plan_q.put(PlannedBatch(batch_id=i, epoch=0, sample_ids=[i]))
+    thread = TargetThread(core, samples, plan_q, ready_q, RateMeter(), name="cpu", staging=PrivateStaging())
+    thread.start()
+    ready_q.put(ready_q.get(timeout=30))  # the first batch is out: the thread is in a later forward
+    thread.stop()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert len(started) < len(LENGTHS)  # queued plans were not started
+    assert not any(isinstance(item, TargetFailure) for item in list(ready_q.queue))
+
+
+def test_stop_ends_a_thread_waiting_for_a_staging_slot(target_dir, samples):
+    """Every slot leased (no worker ACKs any more): the thread waiting for one ends on stop(), silently."""
+    core = TargetCore(target_dir, LAYERS, "cpu", torch.float32)
+    ring = TinyRing(slots=1, nbytes=max(LENGTHS) * len(LAYERS) * core.hidden_size * 4)
+    plan_q: queue.Queue = queue.Queue()
+    ready_q: queue.Queue = queue.Queue()
+    for i in range(3):
+        plan_q.put(PlannedBatch(batch_id=i, epoch=0, sample_ids=[i]))
+    thread = TargetThread(core, samples, plan_q, ready_q, RateMeter(), name="cpu", staging=ring)
+    thread.start()
+    first = ready_q.get(timeout=30)  # holds the only slot, never released
+    deadline = time.monotonic() + 10
+    while ring.timeouts < 2 and time.monotonic() < deadline:  # the thread is in its waiting loop
+        time.sleep(0.05)
+    assert thread.is_alive() and ring.timeouts >= 2
+    thread.stop()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and ready_q.empty() and first.plan.batch_id == 0
+
+
+def test_closing_the_producer_drops_queued_plans_and_joins_its_target_threads(target_dir, samples):
+    from types import SimpleNamespace
+
+    from dflash_pipe.producer.proc import ProducerProc
+
+    core, started = slow_core(target_dir)
+    plan_q: queue.Queue = queue.Queue()
+    ready_q: queue.Queue = queue.Queue()
+    for i in range(200):
+        plan_q.put(PlannedBatch(batch_id=i, epoch=0, sample_ids=[i % len(LENGTHS)]))
+    threads = [
+        TargetThread(core, samples, plan_q, ready_q, RateMeter(), name=f"cpu{i}", staging=PrivateStaging())
+        for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    ready_q.get(timeout=30)
+    notes: list[str] = []
+    producer = SimpleNamespace(_threads=threads, _plans=plan_q, _note=notes.append)
+    ProducerProc._stop_targets(producer)
+    assert not any(t.is_alive() for t in threads) and notes == []
+    assert len(started) < 20 and plan_q.qsize() <= 2  # the 200 plans were dropped, not computed

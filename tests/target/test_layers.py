@@ -39,9 +39,9 @@ def test_unfindable_layers_error_names_the_model_class():
 
 
 def test_unfindable_layers_error_from_target_core(qwen3_dir, monkeypatch):
-    from dflash_pipe.target import core as core_mod
+    import transformers
 
-    monkeypatch.setattr(core_mod.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Blob())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Blob())
     with pytest.raises(ValueError, match="decoder layers of Blob"):
         TargetCore(qwen3_dir, [0], "cpu", torch.float32)
 

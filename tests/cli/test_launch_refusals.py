@@ -1,0 +1,37 @@
+"""Targets and flags a launch refuses with one line (exit 2) before any work starts: no traceback, no worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+from transformers import ViTConfig
+
+from dflash_pipe.cli import main
+from dflash_pipe.data import demo_data_path
+from tests.target.families import FAMILIES
+
+
+def launch(*args: str):
+    return CliRunner().invoke(
+        main, ["launch", "--plain", "--device", "cpu", "--data", str(demo_data_path()), *args]
+    )
+
+
+def test_a_shallow_target_under_default_flags_is_one_options_error(tmp_path: Path):
+    target = FAMILIES["qwen3"].save_target(tmp_path / "target")  # 4 layers; 5 draft layers by default
+    result = launch("--target-model", str(target), "--run-dir", str(tmp_path / "r"))
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: --draft-layers 5: the target at"), result.output
+    assert "--target-layer-ids" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "r" / "logs").exists()  # no worker was started
+
+
+def test_a_target_that_is_no_causal_lm_is_refused(tmp_path: Path):
+    target = tmp_path / "vit"
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(target)
+    result = launch("--target-model", str(target), "--run-dir", str(tmp_path / "r"))
+    assert result.exit_code == 2, result.output
+    assert "error: --target-model" in result.output and "'vit' has no causal-LM class" in result.output
+    assert not (tmp_path / "r" / "logs").exists()
