@@ -48,14 +48,17 @@ Progress = Callable[[str], None]
 
 
 def bench_run_config(cfg: RunConfig, work_dir: Path) -> RunConfig:
-    """The user's run config, pointed at a scratch run dir: no eval, no checkpoint but the final one."""
+    """The user's run config, pointed at a scratch run dir: no eval (simulated or real), no checkpoint but
+    the final one, and the data's own responses (the stages measured here are the feature path; the
+    regeneration has its own bench, bench/regenerate_speed.py)."""
     return dataclasses.replace(
         cfg,
         run_dir=work_dir / "prepare",
         eval_samples=0,
         compile_cache=work_dir / "compile-cache",
+        data=dataclasses.replace(cfg.data, responses="dataset"),
         train=dataclasses.replace(
-            cfg.train, checkpoint_every=10**9, eval_every=0, log_every=1, max_steps=None
+            cfg.train, checkpoint_every=10**9, eval_every=0, eval_generate="off", log_every=1, max_steps=None
         ),
     )
 
