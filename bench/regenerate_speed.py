@@ -162,7 +162,10 @@ def launch_rows(shape: str, device: str, scratch: Path, extra: list[str]) -> lis
     for responses in ("target", "dataset"):
         run_dir = scratch / f"run-{shape}-{responses}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
         cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--plain", "--run-dir", str(run_dir)]
         t0 = time.time()
         done = subprocess.run(
