@@ -45,6 +45,12 @@ class LiveRun:
             "1024",
             "--max-length",
             "256",
+            # faults and elasticity are about the feature path: the data's own responses, no real eval
+            # (regeneration and real eval have their own end-to-end tests)
+            "--responses",
+            "dataset",
+            "--eval-generate",
+            "off",
             *args,
         ]
         self.run_dir = run_dir

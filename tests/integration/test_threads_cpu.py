@@ -23,6 +23,7 @@ def test_launch_with_drafter_threads(tmp_path: Path):
     cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--plain", "--run-dir", str(run_dir)]
     cmd += ["--device", "cpu", "--workers", "2", "--drafter-mode", "threads", "--max-steps", "8"]
     cmd += ["--token-budget", "1024", "--max-length", "256", "--activation-checkpointing", "layers"]
+    cmd += ["--responses", "dataset", "--eval-generate", "off"]  # the threads' feature path only
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
