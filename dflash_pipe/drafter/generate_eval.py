@@ -8,7 +8,6 @@ frozen, so a run computes it once per prompt (``references``) and reuses it at e
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,29 +148,17 @@ def prompts_from_samples(samples: Sequence[Any], max_prompts: int) -> list[Tenso
 
 
 def end_of_turn_ids(tokenizer: Any, model_dir: str | Path | None = None) -> list[int]:
-    """The tokens that end an assistant turn: the last token of an assistant turn as the chat template
-    renders it (``<|im_end|>``, ``<|eot_id|>``, ...; the same span the loss mask trains), the model's
-    ``generation_config.json`` eos ids and the tokenizer's eos. Empty: generation stops only at the limit."""
-    ids: list[int] = []
-    from dflash_pipe.data.formats import FormatError
-    from dflash_pipe.data.render import has_chat_template, render_conversation
+    """The tokens that end an assistant turn, by the same rule regeneration stops at
+    (``dflash_pipe.target.generate.end_of_turn_ids``: the chat template's terminator, the model's
+    ``generation_config.json`` eos ids, the tokenizer's eos), read from the target's directory."""
+    from dflash_pipe.target.generate import end_of_turn_ids as target_end_of_turn_ids
 
-    if tokenizer is not None and has_chat_template(tokenizer):
-        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-        try:
-            toks, mask = render_conversation(tokenizer, probe)
-            trained = [i for i, m in enumerate(mask) if m]
-            if trained:
-                ids.append(int(toks[trained[-1]]))
-        except FormatError:  # a template that rejects the probe: fall back to the eos ids
-            pass
+    generation_config = None
     if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
-        eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
-        ids += [eos] if isinstance(eos, int) else list(eos or [])
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.append(eos)
-    return list(dict.fromkeys(int(i) for i in ids))
+        from transformers import GenerationConfig
+
+        generation_config = GenerationConfig.from_pretrained(str(model_dir))
+    return target_end_of_turn_ids(tokenizer, generation_config)
 
 
 def load_eval_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
