@@ -41,9 +41,9 @@ from dflash_pipe.data.config import DataConfig
 from dflash_pipe.drafter.config import default_target_layer_ids
 from dflash_pipe.producer.features import TargetFailure, TargetThread
 from dflash_pipe.producer.scheduler import PlannedBatch
-from dflash_pipe.producer.staging import PrivateStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
+from dflash_pipe.wire.slots import PrivateStaging
 
 GOAL_SPEEDUP = 1.3
 GOAL_MFU = 0.55

@@ -94,8 +94,8 @@ class WireConfig:
     """Frame size for tensors sent on the socket (measured fastest by `dflash-pipe bench transport`)."""
 
     def __post_init__(self) -> None:
+        from dflash_pipe.wire.addresses import require_keys_for
         from dflash_pipe.wire.codec import MIN_FRAME_BYTES
-        from dflash_pipe.wire.transport import require_keys_for
 
         if self.wire_dtype not in ("bf16", "fp8"):
             raise ValueError(f"wire.wire_dtype must be bf16 or fp8, got {self.wire_dtype!r}.")

@@ -24,9 +24,9 @@ from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, load_replicas, pack
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext, prepare_run
-from dflash_pipe.producer.staging import PrivateStaging
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.slots import PrivateStaging
 
 CHILD_TIMEOUT_S = 900.0
 """A child that has not finished this long after its stage's deadline is killed (its log is shown)."""

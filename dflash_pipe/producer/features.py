@@ -6,7 +6,7 @@ the GIL inside kernels). The producer's main thread never computes; it only rout
 conversations on their replica (``dflash_pipe.producer.regen``), between feature batches.
 
 Features leave the GPU without stalling it: each batch's ``[T, k*H]`` features are copied into a staging slot
-(``HostStaging``: pinned host memory, or GPU memory of the CUDA IPC ring, device to device) on a side CUDA
+(``PayloadStaging``: pinned host memory, or GPU memory of the CUDA IPC ring, device to device) on a side CUDA
 stream, and the thread launches the NEXT batch's forward
 before it waits for that copy (double buffering). The wire message's ``features`` tensor is a view of the
 slot, which rides on the ``ReadyBatch`` until the scheduler releases it on the ACK. On CPU the same steps
@@ -29,14 +29,13 @@ from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import PendingRun, RunContext
-from dflash_pipe.producer.staging import HostSlot, HostStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.generate import GenerationStopped
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.fp8 import wire_features
+from dflash_pipe.wire.slots import PayloadSlot, PayloadStaging, slot_layout
 
-_SLOT_ALIGN = 64  # bytes; every wire tensor in a slot starts on this boundary
 _STOP_POLL_S = 0.2
 """How often a target thread waiting for a free staging slot checks whether the producer closes."""
 
@@ -128,7 +127,7 @@ class FeatureCopier:
     def __init__(
         self,
         core: TargetCore,
-        staging: HostStaging,
+        staging: PayloadStaging,
         wire_dtype: str = "bf16",
         stopping: threading.Event | None = None,
     ) -> None:
@@ -149,12 +148,9 @@ class FeatureCopier:
         feats = self.core.features(ids, lengths)  # [T, k*H], queued on the current stream
         # fp8: quantised on the target device, before the copy (half the bytes to move)
         wire = wire_features(feats, len(self.core.layer_ids), self.wire_dtype)
-        offsets, nbytes = {}, 0
-        for name, t in wire.items():
-            offsets[name] = nbytes
-            nbytes += -(-t.numel() * t.element_size() // _SLOT_ALIGN) * _SLOT_ALIGN
+        offsets, nbytes = slot_layout(wire)
         slot = self._acquire(nbytes, flush)
-        host = {name: slot.view(tuple(t.shape), t.dtype, offsets[name]) for name, t in wire.items()}
+        host = slot.views(wire, offsets)
         done = None
         if self.stream is None:
             for name, t in wire.items():
@@ -171,7 +167,7 @@ class FeatureCopier:
         ready = ReadyBatch(plan=plan, payload=batch, tokens=sum(lengths), slot=slot)
         return InFlight(ready=ready, done=done, source=list(wire.values()) if done is not None else None)
 
-    def _acquire(self, nbytes: int, flush) -> HostSlot:
+    def _acquire(self, nbytes: int, flush) -> PayloadSlot:
         if flush is not None:
             try:
                 return self.staging.acquire(nbytes, timeout_s=0.0)
@@ -198,7 +194,7 @@ class TargetThread(threading.Thread):
         ready: queue.Queue[ReadyBatch | GenerateDone | TargetFailure],
         rate: RateMeter,
         name: str,
-        staging: HostStaging,
+        staging: PayloadStaging,
         wire_dtype: str = "bf16",
         make_generator: Callable[[TargetCore], Any] | None = None,
     ) -> None:

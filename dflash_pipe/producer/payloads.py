@@ -15,12 +15,10 @@ import dataclasses
 import torch
 
 from dflash_pipe.producer.scheduler import ReadyBatch
-from dflash_pipe.producer.staging import HostSlot
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.codec import SharedRing
 from dflash_pipe.wire.ring import SlotRing
-
-_ALIGN = 64  # bytes; every tensor of the host copy starts on this boundary
+from dflash_pipe.wire.slots import PayloadSlot, slot_layout
 
 
 def payload_for(batch: ReadyBatch, ring: SharedRing | None, shm: SlotRing | None = None) -> m.Batch:
@@ -42,12 +40,9 @@ def payload_for(batch: ReadyBatch, ring: SharedRing | None, shm: SlotRing | None
     return batch.host_payload
 
 
-def _host_copy(msg: m.Batch, names: list[str], shm: SlotRing | None) -> tuple[m.Batch, HostSlot]:
-    offsets, nbytes = {}, 0
-    for name in names:
-        t = msg.tensors[name]
-        offsets[name] = nbytes
-        nbytes += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+def _host_copy(msg: m.Batch, names: list[str], shm: SlotRing | None) -> tuple[m.Batch, PayloadSlot]:
+    stranded = {name: msg.tensors[name] for name in names}
+    offsets, nbytes = slot_layout(stranded)
     slot = None
     if shm is not None:
         try:
@@ -56,10 +51,8 @@ def _host_copy(msg: m.Batch, names: list[str], shm: SlotRing | None) -> tuple[m.
             slot = None
     if slot is None:
         buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        slot = HostSlot(buffer=buffer, nbytes=nbytes)
-    tensors = dict(msg.tensors)
-    for name in names:
-        t = msg.tensors[name]
-        tensors[name] = slot.view(tuple(t.shape), t.dtype, offsets[name])
-        tensors[name].copy_(t)
-    return dataclasses.replace(msg, tensors=tensors), slot
+        slot = PayloadSlot(buffer=buffer, nbytes=nbytes)
+    copies = slot.views(stranded, offsets)
+    for name, t in stranded.items():
+        copies[name].copy_(t)
+    return dataclasses.replace(msg, tensors={**msg.tensors, **copies}), slot

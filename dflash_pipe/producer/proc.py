@@ -31,14 +31,15 @@ from dflash_pipe.producer.record import bind_address, write_record
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
-from dflash_pipe.producer.staging import HostStaging, PrivateStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, TimeShares, make_logger
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.addresses import store_host
 from dflash_pipe.wire.cuda_ipc import CudaIpcRing
 from dflash_pipe.wire.errors import BadMessage, PeerGoneError, SendTimeoutError
 from dflash_pipe.wire.ring import RingUnavailable
 from dflash_pipe.wire.shm import ShmRing, host_identity
+from dflash_pipe.wire.slots import PayloadStaging, PrivateStaging
 from dflash_pipe.wire.transport import ProducerEndpoint
 
 _TICK_S = 0.02
@@ -157,7 +158,7 @@ class ProducerProc:
         expected_workers: int,
         console: Any = None,
         live: bool | None = None,
-        staging: HostStaging | None = None,
+        staging: PayloadStaging | None = None,
         replicas: Future[list[TargetCore]] | None = None,
     ) -> None:
         """``staging``: memory the target threads copy features into (default: the CUDA IPC ring when there
@@ -176,7 +177,7 @@ class ProducerProc:
         self.address = self.endpoint.address
         write_record(self.cfg.run_dir, address=self.address)
         self._store = _start_rendezvous_store(self.address)
-        self.rendezvous = f"tcp://{_host_of(self.address)}:{self._store.port}"
+        self.rendezvous = f"tcp://{store_host(self.address)}:{self._store.port}"
         self.peers: dict[bytes, Peer] = {}
         self.regen = ctx.regen
         start_epoch = first_open_epoch(ctx.ledger, self.regen.voids if self.regen else set())
@@ -229,7 +230,7 @@ class ProducerProc:
         """One line per worker that died or vanished (the run went on without it)."""
         self.cuda_ring = self._make_cuda_ring()
         self.ring = self._make_ring()
-        self.staging: HostStaging = staging or self.cuda_ring or self.ring or PrivateStaging()
+        self.staging: PayloadStaging = staging or self.cuda_ring or self.ring or PrivateStaging()
         self._sent_by_ref = {"shm": 0, "cuda_ipc": 0}
         """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
 
@@ -875,15 +876,9 @@ def _checked_metrics(values: dict) -> tuple[dict, list[str]]:
     return good, bad
 
 
-def _host_of(address: str) -> str:
-    rest = address.split("://", 1)[1]
-    return rest.rsplit(":", 1)[0] if rest.count(":") else "127.0.0.1"
-
-
 def _start_rendezvous_store(address: str) -> torch.distributed.TCPStore:
     """The drafters' torch.distributed store lives in the producer, which outlives any worker."""
-    host = _host_of(address) if address.startswith("tcp://") else "127.0.0.1"
-    return torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return torch.distributed.TCPStore(store_host(address), 0, is_master=True, wait_for_workers=False)
 
 
 def _install_sigint(event: threading.Event) -> Any:

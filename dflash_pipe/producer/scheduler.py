@@ -34,11 +34,11 @@ class ReadyBatch:
     payload: Any
     tokens: int
     slot: Any = None
-    """The ``HostSlot`` the payload's bytes live in, if any: released when the batch is ACKed."""
+    """The ``PayloadSlot`` the payload's bytes live in, if any: released when the batch is ACKed."""
     host_payload: Any = None
     """A host copy of a payload staged in GPU memory, made for a worker that cannot open the GPU ring."""
     host_slot: Any = None
-    """The ``HostSlot`` of that copy: released with ``slot``."""
+    """The ``PayloadSlot`` of that copy: released with ``slot``."""
 
     def release(self) -> None:
         """Gives back the staging memory (on the ACK; never while a lost worker's copy may be redelivered)."""

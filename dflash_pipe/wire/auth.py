@@ -26,13 +26,12 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from dflash_pipe.wire.addresses import GENERATE_HINT
 from dflash_pipe.wire.errors import TransportError
 
 SERVER = "server"
 CLIENT = "client"
 CLIENTS_DIR = "clients"
-GENERATE_HINT = "create keys with `dflash-pipe keys generate DIR`, then pass `--keys DIR` to `dflash-pipe launch` and to every `dflash-pipe worker`"
-"""The fix every key error names."""
 
 log = logging.getLogger("dflash_pipe.wire")
 

@@ -265,7 +265,7 @@ def _release(runtime: CudaRuntime, ptr: int, index: int, opened: bool) -> None:
 
 
 class CudaIpcRing(SlotRing):
-    """A ring of ``slots`` slots of ``slot_bytes`` in one allocation on one GPU: a ``HostStaging`` (of
+    """A ring of ``slots`` slots of ``slot_bytes`` in one allocation on one GPU: a ``PayloadStaging`` (of
     device memory) on the producer, a ``codec.SharedRing`` on both sides. Use ``create`` or ``attach``."""
 
     PATH = "cuda_ipc"

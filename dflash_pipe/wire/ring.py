@@ -1,7 +1,7 @@
 """Slot bookkeeping shared by the same-host payload rings: ``wire.shm`` (host memory) and ``wire.cuda_ipc``
 (device memory).
 
-A ring is one buffer cut into ``slots`` slots of ``slot_bytes``. On the producer it is a ``HostStaging``
+A ring is one buffer cut into ``slots`` slots of ``slot_bytes``. On the producer it is a ``PayloadStaging``
 (``acquire`` a slot, write a batch into it, ``release`` it on the ACK); on both sides it is the
 ``codec.SharedRing`` a BATCH header names slots of (``locate`` / ``view``). Slots are never handed out
 twice: ``acquire`` blocks while every slot is leased (back-pressure), and a duplicate release is an error.
@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from dflash_pipe.producer.staging import HostSlot
+from dflash_pipe.wire.slots import PayloadSlot
 
 log = logging.getLogger("dflash_pipe.wire.ring")
 
@@ -49,13 +49,13 @@ class SlotRing:
         self._cond = threading.Condition()
         self._closed = False
 
-    # --- HostStaging -------------------------------------------------------------------------------------
+    # --- PayloadStaging -------------------------------------------------------------------------------------
 
     def _private(self, nbytes: int) -> torch.Tensor:
         """uint8 [nbytes] outside the ring, for a batch larger than a slot (it then travels as frames)."""
         raise NotImplementedError
 
-    def acquire(self, nbytes: int, timeout_s: float | None = None) -> HostSlot:
+    def acquire(self, nbytes: int, timeout_s: float | None = None) -> PayloadSlot:
         """A free slot (blocks while all are leased: back-pressure, never overwrite). A batch larger than a
         slot gets process-private memory instead, so it travels as frames."""
         if self._closed:
@@ -67,7 +67,7 @@ class SlotRing:
                 self.slot_bytes,
                 self.PATH,
             )
-            return HostSlot(buffer=self._private(nbytes), nbytes=nbytes)
+            return PayloadSlot(buffer=self._private(nbytes), nbytes=nbytes)
         with self._cond:
             if not self._cond.wait_for(lambda: self._free or self._closed, timeout=timeout_s):
                 raise TimeoutError(
@@ -77,14 +77,14 @@ class SlotRing:
                 raise RuntimeError(f"the {self.PATH} ring was closed while waiting for a slot")
             slot = self._free.popleft()
         start = slot * self.slot_bytes
-        return HostSlot(
+        return PayloadSlot(
             buffer=self._data[start : start + self.slot_bytes],
             nbytes=nbytes,
             slot_id=slot,
             _on_release=self._give_back,
         )
 
-    def _give_back(self, slot: HostSlot) -> None:
+    def _give_back(self, slot: PayloadSlot) -> None:
         with self._cond:
             if slot.slot_id in self._free:
                 raise RuntimeError(f"{self.PATH} ring slot {slot.slot_id} released twice")

@@ -1,6 +1,6 @@
 """Same-host payloads through shared memory: a ring of fixed-size slots in one anonymous segment.
 
-The producer creates the ring (``ShmRing.create``) and uses it as its ``HostStaging``: the target thread
+The producer creates the ring (``ShmRing.create``) and uses it as its ``PayloadStaging``: the target thread
 acquires a slot, the device-to-host copy writes the features into it, and the BATCH header names the slot
 and offsets instead of carrying the bytes (``codec.encode(..., ring=)``). A worker on the same host maps the
 same segment (``ShmRing.attach``) and reads the tensors straight from it; the slot is freed when the batch
@@ -92,7 +92,7 @@ class RingOffer:
 
 
 class ShmRing(SlotRing):
-    """A ring of ``slots`` slots of ``slot_bytes`` each; a ``HostStaging`` on the producer, a read-only
+    """A ring of ``slots`` slots of ``slot_bytes`` each; a ``PayloadStaging`` on the producer, a read-only
     view source (``codec.SharedRing``) on both sides. Use ``create`` or ``attach``."""
 
     PATH = "shm"

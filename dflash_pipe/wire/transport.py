@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from pathlib import Path
@@ -34,7 +33,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from dflash_pipe.wire.auth import GENERATE_HINT, AllowList, AuthError, load_client_keys, load_server_keys
+from dflash_pipe.wire.addresses import DEFAULT_ADDRESS, host_of, is_local_address, require_keys_for
+from dflash_pipe.wire.auth import AllowList, AuthError, load_client_keys, load_server_keys
 from dflash_pipe.wire.codec import (
     DEFAULT_MAX_TENSOR_BYTES,
     MAX_HEADER_BYTES,
@@ -46,7 +46,6 @@ from dflash_pipe.wire.codec import (
 from dflash_pipe.wire.errors import BadMessage, PeerGoneError, ProtocolError, SendTimeoutError, TransportError
 from dflash_pipe.wire.messages import Message, Reject
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:0"
 DEFAULT_FRAME_BYTES = 1 << 20
 """Frame size for large tensors: the fastest measured by `dflash-pipe bench transport` (docs/performance.md)."""
 _HWM = 128  # messages per peer; credit-based flow keeps far fewer in flight
@@ -63,46 +62,6 @@ _HANDSHAKE_FAILED = (
 )
 
 log = logging.getLogger("dflash_pipe.wire")
-
-
-def _host_of(address: str) -> str | None:
-    """The host part of a tcp:// address, or None for ipc://, inproc:// (local by construction)."""
-    transport, sep, rest = address.partition("://")
-    if not sep:
-        raise ValueError(f"address {address!r} has no transport; use 'tcp://127.0.0.1:0' or 'ipc:///path'")
-    if transport in ("ipc", "inproc"):
-        return None
-    if transport != "tcp":
-        raise ValueError(f"address {address!r}: transport {transport!r} not supported; use tcp:// or ipc://")
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host or not port:
-        raise ValueError(f"address {address!r} needs a host and a port, e.g. 'tcp://127.0.0.1:0'")
-    return host.strip("[]")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # "*", "0.0.0.0", interface names, host names
-
-
-def is_local_address(address: str) -> bool:
-    """True for ipc://, inproc:// and tcp:// on a loopback host: the addresses that may go without keys."""
-    host = _host_of(address)
-    return host is None or _is_loopback(host)
-
-
-def require_keys_for(address: str, keys: Path | None) -> None:
-    """Raise a ValueError naming the fix when `address` is not local and no key directory is given."""
-    if keys is None and not is_local_address(address):
-        raise ValueError(
-            f"refusing to bind {address!r} without CURVE keys: it is not a loopback address, so anyone who "
-            f"can reach it could feed or read the run. Either {GENERATE_HINT}; or bind tcp://127.0.0.1:PORT "
-            "or ipc:///PATH."
-        )
 
 
 class _LogLimiter:
@@ -217,7 +176,7 @@ class ProducerEndpoint(_Endpoint):
         send_timeout_s: float = 10.0,
         frame_bytes: int | None = DEFAULT_FRAME_BYTES,
     ) -> None:
-        host = _host_of(address)
+        host = host_of(address)
         require_keys_for(address, keys)
         server_keys = load_server_keys(keys) if keys is not None else None
         super().__init__(

@@ -96,3 +96,28 @@ def test_tokenize_workers_flag_including_zero(tmp_path: Path):
     assert resumed.data.tokenize_workers == 4
     with pytest.raises(ValueError, match="DataConfig.tokenize_workers must be >= 0"):
         build_run_config({"run_dir": tmp_path / "x", "device": "cpu", "tokenize_workers": -2})
+
+
+def test_building_a_run_config_does_not_load_zmq(tmp_path: Path):
+    """The config checks addresses with the wire's address policy, not its sockets: a fresh interpreter
+    that builds and validates a RunConfig (a keyless loopback bind, a refused public one) has no zmq."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from dflash_pipe.config import RunConfig, WireConfig
+from dflash_pipe.data import DataConfig
+from dflash_pipe.layout import LayoutConfig
+RunConfig(run_dir={str(tmp_path)!r}, data=DataConfig(path="d.jsonl"), layout=LayoutConfig(device="cpu"),
+          wire=WireConfig(bind="tcp://127.0.0.1:5555"))
+try:
+    WireConfig(bind="tcp://0.0.0.0:5555")
+except ValueError as e:
+    assert "without CURVE keys" in str(e), e
+else:
+    raise AssertionError("a public bind without keys was accepted")
+print(sorted(m for m in sys.modules if m == "zmq" or m.startswith("zmq.")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -13,9 +13,9 @@ from transformers import Qwen3ForCausalLM
 from dflash_pipe.data import Sample
 from dflash_pipe.producer.features import TargetFailure, TargetThread
 from dflash_pipe.producer.scheduler import PlannedBatch
-from dflash_pipe.producer.staging import HostSlot, PrivateStaging
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
+from dflash_pipe.wire.slots import PayloadSlot, PrivateStaging
 from tests.tiny_models import tiny_qwen3_config
 
 LAYERS = (0, 1)
@@ -51,15 +51,15 @@ class TinyRing:
         self.cond = threading.Condition()
         self.timeouts = 0
 
-    def acquire(self, nbytes: int, timeout_s: float | None = None) -> HostSlot:
+    def acquire(self, nbytes: int, timeout_s: float | None = None) -> PayloadSlot:
         with self.cond:
             if not self.cond.wait_for(lambda: self.free, timeout=timeout_s):
                 self.timeouts += 1
                 raise TimeoutError("every slot is leased")
             buffer = self.free.pop()
-        return HostSlot(buffer=buffer, nbytes=nbytes, _on_release=self._give_back)
+        return PayloadSlot(buffer=buffer, nbytes=nbytes, _on_release=self._give_back)
 
-    def _give_back(self, slot: HostSlot) -> None:
+    def _give_back(self, slot: PayloadSlot) -> None:
         with self.cond:
             self.free.append(slot.buffer)
             self.cond.notify_all()
