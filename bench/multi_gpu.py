@@ -336,7 +336,7 @@ def elastic_devices(args: argparse.Namespace) -> tuple[list[str], str]:
     if args.device == "cpu":
         return ["--device", "cpu", "--workers", str(args.workers)], "cpu"
     opts = run_opts(args)
-    from dflash_pipe.layout import parse_gpu_spec
+    from dflash_pipe.run.layout import parse_gpu_spec
 
     target = parse_gpu_spec(opts["target_gpus"], flag="--target-gpus")
     drafters = parse_gpu_spec(opts["drafter_gpus"], flag="--drafter-gpus")
@@ -349,8 +349,8 @@ def elastic(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None]
     """One epoch of a launch; once it trains, a `dflash-pipe worker --connect` joins on a free device, and
     after the group of n+1 trained a step, that worker is SIGKILLed. Recovery = from the kill to the first
     acked step of the remaining group; the final checkpoint's ledger shows whether any sample was lost."""
-    from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
-    from dflash_pipe.train.ledger import Ledger
+    from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
+    from dflash_pipe.run.ledger import Ledger
 
     layout, free = elastic_devices(args)
     run_dir = work_dir / "elastic-run"

@@ -119,7 +119,8 @@ def child(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from dflash_pipe.drafter.compile_guard import GUARD, apply_dynamo_settings, backward_with_settings
+    from dflash_pipe.compute.compile import apply_dynamo_settings, backward_with_settings
+    from dflash_pipe.drafter.compile_guard import GUARD
 
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":

@@ -493,7 +493,7 @@ def worker(
     import subprocess
 
     from dflash_pipe.launcher import SAFE_GPU_ENV, compile_cache_env
-    from dflash_pipe.layout import parse_gpu_spec
+    from dflash_pipe.run.layout import parse_gpu_spec
 
     if bool(device) == bool(gpus):
         raise click.UsageError("Give exactly one of --device (cpu, cuda:N) or --gpus (e.g. 6,7).")
@@ -581,7 +581,7 @@ def export(checkpoint: Path, out_dir: Path) -> None:
       dflash-pipe export runs/q8b out/qwen3-8b-dflash
     """
     from dflash_pipe.drafter import export_checkpoint
-    from dflash_pipe.train.checkpoint import latest_checkpoint
+    from dflash_pipe.run.checkpoint import latest_checkpoint
 
     if (checkpoint / "checkpoints").is_dir():
         latest = latest_checkpoint(checkpoint)
@@ -985,7 +985,7 @@ def bench_compile(
       dflash-pipe bench compile --target-model /models/Qwen3-8B --drafter-gpus 0 --workers 3
     """
     from dflash_pipe.bench.compile import run_compile_bench
-    from dflash_pipe.layout import parse_gpu_spec
+    from dflash_pipe.run.layout import parse_gpu_spec
 
     if workers < 1:
         raise click.UsageError(f"--workers must be >= 1, got {workers}.")
@@ -1018,7 +1018,7 @@ def bench_compile(
 
 def _load_option_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
     """Eager: the file's values become this command's defaults, so typed flags still win."""
-    from dflash_pipe.config_file import ConfigFileError, load_file, option_defaults
+    from dflash_pipe.run.config_file import ConfigFileError, load_file, option_defaults
 
     if value is None:
         return

@@ -15,12 +15,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from dflash_pipe.config import RunConfig
-from dflash_pipe.config_file import ConfigFileError, check_run_file, dump, load_file
 from dflash_pipe.data import demo_data_path
 from dflash_pipe.drafter.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_pipe.drafter.presets import preset_options
-from dflash_pipe.layout import LayoutConfig, parse_gpu_spec
+from dflash_pipe.run.config import RunConfig
+from dflash_pipe.run.config_file import ConfigFileError, check_run_file, dump, load_file
+from dflash_pipe.run.layout import LayoutConfig, parse_gpu_spec
 
 FLAG_FIELDS: dict[str, str] = {
     "run_dir": "run_dir",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from dflash_pipe.config import RunConfig
+from dflash_pipe.run.config import RunConfig
 
 if TYPE_CHECKING:
     from dflash_pipe.producer.setup import RunContext
@@ -223,7 +223,7 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     for key, value in SAFE_GPU_ENV.items():
         os.environ.setdefault(key, value)
     hf_logging.disable_progress_bar()
-    from dflash_pipe.producer.record import read_record, write_record
+    from dflash_pipe.run.record import read_record, write_record
 
     ctx, replicas = prepare(cfg, resume=resume, live=live)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []

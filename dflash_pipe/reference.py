@@ -108,9 +108,9 @@ def _type_name(param: click.Parameter) -> str:
 def config_reference() -> str:
     """Markdown for every field of RunConfig and its sections, with type, default, flag and doc."""
     from dflash_pipe.cli import main
-    from dflash_pipe.config import RunConfig
-    from dflash_pipe.config_file import run_sections
     from dflash_pipe.launch_options import DEMO_DEFAULTS, FLAG_FIELDS
+    from dflash_pipe.run.config import RunConfig
+    from dflash_pipe.run.config_file import run_sections
 
     launch = main.commands["launch"]
     by_name = {p.name: p for p in launch.params}
@@ -151,7 +151,7 @@ def config_reference() -> str:
 
 
 def _fields_md(kind: type, prefix: str, title: str, flags: dict, skip=frozenset()) -> list[str]:
-    from dflash_pipe.config_file import field_docs
+    from dflash_pipe.run.config_file import field_docs
 
     docs = field_docs(kind)
     class_doc = inspect.cleandoc(kind.__doc__ or "") if kind.__doc__ and "(" not in kind.__doc__[:60] else ""

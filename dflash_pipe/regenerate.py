@@ -44,10 +44,11 @@ class RegenerateSummary:
 
 def load_model(target_path: Path, device: str) -> Any:
     """The target as a plain HF causal LM on ``device`` (bf16 on CUDA, fp32 on CPU), SDPA attention."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    from dflash_pipe.compute.precision import compute_dtype
+
+    dtype = compute_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype, attn_implementation="sdpa")
     return model.eval().requires_grad_(False).to(device)
 

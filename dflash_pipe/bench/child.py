@@ -136,8 +136,8 @@ def build_drafter(spec: dict[str, Any], device: Any, *, compile_layers: bool = F
     """(model, optimizer, train config, compiled?) as the worker builds them from WELCOME's fields.
     ``compile_layers`` also compiles each decoder layer (the compile bench on CPU, where the worker
     compiles nothing: flex attention has no CPU backward, so there is no compiled attention)."""
-    import torch
 
+    from dflash_pipe.compute.precision import compute_dtype
     from dflash_pipe.drafter import DrafterConfig, load_frozen_target_parts
     from dflash_pipe.train.config import TrainConfig
     from dflash_pipe.train.optim import build_optimizer
@@ -145,7 +145,7 @@ def build_drafter(spec: dict[str, Any], device: Any, *, compile_layers: bool = F
 
     drafter_cfg = DrafterConfig.from_dict(spec["drafter"])
     train_cfg = TrainConfig(**spec["train"])
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(device)
     embed, head = load_frozen_target_parts(spec["target_path"], dtype=dtype, device=device)
     model, compiled = make_drafter(
         drafter_cfg, train_cfg, embed, head, device, compile_layers=True if compile_layers else None
@@ -175,8 +175,8 @@ def run_drafter(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from dflash_pipe.drafter import DrafterConfig
+    from dflash_pipe.run.ledger import Ledger
     from dflash_pipe.train.distributed import DrafterGroup
-    from dflash_pipe.train.ledger import Ledger
     from dflash_pipe.train.loop import WorkerSession, regroup, run_training
 
     device = torch.device(spec["device"])
@@ -255,7 +255,7 @@ def run_compile(spec: dict[str, Any]) -> dict[str, Any]:
     """Time from process start to the end of the first real training step, as a launched worker."""
     import torch
 
-    from dflash_pipe.train.loop import _autocast
+    from dflash_pipe.compute.precision import autocast, compute_dtype
 
     device = torch.device(spec["device"])
     if device.type == "cuda":
@@ -269,10 +269,10 @@ def run_compile(spec: dict[str, Any]) -> dict[str, Any]:
     # Batch 2, the warm-up's first shape: a warm worker's first real batch runs compiled code, not a recompile.
     shape = (2, spec["step_seq_len"])
     ids = torch.randint(0, spec["drafter"]["vocab_size"], shape, device=device, generator=gen)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(device)
     feats = torch.randn(*shape, k * spec["drafter"]["hidden_size"], device=device, generator=gen).to(dtype)
     mask = torch.ones(*shape, dtype=torch.bool, device=device)
-    with _autocast(device):
+    with autocast(device):
         out = model(ids, feats, mask, generator=gen)
     out.loss_sum.backward()
     optimizer.step()

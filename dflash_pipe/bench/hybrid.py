@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash_pipe.bench.result import BenchResult
+from dflash_pipe.compute.precision import compute_dtype
 
 PEAK_TFLOPS = 790.0  # H200 dense bf16, the MFU reference of this repo (bench/drafter_step.py)
 GOAL_MFU = 0.55
@@ -187,7 +188,7 @@ def run_path(spec: PathSpec) -> dict[str, Any]:
 
     device = torch.device(spec.device)
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = compute_dtype(device)
     config = (dense_config if spec.path == "dense" else hybrid_config)(spec.shape)
     ids = layer_ids_for(config.num_hidden_layers)
     torch.manual_seed(spec.seed)

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from dflash_pipe.bench.procs import Children, start_children
-from dflash_pipe.config import RunConfig
 from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, load_replicas, pack
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext, prepare_run
+from dflash_pipe.run.config import RunConfig
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.slots import PrivateStaging

@@ -39,8 +39,8 @@ from dflash_pipe.bench.stages import (
     transport_alone,
     write_batch_files,
 )
-from dflash_pipe.config import RunConfig
-from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.run.config import RunConfig
+from dflash_pipe.run.layout import LayoutConfig
 
 EFFICIENCY_GOAL = 0.95
 STAGES = ("producer alone", "drafters alone", "transport alone")

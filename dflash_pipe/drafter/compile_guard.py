@@ -12,8 +12,9 @@ tracing flips process-wide FX state that a compiled function entered on another 
   compiled backward with it, since backward is part of the step.
 - Variants are warmed before the threads start (``train/warmup.py``), so in steady state nobody waits.
 
-Dynamo config is thread-local (torch >= 2.12), so ``apply_dynamo_settings`` runs in every thread that can
-compile: each drafter thread, and autograd's backward threads through a pre-hook on the loss' grad node.
+Dynamo config is thread-local (torch >= 2.12), so ``compute.compile.apply_dynamo_settings`` runs in every
+thread that can compile: each drafter thread, and autograd's backward threads through a pre-hook on the loss'
+grad node (``backward_with_settings``).
 """
 
 from __future__ import annotations
@@ -25,58 +26,8 @@ from typing import TypeVar
 
 import torch
 
-DYNAMO_SETTINGS: dict[str, object] = {
-    "recompile_limit": 64,
-    "accumulated_recompile_limit": 1024,
-}
-"""Applied in every thread that may compile. Dynamic shapes still compile a few variants per function
-(sizes 0/1 specialise, grad mode, devices); the default limit of 8 would silently fall back to eager."""
-
 _FAIL_MARKER = "fail_on_recompile"
-INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
-"""For the drafter's dynamic-shape compiles (layers, CE terms): Inductor's coalescing tiling analysis
-asserted on a layer graph on torch 2.11 (an H 2048 drafter at 2048 tokens); by its own note it does not
-apply to dynamic shapes anyway."""
-
-FLEX_MIN_HEAD_DIM = 16
-"""Inductor's flex_attention kernels refuse smaller head dims ("NYI: embedding dimension ... at least 16");
-below it the automatic attention choice is SDPA (tiny test and demo-sized models)."""
-
 T = TypeVar("T")
-
-
-def compiler_errors() -> tuple[type[BaseException], ...]:
-    """What torch.compile raises when Dynamo or Inductor fails on a graph (callers fall back to eager)."""
-    import torch._dynamo.exc
-    import torch._inductor.exc
-
-    return (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError)
-
-
-def apply_dynamo_settings() -> None:
-    """Sets ``DYNAMO_SETTINGS`` for the calling thread (overrides are per thread since torch 2.12)."""
-    import torch._dynamo
-
-    for name, value in DYNAMO_SETTINGS.items():
-        if not hasattr(torch._dynamo.config, name):
-            raise RuntimeError(
-                f"torch._dynamo.config has no {name!r} in torch {torch.__version__}; dflash-pipe supports "
-                "torch 2.11 and later."
-            )
-        setattr(torch._dynamo.config, name, value)
-
-
-def backward_with_settings(loss: torch.Tensor) -> None:
-    """``loss.backward()``, with the Dynamo settings applied first on whichever thread autograd runs the
-    graph (a CUDA device's autograd thread, or this one on CPU)."""
-    if loss.grad_fn is not None:
-        handle = loss.grad_fn.register_prehook(lambda _grads: apply_dynamo_settings())
-        try:
-            loss.backward()
-        finally:
-            handle.remove()
-    else:
-        loss.backward()
 
 
 class CompileNeededError(RuntimeError):

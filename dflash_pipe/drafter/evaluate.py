@@ -13,6 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from torch import Tensor
 
+from dflash_pipe.compute.precision import autocast, compute_dtype
+
 from .acceptance import AcceptanceCounts, acceptance
 from .model import DFlashDrafter
 
@@ -136,12 +138,12 @@ def simulate_export(
     from .export import config_from_export, load_exported
     from .target_parts import load_frozen_target_parts
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(device)
     cfg = config_from_export(json.loads((Path(drafter_dir) / "config.json").read_text()))
     target = TargetCore(target_model, cfg.target_layer_ids, device, dtype)
     embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=device)
     drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(device)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with autocast(device):
         return evaluate_acceptance(target, drafter, samples, num_anchors=num_anchors, progress=progress)
 
 

@@ -18,6 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from torch import Tensor, nn
 
+from dflash_pipe.compute.precision import autocast, compute_dtype
+
 from .acceptance import AcceptanceCounts
 from .evaluate import per_slot_table
 from .model import DFlashDrafter
@@ -247,12 +249,12 @@ def evaluate_export(
     ``result.check_lossless()``."""
     from .export import load_exported
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(device)
     target = load_eval_target(target_model, device, dtype)
     drafter = load_exported(
         drafter_dir, embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings()
     ).to(device)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with autocast(device):
         return evaluate_generate(
             target,
             drafter,

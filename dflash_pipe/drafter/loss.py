@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .compile_guard import INDUCTOR_OPTIONS
+from dflash_pipe.compute.compile import INDUCTOR_OPTIONS
 
 DEFAULT_CE_CHUNK = 4096  # rows of the LM head evaluated at once
 

@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_pipe.compute.compile import FLEX_MIN_HEAD_DIM, INDUCTOR_OPTIONS, compiler_errors
+
 from .checkpointing import CheckpointPolicy
-from .compile_guard import FLEX_MIN_HEAD_DIM, INDUCTOR_OPTIONS, compiler_errors, needs_compile
+from .compile_guard import needs_compile
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
@@ -186,7 +188,7 @@ class DFlashDrafter(nn.Module):
         LM head's softmax/CE terms into one kernel. Both together are ``train.compile=full``: 1.33x faster
         steps on the H200 at the Qwen3-8B shape, but torch 2.11's Inductor failed on them at another shape,
         so they are opt-in (docs/performance.md). Dynamo's limits are set by
-        ``compile_guard.apply_dynamo_settings`` in each thread that trains."""
+        ``compute.compile.apply_dynamo_settings`` in each thread that trains."""
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from dflash_pipe.compute.compile import apply_dynamo_settings
 from dflash_pipe.data import Sample
-from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import PendingRun, RunContext

@@ -27,10 +27,10 @@ import torch
 from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.features import TargetFailure, TargetThread, build_batch, load_replicas
 from dflash_pipe.producer.payloads import payload_for
-from dflash_pipe.producer.record import bind_address, write_record
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.run.record import bind_address, write_record
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import Dashboard, RateMeter, RunState, TimeShares, make_logger
 from dflash_pipe.wire import messages as m

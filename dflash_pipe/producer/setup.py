@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash_pipe.config import DrafterOptions, RunConfig
+from dflash_pipe.compute.precision import compute_dtype
 from dflash_pipe.data import DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.drafter.config import default_target_layer_ids
-from dflash_pipe.train.checkpoint import DRAFTER_CONFIG, latest_checkpoint, read_trainer_state
-from dflash_pipe.train.ledger import Ledger
+from dflash_pipe.run.checkpoint import DRAFTER_CONFIG, latest_checkpoint, read_trainer_state
+from dflash_pipe.run.config import DrafterOptions, RunConfig
+from dflash_pipe.run.ledger import Ledger
 
 if TYPE_CHECKING:
     from dflash_pipe.producer.regen import Regeneration
@@ -220,7 +221,7 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
         target_path=Path(target_path),
         tokenizer=tokenizer,
         drafter=drafter,
-        target_dtype=torch.bfloat16 if cfg.layout.device == "cuda" else torch.float32,
+        target_dtype=compute_dtype(cfg.layout.device),
         data=data,
         resume_from=resume_from,
         resume_step=resume_step,

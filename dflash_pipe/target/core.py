@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PreTrainedConfig
 
-from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM, compiler_errors
+from dflash_pipe.compute.compile import FLEX_MIN_HEAD_DIM, compiler_errors
 from dflash_pipe.target.families import (
     TargetPlan,
     UnsupportedTargetError,

@@ -152,7 +152,7 @@ def describe_target(config: Any) -> str:
 def check_loaded(core: TargetCore) -> None:
     """Probes a freshly loaded target on one row of two samples: refuses a non-causal model, and moves a
     packed target whose samples leak into each other to padded rows (one log line)."""
-    from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
+    from dflash_pipe.compute.compile import apply_dynamo_settings
 
     apply_dynamo_settings()  # the probe may compile the target's layers: with the target threads' settings
     vocab, n = core.vocab_size, PROBE_LENGTH

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_pipe.compute.precision import compute_dtype
 from dflash_pipe.wire.fp8 import read_features
 
 
@@ -55,7 +56,7 @@ def unpack(
         for k in ("features", "feature_scales")
         if k in tensors
     }
-    feats = read_features(on_device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    feats = read_features(on_device, compute_dtype(device))
     nxt = tensors.get("target_next")
     nxt = None if nxt is None else nxt.to(device, torch.int64, non_blocking=non_blocking)
     b, s = len(lengths), max(lengths)

@@ -12,8 +12,8 @@ import json
 
 import torch
 
+from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.distributed import DrafterGroup
-from dflash_pipe.train.ledger import Ledger
 
 
 def hand_over(

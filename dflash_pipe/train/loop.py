@@ -13,14 +13,15 @@ from typing import Any, Protocol
 
 import torch
 
+from dflash_pipe.compute.precision import autocast
 from dflash_pipe.drafter import acceptance
 from dflash_pipe.drafter.evaluate import simulated_metrics
+from dflash_pipe.run.checkpoint import save_checkpoint
+from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.batches import DeviceBatch, unpack
-from dflash_pipe.train.checkpoint import save_checkpoint
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, StepVote
 from dflash_pipe.train.handover import hand_over
-from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink
 from dflash_pipe.train.optim import lr_at, set_lr
 from dflash_pipe.train.real_eval import RealEval
@@ -84,7 +85,7 @@ def forward_backward(
     threaded member's replica i samples exactly like process rank ``rank * width + i`` would."""
     inputs = unpack(batch.tensors, batch.lengths, device, feature_size=s.feature_size)
     generator = torch.Generator(device=device).manual_seed(_step_seed(s.train.seed, s.step, virtual_rank))
-    with _autocast(device):
+    with autocast(device):
         out = model(inputs.input_ids, inputs.features, inputs.loss_mask, generator=generator)
     backward(out.loss_sum)
     totals = _zero_totals(s.block_size)
@@ -259,12 +260,6 @@ def regroup(s: WorkerSession, why: str) -> None:
     )
 
 
-def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def checkpoint(s: WorkerSession) -> Path | None:
     """Rank 0 writes; every rank holds the same ledger, so rank 0's view is the group's."""
     if s.rank != 0:
@@ -292,7 +287,7 @@ def evaluate(s: WorkerSession, *, final: bool = False) -> dict[str, Any]:
     s.model.eval()
     generator = torch.Generator(device=s.device).manual_seed(s.train.seed + 17)
     counts = None
-    with s.replicas.alone(), _autocast(s.device):
+    with s.replicas.alone(), autocast(s.device):
         for b in s.eval_batches:
             c = acceptance(
                 s.model,

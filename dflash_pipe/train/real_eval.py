@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_pipe.compute.precision import compute_dtype
 from dflash_pipe.drafter.generate_eval import (
     GreedyOutput,
     end_of_turn_ids,
@@ -88,7 +89,7 @@ class RealEval:
         if self._target is None:
             from transformers import AutoTokenizer
 
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            dtype = compute_dtype(self.device)
             self._target = load_eval_target(self.target_path, self.device, dtype)
             tokenizer = AutoTokenizer.from_pretrained(str(self.target_path))
             self._stop_ids = end_of_turn_ids(tokenizer, self.target_path)

@@ -17,12 +17,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from dflash_pipe.drafter.compile_guard import (
-    GUARD,
-    CompileGuard,
-    apply_dynamo_settings,
-    backward_with_settings,
-)
+from dflash_pipe.compute.compile import apply_dynamo_settings, backward_with_settings
+from dflash_pipe.drafter.compile_guard import GUARD, CompileGuard
 from dflash_pipe.train.loop import WorkerSession, forward_backward
 from dflash_pipe.wire import messages as m
 

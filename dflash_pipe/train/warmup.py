@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from filelock import FileLock
 
-from dflash_pipe.drafter.compile_guard import backward_with_settings
+from dflash_pipe.compute.compile import backward_with_settings
+from dflash_pipe.compute.precision import autocast, compute_dtype
 
 
 def warm_up(
@@ -68,8 +69,7 @@ def _synthetic_steps(
     batch_sizes: tuple[int, ...],
 ) -> None:
     k = len(cfg["target_layer_ids"])
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    dtype = compute_dtype(device)
     # Batch 2 and two lengths: dynamic shapes specialise on size 1, so B=1 alone would leave the real
     # (multi-sample) batches to compile on the first training step.
     shapes = [(b, length) for b in batch_sizes for length in (seq_len, max(seq_len // 2, 8))]
@@ -77,7 +77,7 @@ def _synthetic_steps(
         ids = torch.randint(0, cfg["vocab_size"], (b, length), device=device)
         feats = torch.randn(b, length, k * cfg["hidden_size"], device=device, dtype=dtype)
         mask = torch.ones(b, length, dtype=torch.bool, device=device)
-        with autocast:
+        with autocast(device):
             out = model(ids, feats, mask, generator=torch.Generator(device=device).manual_seed(0))
         backward_with_settings(out.loss_sum)
     for p in model.parameters():

@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipe.compute.compile import apply_dynamo_settings
+from dflash_pipe.compute.precision import compute_dtype
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, load_frozen_target_parts
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
-from dflash_pipe.drafter.compile_guard import apply_dynamo_settings
+from dflash_pipe.run.checkpoint import load_checkpoint
+from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.batches import unpack
-from dflash_pipe.train.checkpoint import load_checkpoint
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, RendezvousLostError
-from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.link import ProducerLink, ready_paths
 from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
@@ -253,7 +254,7 @@ def _build_replicas(
     apply_dynamo_settings()
     models, warm, parts = [], {}, {}
     for dev in devices:
-        feature_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        feature_dtype = compute_dtype(dev)
         if str(dev) not in parts:  # the frozen embedding and head are read-only: one copy per device
             parts[str(dev)] = load_frozen_target_parts(welcome.target_path, dtype=feature_dtype, device=dev)
         embed, head = parts[str(dev)]

@@ -9,7 +9,7 @@ from dflash_pipe.bench import BenchResult
 from dflash_pipe.bench.save import show_result
 from dflash_pipe.bench.stages import StageRate
 from dflash_pipe.bench.throughput import shared_device_bound, summarize
-from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.run.layout import LayoutConfig
 
 WAITS = {"observed_s": 2.0, "target_idle_share": 0.1, "workers_starved_share": 0.0, "queue_depth_mean": 3.0}
 

@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_pipe.drafter.compile_guard import (
-    DYNAMO_SETTINGS,
-    CompileGuard,
-    apply_dynamo_settings,
-    backward_with_settings,
-    needs_compile,
-)
+from dflash_pipe.compute.compile import DYNAMO_SETTINGS, apply_dynamo_settings, backward_with_settings
+from dflash_pipe.drafter.compile_guard import CompileGuard, needs_compile
 
 THREADS = 6
 SHAPES = [(1, 8), (3, 8), (5, 8), (7, 8)]

@@ -19,8 +19,8 @@ import pytest
 from test_faults_cpu import ROOT, LiveRun, worker_pid
 
 from dflash_pipe.data import demo_data_path
-from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
-from dflash_pipe.train.ledger import Ledger
+from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.run.ledger import Ledger
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.data import demo_data_path
-from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
 from tests.target.families import FAMILIES
 
 pytestmark = pytest.mark.slow

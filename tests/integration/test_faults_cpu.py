@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.codec import encode
 from dflash_pipe.wire.transport import WorkerEndpoint

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.data import demo_data_path
+from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.target import default_cache_dir
-from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
-from dflash_pipe.train.ledger import Ledger
 
 pytestmark = pytest.mark.slow
 

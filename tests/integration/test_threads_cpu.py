@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.train.checkpoint import latest_checkpoint, read_trainer_state
-from dflash_pipe.train.ledger import Ledger
+from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.run.ledger import Ledger
 
 pytestmark = pytest.mark.slow
 

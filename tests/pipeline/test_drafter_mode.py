@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.config import RunConfig
 from dflash_pipe.data import DataConfig
 from dflash_pipe.launcher import WorkerPool
-from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.run.config import RunConfig
+from dflash_pipe.run.layout import LayoutConfig
 
 
 def test_processes_mode_is_one_process_per_device():

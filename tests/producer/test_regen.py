@@ -17,7 +17,7 @@ from dflash_pipe.data.regenerated import (
 )
 from dflash_pipe.data.render import render_conversation
 from dflash_pipe.producer.regen import GenerateDone, Regeneration, first_open_epoch
-from dflash_pipe.train.ledger import Ledger
+from dflash_pipe.run.ledger import Ledger
 
 N = 12
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.config import DrafterOptions, RunConfig
 from dflash_pipe.data import DataConfig, DataError, demo_data_path
 from dflash_pipe.data import loader as data_loader
 from dflash_pipe.data.lines import LoadCancelled
 from dflash_pipe.launcher import prepare
-from dflash_pipe.layout import LayoutConfig
 from dflash_pipe.producer import features, setup
 from dflash_pipe.producer.setup import OptionsError, prepare_run
+from dflash_pipe.run.config import DrafterOptions, RunConfig
+from dflash_pipe.run.layout import LayoutConfig
 
 
 def config(run_dir: Path, data: Path | None = None, **drafter) -> RunConfig:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from transformers import ViTConfig
 
-from dflash_pipe.config import DrafterOptions, RunConfig
 from dflash_pipe.data import DataConfig, demo_data_path
-from dflash_pipe.layout import LayoutConfig
 from dflash_pipe.producer.setup import OptionsError, RunDirError, SetupError, prepare_run
-from dflash_pipe.train.checkpoint import DRAFTER_CONFIG, TRAINER_STATE, latest_checkpoint
+from dflash_pipe.run.checkpoint import DRAFTER_CONFIG, TRAINER_STATE, latest_checkpoint
+from dflash_pipe.run.config import DrafterOptions, RunConfig
+from dflash_pipe.run.layout import LayoutConfig
 from tests.tiny_models import tiny_qwen3_config
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.config import WireConfig
+from dflash_pipe.run.config import WireConfig
 from dflash_pipe.wire import Heartbeat, Hello, ProducerEndpoint, WorkerEndpoint
 from dflash_pipe.wire.auth import AuthError, generate_keys
 

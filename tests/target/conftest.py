@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
 
-from dflash_pipe.drafter.compile_guard import FLEX_MIN_HEAD_DIM
+from dflash_pipe.compute.compile import FLEX_MIN_HEAD_DIM
 from tests.target.inputs import NUM_LAYERS, VOCAB
 from tests.tiny_models import tiny_qwen3_config
 

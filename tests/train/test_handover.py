@@ -7,9 +7,9 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 
+from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.distributed import DrafterGroup
 from dflash_pipe.train.handover import hand_over
-from dflash_pipe.train.ledger import Ledger
 
 
 def _member(port: int, step: int, trained: list[int], out: mp.Queue) -> None:

@@ -19,9 +19,9 @@ from torch import nn
 from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.drafter.compile_guard import GUARD
+from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup
-from dflash_pipe.train.ledger import Ledger
 from dflash_pipe.train.loop import WorkerSession, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.threads import ThreadedReplicas

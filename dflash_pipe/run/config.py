@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from dflash_pipe.data import DataConfig
 from dflash_pipe.data.config import RegenConfig
-from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
 
 

@@ -95,7 +95,7 @@ def dump(data: Mapping[str, Any]) -> str:
 
 def run_sections() -> dict[str, type]:
     """RunConfig's nested sections: key -> dataclass."""
-    from dflash_pipe.config import RunConfig
+    from dflash_pipe.run.config import RunConfig
 
     hints = typing.get_type_hints(RunConfig)
     return {
@@ -113,7 +113,7 @@ def check_run_file(
     ``hints`` maps launch flag names (``target_gpus``) to their field path (``layout.target_gpus``), so a
     flag name used as a key gets a "did you mean" in the error.
     """
-    from dflash_pipe.config import RunConfig
+    from dflash_pipe.run.config import RunConfig
 
     sections = run_sections()
     out: dict[str, Any] = {}

@@ -2,10 +2,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.config import DrafterOptions, RunConfig
 from dflash_pipe.data import DataConfig
 from dflash_pipe.launch_options import build_run_config
-from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.run.config import DrafterOptions, RunConfig
+from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
 
 
@@ -63,7 +63,7 @@ def test_reconnect_timeout_reaches_the_launched_workers(tmp_path: Path):
 
 
 def test_cuda_ipc_payload_path_needs_cuda(tmp_path: Path):
-    from dflash_pipe.config import WireConfig
+    from dflash_pipe.run.config import WireConfig
 
     data = DataConfig(path=tmp_path / "d.jsonl")
     with pytest.raises(ValueError, match="cuda_ipc needs the target and the drafters on CUDA"):
@@ -106,9 +106,9 @@ def test_building_a_run_config_does_not_load_zmq(tmp_path: Path):
 
     code = f"""
 import sys
-from dflash_pipe.config import RunConfig, WireConfig
+from dflash_pipe.run.config import RunConfig, WireConfig
 from dflash_pipe.data import DataConfig
-from dflash_pipe.layout import LayoutConfig
+from dflash_pipe.run.layout import LayoutConfig
 RunConfig(run_dir={str(tmp_path)!r}, data=DataConfig(path="d.jsonl"), layout=LayoutConfig(device="cpu"),
           wire=WireConfig(bind="tcp://127.0.0.1:5555"))
 try:

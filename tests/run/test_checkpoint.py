@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from dflash_pipe.train import checkpoint as ck
-from dflash_pipe.train.ledger import Ledger
+from dflash_pipe.run import checkpoint as ck
+from dflash_pipe.run.ledger import Ledger
 
 
 class Tiny(torch.nn.Module):

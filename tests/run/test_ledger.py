@@ -1,6 +1,6 @@
 import pytest
 
-from dflash_pipe.train.ledger import Ledger
+from dflash_pipe.run.ledger import Ledger
 
 
 def test_marks_counts_duplicates_and_progress():

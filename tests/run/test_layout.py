@@ -1,6 +1,6 @@
 import pytest
 
-from dflash_pipe.layout import LayoutConfig, parse_gpu_spec
+from dflash_pipe.run.layout import LayoutConfig, parse_gpu_spec
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_pipe.producer.record import bind_address, read_record, write_record
+from dflash_pipe.run.record import bind_address, read_record, write_record
 
 
 def test_resume_binds_the_recorded_port_and_keeps_worker_records(tmp_path: Path):
