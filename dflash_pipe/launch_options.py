@@ -197,11 +197,10 @@ def _resume_config(given: dict[str, Any]) -> RunConfig:
         path = FLAG_FIELDS.get(option, "")
         if path and not path.startswith("layout."):
             _set(values, path, _flag_value(option, value))
-    cfg = RunConfig.from_dict(values)
-    if any(FLAG_FIELDS.get(k, "").startswith("layout.") for k in given):
+    if any(FLAG_FIELDS.get(k, "").startswith("layout.") for k in given):  # before validation, with the rest
         saved = {} if "device" in given else _layout_dict(cfg.layout)
-        cfg.layout = _layout(saved, given)
-    return cfg
+        values["layout"] = _layout_dict(_layout(saved, given))
+    return RunConfig.from_dict(values)
 
 
 def _layout(saved: dict[str, Any], given: dict[str, Any]) -> LayoutConfig:

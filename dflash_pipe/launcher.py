@@ -227,8 +227,7 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
 
     ctx, replicas = prepare(cfg, resume=resume, live=live)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
-    processes = len(cfg.layout.worker_processes())
-    producer = ProducerProc(ctx, expected_workers=processes, console=console, live=live, replicas=replicas)
+    producer = ProducerProc(ctx, console=console, live=live, replicas=replicas)
     pool = WorkerPool(cfg, producer.address)
     console.print(
         f"[bold]dflash-pipe[/] run {ctx.run_id}: producer at {producer.address}, "

@@ -43,7 +43,3 @@ class LoadedData:
     @property
     def num_tokens(self) -> int:
         return sum(self.lengths())
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return sum(int(s.loss_mask.sum()) for s in self.samples)

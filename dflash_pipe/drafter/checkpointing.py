@@ -11,7 +11,8 @@ The mode says who runs the drafter. ``process``: one drafter per process, any ch
 ``threaded``: several drafters as threads of one process (``--drafter-mode threads``); then only
 non-reentrant checkpoints are allowed. A reentrant checkpoint re-runs the forward inside backward, on
 autograd's own thread and with grad mode flipped, which is a new compiled variant compiled there while
-other threads run compiled code (DESIGN.md, "Threaded mode"); a reentrant request is refused at once.
+other threads run compiled code (docs/architecture.md, "Threaded mode"); a reentrant request is refused
+at once.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Dynamo's compiled-code cache is shared by the threads of a process, but compiling is not thread-safe, and
 tracing flips process-wide FX state that a compiled function entered on another thread trips over
-(DESIGN.md, "Threaded mode"). ``CompileGuard`` makes that impossible by construction:
+(docs/architecture.md, "Threaded mode"). ``CompileGuard`` makes that impossible by construction:
 
 - A drafter thread runs a whole step (forward and backward, checkpoint recomputes included) as a *shared*
   holder of one process-wide reader/writer lock, while the process stance is ``fail_on_recompile``: a call

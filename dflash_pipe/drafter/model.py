@@ -185,9 +185,9 @@ class DFlashDrafter(nn.Module):
         """``compile_attention``: torch.compile the flex mask and kernel (None: on CUDA).
         ``compile_layers``: compile the decoder layers whole, so Inductor fuses the norms, RoPE and SwiGLU
         around the matmuls (None: on the SDPA path when attention is compiled). ``fused_ce``: compile the
-        LM head's softmax/CE terms into one kernel. Both together are ``train.compile=full``: 1.33x faster
-        steps on the H200 at the Qwen3-8B shape, but torch 2.11's Inductor failed on them at another shape,
-        so they are opt-in (docs/performance.md). Dynamo's limits are set by
+        LM head's softmax/CE terms into one kernel. Both together are ``train.compile=full``: faster steps,
+        but torch 2.11's Inductor failed on them at another shape, so they are opt-in (docs/performance.md
+        has both). Dynamo's limits are set by
         ``compute.compile.apply_dynamo_settings`` in each thread that trains."""
         super().__init__()
         self.cfg = cfg

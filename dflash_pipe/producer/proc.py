@@ -155,19 +155,14 @@ class ProducerProc:
         self,
         ctx: RunContext,
         *,
-        expected_workers: int,
         console: Any = None,
         live: bool | None = None,
-        staging: PayloadStaging | None = None,
         replicas: Future[list[TargetCore]] | None = None,
     ) -> None:
-        """``staging``: memory the target threads copy features into (default: the CUDA IPC ring when there
-        is one, else the shared-memory ring, so same-host workers read the slots directly, else private
-        pinned buffers); the producer closes it. ``replicas``: the target already loading (``load_replicas``
-        started while the data tokenized); ``serve`` waits for it (default: loaded in ``serve``)."""
+        """``replicas``: the target already loading (``load_replicas`` started while the data tokenized);
+        ``serve`` waits for it (default: loaded in ``serve``)."""
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.expected_workers = expected_workers
         self.endpoint = ProducerEndpoint(
             bind_address(self.cfg.run_dir, self.cfg.wire.bind),
             keys=self.cfg.wire.keys,
@@ -230,7 +225,10 @@ class ProducerProc:
         """One line per worker that died or vanished (the run went on without it)."""
         self.cuda_ring = self._make_cuda_ring()
         self.ring = self._make_ring()
-        self.staging: PayloadStaging = staging or self.cuda_ring or self.ring or PrivateStaging()
+        self.staging: PayloadStaging = self.cuda_ring or self.ring or PrivateStaging()
+        """Memory the target threads copy features into: the CUDA IPC ring when there is one, else the
+        shared-memory ring (same-host workers read the slots directly), else private pinned buffers; the
+        producer closes it."""
         self._sent_by_ref = {"shm": 0, "cuda_ipc": 0}
         """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
 

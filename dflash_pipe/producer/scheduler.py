@@ -149,9 +149,6 @@ class BatchScheduler:
         self.stats.redelivered += len(lost)
         return len(lost)
 
-    def leases_of(self, worker: bytes) -> list[int]:
-        return [bid for bid, lease in self._leases.items() if lease.worker == worker]
-
     def finished(self) -> bool:
         """Every epoch planned and every planned batch acknowledged."""
         return self._exhausted and self._outstanding == 0

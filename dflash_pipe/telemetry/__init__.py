@@ -1,4 +1,4 @@
-"""Telemetry: metrics sinks, timing spans and the live dashboard (drawn only by the process owning the terminal)."""
+"""Telemetry: metrics sinks, rate meters and the live dashboard (drawn only by the process owning the terminal)."""
 
 from dflash_pipe.telemetry.dashboard import (
     Dashboard,
@@ -19,7 +19,7 @@ from dflash_pipe.telemetry.metrics import (
     read_metrics,
     sink_problem,
 )
-from dflash_pipe.telemetry.spans import RateMeter, SpanStats, SpanSummary, TimeShares, span
+from dflash_pipe.telemetry.rates import RateMeter, TimeShares
 
 __all__ = [
     "Dashboard",
@@ -29,8 +29,6 @@ __all__ = [
     "MetricsSink",
     "RateMeter",
     "RunState",
-    "SpanStats",
-    "SpanSummary",
     "TensorBoardSink",
     "TimeShares",
     "WandbSink",
@@ -39,7 +37,6 @@ __all__ = [
     "make_logger",
     "read_metrics",
     "sink_problem",
-    "span",
     "sparkline",
     "summary_table",
 ]

@@ -25,7 +25,6 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 SINK_KINDS = ("jsonl", "tensorboard", "wandb")
 _RESERVED_KEYS = frozenset({"step", "time"})
-_INSTALL_HINTS = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb"}
 
 
 class MetricsSink(Protocol):

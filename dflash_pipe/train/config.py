@@ -1,4 +1,5 @@
-"""Training hyper-parameters: the DFlash recipe by default (DESIGN.md, "Recipe")."""
+"""Training hyper-parameters: by default the recipe of the DFlash reference (AdamW at 6e-4 with betas
+(0.9, 0.95), 4% linear warm-up then cosine, grad clip 1.0, 6 epochs, 512 anchors per sequence)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,14 @@ class TrainConfig:
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
     compile: Literal["auto", "on", "off", "full"] = "auto"
     """torch.compile the drafter. on: the flex attention kernel and block mask (on the SDPA path: the layers);
-    auto = on for CUDA, off on CPU. full: also the decoder layers whole and the LM head's CE terms, 1.33x
-    faster steps at the Qwen3-8B shape on the H200, but torch 2.11's Inductor failed on it at another shape
-    (docs/performance.md): try it with `dflash-pipe bench throughput --compile full` first."""
+    auto = on for CUDA, off on CPU. full: also the decoder layers whole and the LM head's CE terms: faster
+    steps, but torch 2.11's Inductor failed on it at another shape (docs/performance.md has both): try it
+    with `dflash-pipe bench throughput --compile full` first."""
     compile_warmup: Literal["once", "each"] = "each"
     """How workers that start together on an empty compile cache warm up. each: every worker compiles at
-    the same time (no waiting: 2 together reached their first step in 1.04x one cold worker's time on an
-    H200 host, against 1.26x with once). once: one compiles under the cache's lock, the others wait and
-    start warm (the least CPU work, for hosts with few cores per worker)."""
+    the same time (no waiting; faster to the first step than once, docs/performance.md). once: one compiles
+    under the cache's lock, the others wait and start warm (the least CPU work, for hosts with few cores
+    per worker)."""
     activation_checkpointing: Literal["none", "layers", "loss", "all"] = "none"
     """Recompute in backward instead of keeping: the draft layers' activations, the final norm + LM-head
     loss, or both (less memory, more compute; see drafter/checkpointing.py)."""

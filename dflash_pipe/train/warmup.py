@@ -1,14 +1,14 @@
 """The worker's compile warm-up, before real batches arrive: every worker at once, or one under a lock.
 
 Inductor's cache is safe to share but does not deduplicate work: workers that start together on an empty
-cache each compile everything (DESIGN.md, "Compile cache"). ``train.compile_warmup="each"`` (the default)
-lets them: more CPU, but nobody waits, and on an H200 host 2 workers started together reached their
-first step in 1.04x one cold worker's time. ``"once"`` takes a file lock plus a marker file, turning N
-cold compiles into one cold and N-1 warm ones: the least CPU, but the others wait for the whole compile
-and then still trace (1.26x). `dflash-pipe bench compile --compile-warmup once,each` measures both.
+cache each compile everything. ``train.compile_warmup="each"`` (the default) lets them: more CPU, but nobody
+waits. ``"once"`` takes a file lock plus a marker file, turning N cold compiles into one cold and N-1 warm
+ones: the least CPU, but the others wait for the whole compile and then still trace.
+`dflash-pipe bench compile --compile-warmup once,each` measures both (docs/performance.md has the figures).
 
 In threaded mode the worker warms each replica in turn before its threads start, with single-sample
-batches too: every variant compiled here is one the threads never have to compile (DESIGN.md, "Threaded mode").
+batches too: every variant compiled here is one the threads never have to compile (docs/architecture.md,
+"Threaded mode").
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ def has_tensors(cls: type[Message]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The messages (fields as in contracts.md, section dflash_pipe.wire).
+# The messages (docs/architecture.md, "Wire", says what each is for).
 
 
 @register(Kind.HELLO)

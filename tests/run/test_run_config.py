@@ -4,7 +4,7 @@ import pytest
 
 from dflash_pipe.data import DataConfig
 from dflash_pipe.launch_options import build_run_config
-from dflash_pipe.run.config import DrafterOptions, RunConfig
+from dflash_pipe.run.config import DrafterOptions, RunConfig, WireConfig
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
 
@@ -121,3 +121,20 @@ print(sorted(m for m in sys.modules if m == "zmq" or m.startswith("zmq.")))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_resume_on_other_devices_validates_the_whole_config(tmp_path: Path):
+    """A run saved with cuda_ipc on CUDA, resumed with --device cpu: the new layout is checked with the rest
+    of the config (it used to replace cfg.layout after validation, so cuda_ipc-needs-CUDA was skipped)."""
+    cfg = RunConfig(
+        run_dir=tmp_path,
+        data=DataConfig(path=tmp_path / "d.jsonl"),
+        layout=LayoutConfig(device="cuda", target_gpus=(0,), drafter_gpus=(1,)),
+        wire=WireConfig(payload_path="cuda_ipc"),
+    )
+    cfg.save(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="cuda_ipc needs the target and the drafters on CUDA"):
+        build_run_config({"resume_dir": tmp_path, "device": "cpu", "workers": 2})
+    resumed, _ = build_run_config({"resume_dir": tmp_path, "drafter_gpus": "1-2"})
+    assert resumed.layout.drafter_gpus == (1, 2) and resumed.layout.target_gpus == (0,)
+    assert resumed.wire.payload_path == "cuda_ipc"

@@ -1,97 +1,11 @@
-"""Timing: `span(name)` wall-clock timer, per-name `SpanStats`, and a sliding-window `RateMeter`.
-
-No torch import here: pass `sync=torch.cuda.synchronize` (or a stream's synchronize) to time GPU work, so
-this module stays importable in processes and benchmarks that never touch CUDA.
-"""
+"""Rates and time shares: a sliding-window `RateMeter` (tokens/s per stage) and `TimeShares` (the share
+of time a stage was idle or starved). No torch import: the dashboard and the benchmarks read them too."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Protocol
-
-
-@dataclass(frozen=True, slots=True)
-class SpanSummary:
-    """Accumulated timings of one span name (seconds)."""
-
-    count: int
-    total_s: float
-    last_s: float
-
-    @property
-    def mean_s(self) -> float:
-        return self.total_s / self.count if self.count else 0.0
-
-
-class SpanSink(Protocol):
-    def add(self, name: str, seconds: float) -> None: ...
-
-
-class SpanStats:
-    """count/total/mean/last per span name; thread-safe (IO threads and the busy loop share one)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stats: dict[str, SpanSummary] = {}
-
-    def add(self, name: str, seconds: float) -> None:
-        with self._lock:
-            prev = self._stats.get(name)
-            if prev is None:
-                self._stats[name] = SpanSummary(count=1, total_s=seconds, last_s=seconds)
-            else:
-                self._stats[name] = SpanSummary(
-                    count=prev.count + 1, total_s=prev.total_s + seconds, last_s=seconds
-                )
-
-    def snapshot(self) -> dict[str, SpanSummary]:
-        """A consistent copy; safe to read while other threads keep adding."""
-        with self._lock:
-            return dict(self._stats)
-
-    def reset(self) -> dict[str, SpanSummary]:
-        """Clear and return what was accumulated (for per-log-interval means)."""
-        with self._lock:
-            stats, self._stats = self._stats, {}
-            return stats
-
-
-@dataclass(slots=True)
-class SpanTiming:
-    """Yielded by `span`; `elapsed_s` is set when the block exits."""
-
-    name: str
-    elapsed_s: float | None = None
-
-
-@contextmanager
-def span(
-    name: str, sink: SpanSink | None = None, *, sync: Callable[[], object] | None = None
-) -> Iterator[SpanTiming]:
-    """Time a block with `time.perf_counter`; record it in `sink` (e.g. a SpanStats) if given.
-
-    `sync` is called before the clock starts and before it stops, so queued async (CUDA) work is counted.
-    A block that raises is not recorded and not synced (a sync would re-raise a CUDA error and hide the first).
-    """
-    timing = SpanTiming(name)
-    if sync is not None:
-        sync()
-    start = time.perf_counter()
-    try:
-        yield timing
-    except BaseException:
-        timing.elapsed_s = time.perf_counter() - start
-        raise
-    if sync is not None:
-        sync()
-    timing.elapsed_s = time.perf_counter() - start
-    if sink is not None:
-        sink.add(name, timing.elapsed_s)
 
 
 class RateMeter:
