@@ -337,7 +337,7 @@ def _check_machine(cfg) -> None:
 def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from dflash_pipe.data import DataError
     from dflash_pipe.launcher import launch as run
-    from dflash_pipe.producer.proc import RunAborted
+    from dflash_pipe.producer.core import RunAborted
     from dflash_pipe.producer.setup import SetupError
     from dflash_pipe.report import print_summary
     from dflash_pipe.target.families import UnsupportedTargetError

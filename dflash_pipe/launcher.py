@@ -210,7 +210,8 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dflash_pipe.producer.proc import ProducerProc, RunAborted
+    from dflash_pipe.producer.core import RunAborted
+    from dflash_pipe.producer.proc import ProducerProc
 
     if cfg.layout.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.layout.num_workers + 1)))

@@ -144,7 +144,7 @@ def build_drafter(spec: dict[str, Any], device: Any, *, compile_layers: bool = F
     from dflash_pipe.train.worker import make_drafter
 
     drafter_cfg = DrafterConfig.from_dict(spec["drafter"])
-    train_cfg = TrainConfig(**spec["train"])
+    train_cfg = TrainConfig.from_dict(spec["train"])
     dtype = compute_dtype(device)
     embed, head = load_frozen_target_parts(spec["target_path"], dtype=dtype, device=device)
     model, compiled = make_drafter(

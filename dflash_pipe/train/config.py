@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,3 +88,20 @@ class TrainConfig:
             )
         if self.log_every < 1:
             raise ValueError(f"train.log_every must be >= 1, got {self.log_every}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (tuples as lists): what WELCOME carries to every worker."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """Inverse of ``to_dict``, validated; a key this version does not know is named (a producer of
+        another dflash-pipe version), not passed on as a TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(
+                f"Unknown train config key(s) {unknown}; valid keys are {sorted(names)} (producer and worker "
+                "run different dflash-pipe versions?)."
+            )
+        return cls(**values)

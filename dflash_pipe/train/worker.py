@@ -137,7 +137,7 @@ def _serve(
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         drafter_cfg = DrafterConfig.from_dict(welcome.drafter)
-        train_cfg = TrainConfig(**welcome.train)
+        train_cfg = TrainConfig.from_dict(welcome.train)
         models, warm = _build_replicas(welcome, drafter_cfg, train_cfg, devs)
         model = models[0]
         optimizer = build_optimizer(model.trainable_parameters(), train_cfg)

@@ -27,14 +27,13 @@ import torch
 
 from dflash_pipe.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any change to the header layout, a kind's fields or their meaning."""
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
 _MAX_JSON_DEPTH = 32  # nesting bound for free-form dict fields (drafter/train configs)
 
 
-WIRE_DTYPES = ("bf16", "fp8")
 """How features travel: in the target's dtype, or float8_e4m3fn with a per token-layer scale."""
 
 
@@ -304,41 +303,24 @@ class Hello(Message):
 @register(Kind.WELCOME)
 @dataclass(kw_only=True, slots=True)
 class Welcome(Message):
-    """Everything a worker needs to build its drafter and join the run."""
+    """Everything a worker needs to build its drafter and join the run. Its rank is the drafters'
+    rendezvous's to give, the drafter's shape is in ``drafter``, and fp8 features say so themselves (their
+    ``feature_scales`` tensor), so none of those is repeated here."""
 
     run_id: str
-    rank: int = bounded(ge=0)
-    world_size: int = bounded(ge=1)
     rendezvous: str  # "tcp://host:port" for torch.distributed
     run_dir: str
     target_path: str
-    feature_dtype: str  # e.g. "bfloat16"
-    hidden_size: int = bounded(ge=1)
-    target_layer_ids: list[int] = bounded(ge=0)
-    vocab_size: int = bounded(ge=1)
-    mask_token_id: int = bounded(ge=0)
-    block_size: int = bounded(ge=1)
     drafter: dict[str, Any]  # DrafterConfig.to_dict()
-    train: dict[str, Any]  # TrainConfig as a dict
+    train: dict[str, Any]  # TrainConfig.to_dict(); the worker builds it with TrainConfig.from_dict
     resume_from: str | None = None
     heartbeat_s: float = bounded(gt=0)
     peer_timeout_s: float = bounded(gt=0)  # a peer silent this long is dead
     num_samples: int = bounded(ge=1)  # training samples per epoch (the ledger's size)
     credits: int = bounded(ge=1)  # batches the worker may hold at once (its first READY)
-    eval_batches: int = bounded(ge=0)  # held-out eval BATCHes sent to rank 0 right after WELCOME
-    wire_dtype: str = "bf16"  # "bf16": features in feature_dtype; "fp8": e4m3 + "feature_scales" [T, k]
+    eval_batches: int = bounded(ge=0)  # held-out eval BATCHes sent right after WELCOME
     ring: dict[str, Any] = field(default_factory=dict)  # wire.shm.RingOffer for a same-host worker, or {}
     cuda_ring: dict[str, Any] = field(default_factory=dict)  # wire.cuda_ipc.CudaIpcOffer, or {}
-
-    def _check(self) -> None:
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ProtocolError(
-                f"field 'Welcome.wire_dtype': must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}"
-            )
-        if self.rank >= self.world_size:
-            raise ProtocolError(
-                f"field 'Welcome.rank': must be < world_size ({self.world_size}), got {self.rank}"
-            )
 
 
 @register(Kind.REJECT)

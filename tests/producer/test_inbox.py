@@ -44,7 +44,7 @@ def test_a_failed_send_says_whether_the_worker_hung_or_hung_up():
 def test_stage_rates_wait_until_a_meter_spans_a_second():
     from types import SimpleNamespace
 
-    from dflash_pipe.producer.proc import MIN_RATE_SPAN_S, ProducerProc
+    from dflash_pipe.producer.display import MIN_RATE_SPAN_S, stage_rates
     from dflash_pipe.telemetry import RateMeter
 
     now = time.monotonic()
@@ -54,7 +54,7 @@ def test_stage_rates_wait_until_a_meter_spans_a_second():
     for i in range(5):
         steady.add(100, now=now - 2.0 + i * 0.5)
     producer = SimpleNamespace(train_rate=fresh, target_rate=steady, wire_rate=steady)
-    rates = ProducerProc._stage_rates(producer)  # type: ignore[arg-type]
+    rates = stage_rates(producer)
     assert set(rates) == {"tokens_per_s/producer", "tokens_per_s/wire"}
     assert rates["tokens_per_s/producer"] == pytest.approx(400 / 2.0, rel=0.05)
     assert MIN_RATE_SPAN_S >= 0.5

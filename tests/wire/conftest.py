@@ -46,17 +46,9 @@ def every_kind() -> list[Message]:
         Hello(worker_name="w0", host="node-1", pid=4242, device="cuda:0", capabilities=["flex", "bf16"]),
         Welcome(
             run_id="run-abc",
-            rank=1,
-            world_size=3,
             rendezvous="tcp://127.0.0.1:29500",
             run_dir="/tmp/run",
             target_path="/models/qwen",
-            feature_dtype="bfloat16",
-            hidden_size=4096,
-            target_layer_ids=(1, 9, 17, 25, 33),  # tuple in, list out
-            vocab_size=151_936,
-            mask_token_id=151_669,
-            block_size=16,
             drafter={"hidden_size": 4096, "rope_scaling": None, "ids": [1, 2], "nested": {"a": 1.5}},
             train={"lr": 6e-4, "betas": [0.9, 0.95], "compile": "auto"},
             resume_from=None,

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from dflash_pipe.bench.transport import _summary
+from dflash_pipe.producer.handshake import choose_offers
 from dflash_pipe.producer.payloads import payload_for
-from dflash_pipe.producer.proc import choose_offers
 from dflash_pipe.producer.scheduler import BatchScheduler, ReadyBatch
 from dflash_pipe.train.link import ProducerLink, ready_paths
 from dflash_pipe.wire import Ack, Batch, Heartbeat, ProtocolError, Welcome, decode, encode

@@ -50,9 +50,9 @@ def test_bad_header_bytes(batch_frames):
 
 def test_wrong_version_names_both():
     frames = repack(encode(Heartbeat(time=1.0)), lambda h: h.update(v=1))
-    with pytest.raises(ProtocolVersionError, match="v1.*v3") as info:
+    with pytest.raises(ProtocolVersionError, match="v1.*v4") as info:
         decode(frames)
-    assert (info.value.theirs, info.value.ours) == (1, 3)
+    assert (info.value.theirs, info.value.ours) == (1, 4)
     rejects(repack(frames, lambda h: h.update(v="1")), "must be an int")
     rejects(repack(frames, lambda h: h.pop("v")), "must be an int")
 

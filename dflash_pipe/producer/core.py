@@ -1,0 +1,323 @@
+"""The producer's core: plans, leases and accounting of one run, with no socket in it.
+
+``ProducerCore`` admits workers (``producer.handshake``: HELLO -> WELCOME or REJECT), keeps the plan queue of the target threads
+full, leases ready batches to workers with credits, takes ACKs, READYs, METRICS and BYEs, drops silent or
+failed workers (their leases go back to the queue), and counts what the summary and the dashboard show. It
+speaks through an ``Outbox`` (send a message, reject a peer), so a test drives it with plain lists;
+``ProducerProc`` (``producer.proc``) is the process shell with the socket, the target threads and signals.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dflash_pipe.data import plan_batches
+from dflash_pipe.producer.display import log_worker_metrics
+from dflash_pipe.producer.features import TargetFailure
+from dflash_pipe.producer.handshake import Peer, admit
+from dflash_pipe.producer.payloads import payload_for
+from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
+from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
+from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.telemetry import MetricsLogger, RateMeter, RunState, TimeShares
+from dflash_pipe.wire import messages as m
+
+if TYPE_CHECKING:
+    from dflash_pipe.producer.rings import Rings
+
+
+class RunAborted(RuntimeError):
+    """Every worker is gone, or a target replica failed; the run stopped (resume from the last checkpoint)."""
+
+
+class Outbox(Protocol):
+    """How the core talks to workers (the process shell's socket; a list in a test)."""
+
+    def send(self, peer_id: bytes, msg: Any, *, ring: Any = None) -> None:
+        """Send ``msg``; a peer that is gone is dropped (``ProducerCore.drop``), never raised."""
+        ...
+
+    def reject(self, peer_id: bytes, reason: str) -> None:
+        """Answer REJECT without ever blocking (the peer may not be reading)."""
+        ...
+
+
+class WorkerWatch(Protocol):
+    """What the launcher tells the producer about the worker processes it started."""
+
+    def newly_failed(self) -> list[tuple[str, str]]:
+        """(worker name, what happened) for each launched worker that died since the last call."""
+        ...
+
+    def alive(self) -> int:
+        """Launched workers still running (some may not have said HELLO yet)."""
+        ...
+
+
+class ProducerCore:
+    def __init__(
+        self,
+        ctx: RunContext,
+        *,
+        out: Outbox,
+        metrics: MetricsLogger,
+        rings: Rings,
+        host_id: str,
+        rendezvous: str,
+        warn: Any = None,
+    ) -> None:
+        """``warn(line)``: where a lost worker is announced (the dashboard's console)."""
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.out, self.metrics, self.rings = out, metrics, rings
+        self.host_id, self.rendezvous = host_id, rendezvous
+        self.warn = warn or (lambda _line: None)
+        self.peers: dict[bytes, Peer] = {}
+        self.regen = ctx.regen
+        start_epoch = first_open_epoch(ctx.ledger, self.regen.voids if self.regen else set())
+        self.scheduler = BatchScheduler(
+            plan_epoch=self._plan_epoch,
+            epochs=self.cfg.train.epochs,
+            start_epoch=min(start_epoch, self.cfg.train.epochs),
+            trained_in_start_epoch=ctx.ledger.trained(start_epoch)
+            if start_epoch < ctx.ledger.epochs
+            else set(),
+        )
+        self.target_rate = RateMeter()
+        self.wire_rate = RateMeter()
+        self.train_rate = RateMeter()
+        self.plans: queue.Queue[PlannedBatch | GenerateJob | None] = queue.Queue()
+        self.ready: queue.Queue[ReadyBatch | GenerateDone | TargetFailure] = queue.Queue()
+        self.target_threads = 0
+        """Target threads taking from ``plans`` (set by the shell when it starts them)."""
+        self.in_target = 0
+        self.generating = 0
+        """Regeneration jobs handed to the target threads and not back yet."""
+        self.done_sent = False
+        self.state = RunState()
+        """What the dashboard shows of the workers' metrics (loss, acc, lr, tau)."""
+        self.loss_history: list[float] = []
+        self.last_checkpoint: str | None = None
+        self.step = ctx.resume_step
+        self.messages: list[str] = []
+        self.bye_reason: str | None = None
+        self.first_ack: tuple[float, int] | None = None
+        self.window_start: tuple[int, float, int, float] | None = None
+        """(step, time, acked tokens, produced tokens) at the latest ACK of the first trained step."""
+        self.last_ack: tuple[float, int, float] | None = None
+        """(time, acked tokens, produced tokens) at the latest ACK."""
+        self.waits = TimeShares()
+        """From the first ACK to DONE: idle target share, starved worker share, ready queue depth."""
+        self.eval_batches: list[m.Batch] = []
+        self.lost: list[str] = []
+        """One line per worker that died or vanished (the run went on without it)."""
+        self.sent_by_ref = {"shm": 0, "cuda_ipc": 0}
+        """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
+        self._last_beat = 0.0
+
+    def _plan_epoch(self, epoch: int, exclude: set[int]) -> Iterable[list[int] | None]:
+        if self.regen is not None:
+            return self.regen.epoch0(exclude) if epoch == 0 else self.regen.later_epoch(epoch, exclude)
+        lengths = [int(s.input_ids.numel()) for s in self.ctx.train_samples]
+        return plan_batches(
+            lengths, self.cfg.data.token_budget, seed=self.cfg.train.seed, epoch=epoch, exclude=exclude
+        )
+
+    def note(self, text: str) -> None:
+        self.messages = (self.messages + [text])[-5:]
+
+    # --- inbound -----------------------------------------------------------------------------------------
+
+    def handle(self, peer_id: bytes, msg: Any) -> None:
+        peer = self.peers.get(peer_id)
+        if peer is None or peer.left:
+            if isinstance(msg, m.Hello):
+                admit(self, peer_id, msg)
+            elif not isinstance(msg, (m.Heartbeat, m.Bye, m.Error)):
+                self.out.reject(peer_id, "say HELLO first")
+            return
+        peer.last_heard = time.monotonic()
+        if isinstance(msg, m.Ready):
+            if peer.state == "starting":  # the first READY says which ring the worker could open
+                self._ready_paths(peer, msg)
+            peer.credits += msg.credits
+            peer.state = "training"
+        elif isinstance(msg, m.Ack):
+            self._ack(peer, msg)
+        elif isinstance(msg, m.Metrics):
+            log_worker_metrics(self, peer, msg)
+        elif isinstance(msg, m.Checkpoint):
+            self.last_checkpoint = msg.path
+        elif isinstance(msg, m.Error):
+            self.drop(peer, f"failed: {msg.message}\n{msg.traceback}")
+        elif isinstance(msg, m.Bye):
+            self.bye_reason = self.bye_reason or msg.reason
+            peer.left = True
+            peer.state = "left"
+            self.scheduler.release(peer_id)
+        elif isinstance(msg, m.Hello):
+            self.out.send(peer_id, m.Reject(reason="already joined"))
+
+    def _ack(self, peer: Peer, msg: m.Ack) -> None:
+        tokens_before = self.scheduler.stats.acked_tokens
+        self.scheduler.ack(peer.identity, msg.batch_ids)
+        if self.first_ack is None:
+            self.first_ack = (time.monotonic(), self.scheduler.stats.acked_tokens)
+        now, acked, produced = time.monotonic(), self.scheduler.stats.acked_tokens, self.target_rate.total
+        if self.window_start is None or self.window_start[0] == msg.step:
+            self.window_start = (msg.step, now, acked, produced)
+        self.last_ack = (now, acked, produced)
+        self.train_rate.add(self.scheduler.stats.acked_tokens - tokens_before)
+        peer.steps = msg.step
+        self.step = max(self.step, msg.step)
+
+    def _ready_paths(self, peer: Peer, msg: m.Ready) -> None:
+        peer.cuda_ipc = msg.cuda_ipc and peer.cuda_offered
+        peer.shm = msg.shm and peer.ring_offered and not peer.cuda_ipc
+        if peer.cuda_offered and not peer.cuda_ipc:
+            fallback = "shared memory" if peer.shm else "frames"
+            self.note(
+                f"warning: {peer.name} could not open the CUDA IPC ring (see its log); its payloads go "
+                f"through {fallback}"
+            )
+
+    # --- routing -----------------------------------------------------------------------------------------
+
+    def take_ready(self) -> None:
+        """Moves what the target threads finished into the scheduler (regenerated replies to ``regen``)."""
+        while True:
+            try:
+                item = self.ready.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, TargetFailure):
+                raise RunAborted(f"target replica {item.replica} failed: {item.error!r}") from item.error
+            if isinstance(item, GenerateDone):
+                self.generating -= 1
+                note = self.regen.accept(item)  # type: ignore[union-attr]
+                if note:
+                    self.note(note)
+                if why := self.regen.nothing_to_train():  # type: ignore[union-attr]
+                    raise RunAborted(why)
+                continue
+            self.in_target -= 1
+            self.scheduler.add_ready(item)
+
+    def refill(self) -> None:
+        """Keeps ``ready_batches`` computed plus two plans per target thread in computation, so no replica
+        waits on us: all threads take from one queue (an idle one takes the next plan), and each holds one
+        batch whose copy drains while it computes the next (``TargetThread``)."""
+        bound = self.cfg.wire.ready_batches + 2 * self.target_threads
+        while self.in_target + self.scheduler.ready_count() < bound:
+            if self.done_sent:
+                return
+            plan = self.scheduler.next_plan()
+            if plan is None:
+                break
+            self.plans.put(plan)
+            self.in_target += 1
+        self._refill_generation()
+
+    def _refill_generation(self) -> None:
+        """One regeneration job per target thread at most: each replica alternates between generating and
+        the feature batches queued meanwhile, so the workers train on the first replies while the rest
+        are generated."""
+        if self.regen is None or self.done_sent:
+            return
+        while self.generating < self.target_threads:
+            job = self.regen.next_job()
+            if job is None:
+                return
+            self.plans.put(job)
+            self.generating += 1
+
+    def dispatch(self) -> None:
+        """A leased batch to every worker holding a credit, while there are batches."""
+        if self.done_sent:
+            return
+        for peer in self.peers.values():
+            while peer.credits > 0 and not peer.left and peer.rank >= 0:
+                batch = self.scheduler.lease_next(peer.identity, time.monotonic())
+                if batch is None:
+                    return
+                self._send_batch(peer, batch)
+                peer.credits -= 1
+                self.wire_rate.add(batch.tokens)
+
+    def _send_batch(self, peer: Peer, batch: ReadyBatch) -> None:
+        """A BATCH by reference into the ring ``peer`` opened, else as a host copy (``payload_for``)."""
+        ring = self.rings.cuda if peer.cuda_ipc else self.rings.shm if peer.shm else None
+        payload = payload_for(batch, ring, self.rings.shm)
+        self.out.send(peer.identity, payload, ring=ring)
+        features = payload.tensors.get("features")
+        if ring is not None and features is not None and ring.locate(features) is not None:
+            self.sent_by_ref[ring.PATH] += 1
+
+    def send_done(self, reason: str) -> None:
+        self.done_sent = True
+        for peer in self.peers.values():
+            if not peer.left:
+                self.out.send(peer.identity, m.Done(reason=reason))
+
+    # --- watching ----------------------------------------------------------------------------------------
+
+    def check(self, watch: WorkerWatch | None) -> None:
+        """Drops the workers the launcher saw die."""
+        if watch is None:
+            return
+        for name, why in watch.newly_failed():
+            peer = next((p for p in self.peers.values() if p.name == name and not p.left), None)
+            if peer is not None:
+                self.drop(peer, why)
+            elif not any(p.name == name for p in self.peers.values()):  # died before its HELLO
+                self.lost.append(f"{name} {why}")
+                self.note(f"warning: {name} {why.splitlines()[0]}")
+
+    def drop(self, peer: Peer, why: str) -> None:
+        """A worker died or vanished: its leases go back to the queue, the others train on."""
+        peer.left = True
+        peer.state = "lost"
+        released = self.scheduler.release(peer.identity)
+        line = f"worker {peer.name} ({peer.device}, pid {peer.pid}) {why}"
+        self.lost.append(line)
+        first = line.splitlines()[0]
+        self.metrics.log(
+            {
+                "workers_lost": float(len(self.lost)),
+                "released_samples": self.scheduler.stats.released_samples,
+            },
+            self.step,
+        )
+        self.note(f"warning: {first}; {released} leased batch(es) go to the others")
+        self.warn(f"[yellow]warning:[/] {first}; the run goes on without it")
+
+    def watch_peers(self) -> None:
+        """Heartbeats every ``heartbeat_s``; drops a worker silent for ``peer_timeout_s``."""
+        now = time.monotonic()
+        if now - self._last_beat >= self.cfg.wire.heartbeat_s:
+            self._last_beat = now
+            for peer in self.peers.values():
+                if not peer.left:
+                    self.out.send(peer.identity, m.Heartbeat(time=time.time()))
+        for peer in list(self.peers.values()):
+            silent = now - peer.last_heard
+            if not peer.left and silent > self.cfg.wire.peer_timeout_s:
+                self.drop(
+                    peer,
+                    f"has been silent for {silent:.0f} s (wire.peer_timeout_s = "
+                    f"{self.cfg.wire.peer_timeout_s:.0f}); it is probably dead or hung",
+                )
+
+    def observe_waits(self) -> None:
+        if self.first_ack is None or self.done_sent:
+            return
+        active = [p for p in self.peers.values() if not p.left and p.state == "training"]
+        idle = max(0, self.target_threads - self.in_target)
+        self.waits.observe(
+            time.monotonic(),
+            target_idle=idle / max(self.target_threads, 1),
+            workers_starved=sum(p.credits > 0 for p in active) / max(len(active), 1),
+            queue_depth=self.scheduler.ready_count(),
+        )

@@ -1,0 +1,193 @@
+"""What the producer shows and records: the dashboard's state, the metrics a worker's METRICS adds to, and
+the end-of-run summary, all read from a ``ProducerCore``'s counters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dflash_pipe.telemetry import RunState
+
+if TYPE_CHECKING:
+    from dflash_pipe.producer.core import Peer, ProducerCore
+    from dflash_pipe.wire import messages as m
+
+MIN_RATE_SPAN_S = 1.0
+"""A stage's tokens/s goes into the metrics only once its meter has measured over at least this long."""
+LIST_METRICS = frozenset({"acc", "simulated/acceptance_per_slot", "real/acceptance_per_position"})
+"""Metrics that are per-slot lists; every other metric is one number."""
+
+
+@dataclass(slots=True)
+class ProducerSummary:
+    steps: int
+    stop_reason: str
+    wall_s: float
+    last_checkpoint: str | None
+    first_step_s: dict[str, float]
+    acked_tokens: int
+    duplicates_redelivered: int
+    steady_tokens_per_s: float
+    """Trained tokens/s from the first ACK to the end: the pipeline's rate once every worker is warm."""
+    ack_window_s: float = 0.0
+    """Seconds from the end of the first trained step (its last ACK) to the last ACK: every worker's first
+    step (compile, warm-up) and the end's checkpoint and eval are left out."""
+    ack_window_tokens: int = 0
+    """Tokens acknowledged in that window: their ratio is the pipeline's training rate."""
+    produced_window_tokens: int = 0
+    """Tokens the target replicas finished in the same window. Over a short window the ready queue built
+    during start-up can feed the workers faster than the target produces; the smaller of the two counts is
+    what the pipeline sustains."""
+    waits: dict[str, float] = field(default_factory=dict)
+    """Where time went between the first ACK and DONE (see ``wait_report``)."""
+    regen: dict[str, Any] = field(default_factory=dict)
+    """With ``data.responses = "target"``: what regeneration did (``Regeneration.summary``)."""
+
+
+def summary(
+    core: ProducerCore, *, stop_reason: str, wall_s: float, busy: dict[str, float]
+) -> ProducerSummary:
+    """``busy``: the target threads' busy and generating seconds (``wait_report``)."""
+    return ProducerSummary(
+        steps=core.step,
+        stop_reason=stop_reason,
+        wall_s=wall_s,
+        last_checkpoint=core.last_checkpoint,
+        first_step_s={p.name: p.first_step_s for p in core.peers.values() if p.first_step_s is not None},
+        acked_tokens=core.scheduler.stats.acked_tokens,
+        duplicates_redelivered=core.scheduler.stats.redelivered,
+        steady_tokens_per_s=_steady_rate(core),
+        **_ack_window(core),
+        waits=wait_report(core, busy),
+        regen=core.regen.summary() if core.regen is not None else {},
+    )
+
+
+def _ack_window(core: ProducerCore) -> dict[str, float]:
+    if core.window_start is None or core.last_ack is None:
+        return {}
+    _, t0, acked0, produced0 = core.window_start
+    t1, acked1, produced1 = core.last_ack
+    return {
+        "ack_window_s": t1 - t0,
+        "ack_window_tokens": acked1 - acked0,
+        "produced_window_tokens": int(produced1 - produced0),
+    }
+
+
+def _steady_rate(core: ProducerCore) -> float:
+    if core.first_ack is None:
+        return 0.0
+    t0, tokens0 = core.first_ack
+    elapsed = time.monotonic() - t0
+    return (core.scheduler.stats.acked_tokens - tokens0) / elapsed if elapsed > 0 else 0.0
+
+
+def wait_report(core: ProducerCore, busy: dict[str, float]) -> dict[str, float]:
+    """Shares of the observed time: target replicas idle (the ready queue at its bound, waiting for
+    credits), workers holding unused credits (waiting for batches), and the mean ready-queue depth; the
+    replicas' busy seconds, and of those the seconds spent regenerating conversations (``busy``)."""
+    return {
+        "observed_s": core.waits.elapsed_s,
+        "target_idle_share": core.waits.mean("target_idle"),
+        "workers_starved_share": core.waits.mean("workers_starved"),
+        "queue_depth_mean": core.waits.mean("queue_depth"),
+        "target_busy_s": busy.get("target_busy_s", 0.0),
+        "target_generate_s": busy.get("target_generate_s", 0.0),
+    }
+
+
+def stage_rates(core: Any) -> dict[str, float]:
+    """Each stage's tokens/s, once its meter spans ``MIN_RATE_SPAN_S`` (the first step's record has none:
+    its two ACKs a millisecond apart once logged 1.57M tokens/s for the demo)."""
+    meters = {
+        "tokens_per_s": core.train_rate,
+        "tokens_per_s/producer": core.target_rate,
+        "tokens_per_s/wire": core.wire_rate,
+        "tokens_per_s/drafters": core.train_rate,
+    }
+    return {key: meter.rate() for key, meter in meters.items() if meter.span() >= MIN_RATE_SPAN_S}
+
+
+def log_worker_metrics(core: ProducerCore, peer: Peer, msg: m.Metrics) -> None:
+    """A worker's METRICS, checked, with the producer's own figures added to each training record."""
+    values, bad = checked_metrics(msg.values)
+    if bad:
+        core.note(f"worker {peer.name} sent malformed metrics {bad}; ignored them")
+    if "time_to_first_step_s" in values:
+        peer.first_step_s = float(values["time_to_first_step_s"])
+        values = {f"time_to_first_step_s/{peer.name}": peer.first_step_s}
+    state = core.state
+    if "loss" in values:
+        core.loss_history.append(float(values["loss"]))
+        state.loss = float(values["loss"])
+        state.acc = list(values.get("acc", []))
+        state.lr = float(values.get("lr", 0.0))
+        values.update(stage_rates(core))
+        values["queue_depth"] = core.scheduler.ready_count()
+        values["leased"] = core.scheduler.leased_count()
+        values["batches_via_shm"] = core.sent_by_ref["shm"]
+        values["batches_via_cuda_ipc"] = core.sent_by_ref["cuda_ipc"]
+        values["wait/target_idle_share"] = core.waits.mean("target_idle")
+        values["wait/workers_starved_share"] = core.waits.mean("workers_starved")
+        if core.regen is not None:
+            values.update({f"regen/{k}": v for k, v in core.regen.status().items()})
+    if "simulated/tau" in values:
+        state.tau = float(values["simulated/tau"])
+    if "real/tau" in values:
+        state.real_tau = float(values["real/tau"])
+    if values.get("real/lossless_mismatches"):
+        core.note(
+            f"REAL EVAL NOT LOSSLESS at step {msg.step}: {values['real/lossless_mismatches']:.0f} prompt(s) "
+            "decoded other tokens than the target's greedy decoding (see the rank-0 worker log)"
+        )
+    core.metrics.log(values, msg.step)
+
+
+def checked_metrics(values: dict) -> tuple[dict, list[str]]:
+    """Keeps well-shaped metrics (numbers, or lists of numbers where a list is expected) and names the rest,
+    so a confused or buggy worker cannot take the producer down with a bad METRICS message."""
+
+    def number(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    good, bad = {}, []
+    for key, value in values.items():
+        ok = isinstance(value, list) and all(map(number, value)) if key in LIST_METRICS else number(value)
+        if ok:
+            good[key] = value
+        else:
+            bad.append(key)
+    return good, bad
+
+
+def dashboard_state(core: ProducerCore, started: float) -> RunState:
+    """The dashboard's view of the run now (``started``: the producer's start, monotonic)."""
+    s, cfg = core.state, core.cfg
+    s.step = core.step
+    total = core.ctx.ledger.num_samples * cfg.train.epochs
+    done = core.ctx.ledger.total_trained() + core.scheduler.stats.acked_samples
+    s.progress = min(1.0, done / total)
+    if cfg.train.max_steps:
+        s.progress = max(s.progress, min(1.0, core.step / cfg.train.max_steps))
+    s.elapsed_s = time.monotonic() - started
+    s.eta_s = s.elapsed_s * (1 - s.progress) / s.progress if s.progress > 0 else None
+    meters = {"producer": core.target_rate, "wire": core.wire_rate, "drafters": core.train_rate}
+    s.tokens_per_s = {k: m.rate() for k, m in meters.items() if m.span() >= MIN_RATE_SPAN_S}
+    s.queue_depth = core.scheduler.ready_count()
+    s.leased = core.scheduler.leased_count()
+    s.workers = [
+        {
+            "name": p.name,
+            "rank": p.rank,
+            "device": p.device,
+            "state": p.state,
+            "steps": p.steps,
+            "first_step_s": p.first_step_s,
+        }
+        for p in core.peers.values()
+    ]
+    s.messages = list(core.messages)
+    s.regen = core.regen.status() if core.regen is not None else None
+    return s

@@ -1,0 +1,124 @@
+"""The handshake: a worker's HELLO answered with WELCOME (and the eval batches) or REJECT naming why.
+
+A worker is admitted when it speaks this protocol version, supports frames, the run is not finishing and
+``wire.payload_path`` can serve it; ``choose_offers`` says which same-host ring it is offered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflash_pipe.wire import messages as m
+
+if TYPE_CHECKING:
+    from dflash_pipe.producer.core import ProducerCore
+
+REQUIRED_CAPABILITIES = ("frames",)
+"""What a worker must support: payloads as raw tensor frames on the socket."""
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    name: str
+    device: str
+    host: str
+    pid: int
+    rank: int = -1
+    credits: int = 0
+    last_heard: float = field(default_factory=time.monotonic)
+    state: str = "joining"
+    steps: int = 0
+    first_step_s: float | None = None
+    left: bool = False
+    ring_offered: bool = False
+    cuda_offered: bool = False
+    shm: bool = False
+    """The worker mapped the shared-memory ring: its BATCH headers name slots instead of carrying frames."""
+    cuda_ipc: bool = False
+    """The worker opened the CUDA IPC ring: its BATCH headers name slots in the target GPU's memory."""
+
+
+def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
+    """Admits a worker: WELCOME and the eval batches, or REJECT naming why."""
+    if msg.protocol_version != m.PROTOCOL_VERSION:
+        core.out.reject(peer_id, f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}")
+        return None
+    missing = sorted(set(REQUIRED_CAPABILITIES) - set(msg.capabilities))
+    if missing:
+        core.out.reject(peer_id, f"worker lacks capabilities {missing}; upgrade dflash-pipe there")
+        return None
+    if core.done_sent:
+        core.out.reject(peer_id, "this run is finishing; attach to the next one")
+        return None
+    try:
+        cuda_offered, ring_offered = choose_offers(
+            core.cfg.wire.payload_path,
+            msg.capabilities,
+            same_host=bool(core.host_id) and msg.host_id == core.host_id,
+            cuda_ring=core.rings.cuda is not None,
+            shm_ring=core.rings.shm is not None,
+        )
+    except ValueError as exc:
+        core.out.reject(peer_id, str(exc))
+        return None
+    peer = Peer(identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid)
+    peer.cuda_offered, peer.ring_offered = cuda_offered, ring_offered
+    core.peers[peer_id] = peer
+    # Ranks come from the drafters' rendezvous, not from here: this one is the arrival order, for the
+    # dashboard. Every worker gets the eval set, since any of them may become rank 0.
+    peer.rank = sum(1 for p in core.peers.values() if not p.left) - 1
+    peer.state = "starting"
+    # Through the outbox: a peer that hangs up right after its HELLO is dropped, never fatal.
+    core.out.send(peer.identity, welcome(core, peer, len(core.eval_batches)))
+    for batch in core.eval_batches:
+        if peer.left:
+            break
+        core.out.send(peer.identity, batch)
+    if core.step > 0:
+        core.note(f"{peer.name} ({peer.device}) joins the run at step {core.step}")
+    return peer
+
+
+def welcome(core: ProducerCore, peer: Peer, eval_batches: int) -> m.Welcome:
+    wire, rings = core.cfg.wire, core.rings
+    return m.Welcome(
+        run_id=core.ctx.run_id,
+        rendezvous=core.rendezvous,
+        run_dir=str(core.cfg.run_dir.resolve()),
+        target_path=str(Path(core.ctx.target_path).resolve()),
+        drafter=core.ctx.drafter.to_dict(),
+        train=core.cfg.train.to_dict(),
+        resume_from=core.last_checkpoint or (str(core.ctx.resume_from) if core.ctx.resume_from else None),
+        heartbeat_s=wire.heartbeat_s,
+        peer_timeout_s=wire.peer_timeout_s,
+        num_samples=len(core.ctx.train_samples),
+        credits=wire.worker_credits,
+        eval_batches=eval_batches,
+        ring=rings.shm.offer().to_dict() if peer.ring_offered and rings.shm is not None else {},
+        cuda_ring=rings.cuda.offer().to_dict() if peer.cuda_offered and rings.cuda is not None else {},
+    )
+
+
+def choose_offers(
+    payload_path: str, capabilities: list[str], *, same_host: bool, cuda_ring: bool, shm_ring: bool
+) -> tuple[bool, bool]:
+    """(offer the CUDA IPC ring, offer the shared-memory ring) to a worker that says HELLO with
+    ``capabilities``; ``ValueError`` (the reason to REJECT it) when ``payload_path`` demands a ring the
+    worker cannot share. The worker opens the first it can (CUDA IPC, then shm) and says which in READY."""
+    can_shm = same_host and "shm" in capabilities
+    can_cuda = same_host and "cuda_ipc" in capabilities
+    if payload_path == "shm" and not can_shm:
+        raise ValueError(
+            "wire.payload_path is shm, but this worker cannot share the producer's memory (another "
+            "host, container or pid namespace); launch with --payload-path auto to send it frames"
+        )
+    if payload_path == "cuda_ipc" and not can_cuda:
+        raise ValueError(
+            "wire.payload_path is cuda_ipc, but this worker cannot open the producer's GPU memory (another "
+            "host, container or pid namespace, or it trains on CPU); launch with --payload-path auto"
+        )
+    return can_cuda and cuda_ring, can_shm and shm_ring
