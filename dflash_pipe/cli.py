@@ -492,7 +492,7 @@ def worker(
     import socket
     import subprocess
 
-    from dflash_pipe.launcher import SAFE_GPU_ENV, compile_cache_env
+    from dflash_pipe.launcher import SAFE_GPU_ENV, compile_cache_env, worker_command
     from dflash_pipe.run.layout import parse_gpu_spec
 
     if bool(device) == bool(gpus):
@@ -506,24 +506,15 @@ def worker(
     if len(devices) > 1 and not threads:
         procs = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "dflash_pipe",
-                    "worker",
-                    "--connect",
+                worker_command(
                     connect,
-                    "--device",
                     d,
-                    "--name",
-                    f"{name or host}-{d}",
-                    "--join-timeout",
-                    str(join_timeout),
-                    "--reconnect-timeout",
-                    str(reconnect_timeout),
-                ]
-                + (["--compile-cache", str(compile_cache)] if compile_cache else [])
-                + (["--keys", str(keys)] if keys else [])
+                    name=f"{name or host}-{d}",
+                    join_timeout_s=join_timeout,
+                    reconnect_timeout_s=reconnect_timeout,
+                    compile_cache=compile_cache,
+                    keys=keys,
+                )
             )
             for d in devices
         ]

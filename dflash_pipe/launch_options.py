@@ -303,6 +303,7 @@ def _target_line(cfg: RunConfig) -> str:
 
 def plan_text(cfg: RunConfig, *, resume: bool) -> str:
     """What ``launch`` would do with this config; touches no GPU, model or socket."""
+    from dflash_pipe.launcher import launched_worker_command
     from dflash_pipe.telemetry.metrics import sink_problem
 
     lines = ["dflash-pipe launch --dry-run: the plan (nothing was started).", ""]
@@ -371,9 +372,10 @@ def plan_text(cfg: RunConfig, *, resume: bool) -> str:
     processes = lay.worker_processes()
     row("workers", f"{len(processes)} process(es), output in {run_dir / 'logs'}/workerN.log:")
     for i, devices in enumerate(processes):
-        cmd = ["python", "-m", "dflash_pipe", "worker", "--connect", "<producer address>"]
-        cmd += ["--device", ",".join(devices), "--name", f"worker{i}"]
-        lines.append(" " * 15 + shlex.join(cmd + (["--threads"] if lay.drafter_mode == "threads" else [])))
+        cmd = launched_worker_command(
+            cfg, "<producer address>", name=f"worker{i}", device=",".join(devices), python="python"
+        )
+        lines.append(" " * 15 + shlex.join(cmd))
     row("compile cache", f"{cfg.cache_dir} (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)")
     sinks = []
     for kind in dict.fromkeys(["jsonl", *cfg.log]):

@@ -41,6 +41,52 @@ def compile_cache_env(cache_dir: Path, *, workers_on_host: int) -> dict[str, str
     }
 
 
+def worker_command(
+    address: str,
+    device: str,
+    *,
+    name: str,
+    threads: bool = False,
+    keys: Path | None = None,
+    join_timeout_s: float | None = None,
+    reconnect_timeout_s: float | None = None,
+    compile_cache: Path | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The ``dflash-pipe worker`` command line (the one users run), wherever one is built: the launcher's
+    workers, ``worker --gpus`` (one process per GPU) and ``launch --dry-run``. ``device`` is
+    comma-separated for several (``cuda:0,cuda:1``, with ``threads``); None leaves an option to its
+    default."""
+    cmd = [python, "-m", "dflash_pipe", "worker", "--connect", address, "--device", device, "--name", name]
+    if join_timeout_s is not None:
+        cmd += ["--join-timeout", str(join_timeout_s)]
+    if reconnect_timeout_s is not None:
+        cmd += ["--reconnect-timeout", str(reconnect_timeout_s)]
+    if threads:
+        cmd += ["--threads"]
+    if compile_cache is not None:
+        cmd += ["--compile-cache", str(compile_cache)]
+    if keys is not None:
+        cmd += ["--keys", str(keys)]
+    return cmd
+
+
+def launched_worker_command(
+    cfg: RunConfig, address: str, *, name: str, device: str, python: str = sys.executable
+) -> list[str]:
+    """What ``launch`` runs for one of its workers: the run's keys, its reconnect timeout and drafter mode
+    (the compile cache comes in the environment, ``compile_cache_env``)."""
+    return worker_command(
+        address,
+        device,
+        name=name,
+        threads=cfg.layout.drafter_mode == "threads",
+        keys=cfg.wire.keys,
+        reconnect_timeout_s=cfg.wire.reconnect_timeout_s,
+        python=python,
+    )
+
+
 @dataclass(slots=True)
 class WorkerProcess:
     name: str
@@ -97,15 +143,8 @@ class WorkerPool:
             self.workers.append(WorkerProcess(name, device, proc, log_path, log))
 
     def worker_command(self, name: str, device: str) -> list[str]:
-        """The `dflash-pipe worker` command line of one launched worker (the same command users run);
-        ``device`` is comma-separated in threaded mode (``cuda:0,cuda:1``), with ``--threads``."""
-        cmd = [sys.executable, "-m", "dflash_pipe", "worker", "--connect", self.address, "--device", device]
-        cmd += ["--name", name, "--reconnect-timeout", str(self.cfg.wire.reconnect_timeout_s)]
-        if self.cfg.layout.drafter_mode == "threads":
-            cmd += ["--threads"]
-        if self.cfg.wire.keys is not None:
-            cmd += ["--keys", str(self.cfg.wire.keys)]
-        return cmd
+        """The command line of one launched worker (``launched_worker_command``)."""
+        return launched_worker_command(self.cfg, self.address, name=name, device=device)
 
     def records(self) -> list[dict]:
         """For RUN_DIR/producer.json: which worker processes serve this run."""

@@ -60,13 +60,14 @@ def run_worker(
     *,
     device: str,
     name: str,
-    join_timeout_s: float = 900.0,
+    join_timeout_s: float,
+    reconnect_timeout_s: float,
     started_at: float | None = None,
     keys: Path | None = None,
-    reconnect_timeout_s: float = 300.0,
 ) -> int:
     """Serves one producer; if it dies, keeps trying the same address for ``reconnect_timeout_s`` and
-    joins the resumed run (``dflash-pipe launch --resume``) from its latest checkpoint."""
+    joins the resumed run (``dflash-pipe launch --resume``) from its latest checkpoint. The timeouts have
+    their defaults in one place, the ``worker`` command's options."""
     started_at = started_at or time.time()
     leave = threading.Event()
     _install_signal_handlers(leave)

@@ -138,3 +138,19 @@ def test_resume_on_other_devices_validates_the_whole_config(tmp_path: Path):
     resumed, _ = build_run_config({"resume_dir": tmp_path, "drafter_gpus": "1-2"})
     assert resumed.layout.drafter_gpus == (1, 2) and resumed.layout.target_gpus == (0,)
     assert resumed.wire.payload_path == "cuda_ipc"
+
+
+def test_the_dry_run_shows_the_command_launch_runs_for_each_worker(tmp_path: Path):
+    """`launch --dry-run` used to print worker commands without --keys and --reconnect-timeout."""
+    import shlex
+
+    from dflash_pipe.launch_options import plan_text
+    from dflash_pipe.launcher import WorkerPool
+
+    keys = tmp_path / "keys"
+    cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu", "reconnect_timeout": 42.0, "keys": keys})
+    plan = plan_text(cfg, resume=False)
+    for i in range(cfg.layout.num_workers):
+        launched = WorkerPool(cfg, "<producer address>").worker_command(f"worker{i}", "cpu")
+        assert shlex.join(["python", *launched[1:]]) in plan
+    assert "--reconnect-timeout 42.0" in plan and f"--keys {keys}" in plan
