@@ -519,7 +519,7 @@ def worker(
             for d in devices
         ]
         sys.exit(max(p.wait() for p in procs))
-    from dflash_pipe.train.worker import run_worker
+    from dflash_pipe.worker.proc import run_worker
 
     sys.exit(
         run_worker(

@@ -1,7 +1,7 @@
 """``dflash-pipe launch``: the producer in this process, one worker process per drafter device.
 
 With ``--drafter-mode threads``, one worker process instead, running a drafter thread per drafter device
-(``train/threads.py``); to the producer it is a single peer holding the credits of all its drafters.
+(``worker/threads.py``); to the producer it is a single peer holding the credits of all its drafters.
 
 Workers run ``python -m dflash_pipe worker`` (the same command users run to attach), in their own process
 session so a terminal Ctrl-C reaches only the producer, which drains them in order. Each worker's output

@@ -141,7 +141,7 @@ def build_drafter(spec: dict[str, Any], device: Any, *, compile_layers: bool = F
     from dflash_pipe.drafter import DrafterConfig, load_frozen_target_parts
     from dflash_pipe.train.config import TrainConfig
     from dflash_pipe.train.optim import build_optimizer
-    from dflash_pipe.train.worker import make_drafter
+    from dflash_pipe.worker.proc import make_drafter
 
     drafter_cfg = DrafterConfig.from_dict(spec["drafter"])
     train_cfg = TrainConfig.from_dict(spec["train"])
@@ -177,7 +177,7 @@ def run_drafter(spec: dict[str, Any]) -> dict[str, Any]:
     from dflash_pipe.drafter import DrafterConfig
     from dflash_pipe.run.ledger import Ledger
     from dflash_pipe.train.distributed import DrafterGroup
-    from dflash_pipe.train.loop import WorkerSession, regroup, run_training
+    from dflash_pipe.worker.loop import WorkerSession, regroup, run_training
 
     device = torch.device(spec["device"])
     if device.type == "cuda":

@@ -49,7 +49,9 @@ class RunState:
     leased: int = 0  # batches handed out and not yet acked
     workers: list[WorkerRow] = field(default_factory=list)
     loss: float | None = None
-    acc: list[float] = field(default_factory=list)  # per scored block slot 1..bs-1 (as train/loop.py logs it)
+    acc: list[float] = field(
+        default_factory=list
+    )  # per scored block slot 1..bs-1 (as worker/loop.py logs it)
     tau: float | None = None  # simulated (teacher-forced) acceptance length, when evaluated
     real_tau: float | None = None  # real acceptance length (speculative decoding), when evaluated
     lr: float | None = None

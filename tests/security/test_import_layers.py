@@ -31,17 +31,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("target", ("target",)),
     ("drafter", ("drafter",)),
     ("training step", ("train",)),
-    (
-        "processes",
-        ("producer", "train.worker", "train.link", "train.loop", "train.threads", "launcher", "regenerate"),
-    ),
+    ("processes", ("producer", "worker", "launcher", "regenerate")),
     ("command line", ("", "cli", "launch_options", "reference", "report", "bench", "__main__")),
 )
 """Bottom first. A module's layer is the one holding the longest prefix of its dotted name (below
 ``dflash_pipe``): the part configs are run formats although their packages are compute (``drafter.rope``
 with them: a drafter config is valid when its RoPE parameters build); "" is the root package itself."""
 
-PEERS = (("producer",), ("train",))
+PEERS = (("producer",), ("train", "worker"))
 """Packages that talk only through the protocol and the run formats: neither imports the other (the
 producer reads a checkpoint's ledger through ``run``, not through the worker's code)."""
 

@@ -25,12 +25,12 @@ from dflash_pipe.bench.transport import _summary
 from dflash_pipe.producer.handshake import choose_offers
 from dflash_pipe.producer.payloads import payload_for
 from dflash_pipe.producer.scheduler import BatchScheduler, ReadyBatch
-from dflash_pipe.train.link import ProducerLink, ready_paths
 from dflash_pipe.wire import Ack, Batch, Heartbeat, ProtocolError, Welcome, decode, encode
 from dflash_pipe.wire.cuda_ipc import HANDLE_BYTES, CudaIpcOffer, CudaIpcRing, device_uuid
 from dflash_pipe.wire.ring import RingUnavailable
 from dflash_pipe.wire.shm import ShmRing, shm_supported
 from dflash_pipe.wire.transport import ProducerEndpoint, WorkerEndpoint
+from dflash_pipe.worker.link import ProducerLink, ready_paths
 from tests.wire.ring_checks import check_back_pressure
 
 ROOT = Path(__file__).resolve().parents[2]

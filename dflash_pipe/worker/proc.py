@@ -27,16 +27,16 @@ from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.batches import unpack
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, RendezvousLostError
-from dflash_pipe.train.link import ProducerLink, ready_paths
-from dflash_pipe.train.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.real_eval import RealEval
-from dflash_pipe.train.threads import ThreadedReplicas
 from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.cuda_ipc import cuda_ipc_supported
 from dflash_pipe.wire.ring import SlotRing
 from dflash_pipe.wire.shm import host_identity, shm_supported
+from dflash_pipe.worker.link import ProducerLink, ready_paths
+from dflash_pipe.worker.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
+from dflash_pipe.worker.threads import ThreadedReplicas
 
 CAPABILITIES = ["frames", "shm"] if shm_supported() else ["frames"]
 """"frames": payloads on the socket; "shm": can map a same-host producer's shared-memory ring. A worker on

@@ -22,10 +22,10 @@ from dflash_pipe.train.batches import DeviceBatch, unpack
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, StepVote
 from dflash_pipe.train.handover import hand_over
-from dflash_pipe.train.link import ProducerLink
 from dflash_pipe.train.optim import lr_at, set_lr
 from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.wire import messages as m
+from dflash_pipe.worker.link import ProducerLink
 
 _POLL_S = 0.05
 
@@ -122,7 +122,7 @@ class WorkerSession:
     feature_size: int | None = None
     """k*H: the width every BATCH's features must have."""
     replicas: Replicas | None = None
-    """Who runs forward/backward: ``OneReplica`` (process mode, the default) or ``train.threads``."""
+    """Who runs forward/backward: ``OneReplica`` (process mode, the default) or ``worker.threads``."""
     real_eval: RealEval | None = None
     """Real speculative decoding of the held-out prompts (``train.eval_generate``); None: simulated only."""
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_pipe.train.link import ProducerLink, ProducerLostError
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.errors import SendTimeoutError
+from dflash_pipe.worker.link import ProducerLink, ProducerLostError
 
 
 def test_a_heartbeat_that_cannot_be_sent_loses_the_link():

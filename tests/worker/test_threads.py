@@ -22,10 +22,10 @@ from dflash_pipe.drafter.compile_guard import GUARD
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup
-from dflash_pipe.train.loop import WorkerSession, regroup, run_training
 from dflash_pipe.train.optim import build_optimizer
-from dflash_pipe.train.threads import ThreadedReplicas
 from dflash_pipe.wire import messages as m
+from dflash_pipe.worker.loop import WorkerSession, regroup, run_training
+from dflash_pipe.worker.threads import ThreadedReplicas
 from tests.drafter.conftest import tiny_config
 
 NUM_BATCHES = 6
