@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 import click
@@ -21,7 +21,9 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from dflash_pipe import __version__
-from dflash_pipe.drafter.presets import PRESETS, presets_help
+from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.launch_options import field_options
+from dflash_pipe.run.config import WireConfig
 
 _STARTED = time.time()
 console = Console(stderr=True, soft_wrap=True)
@@ -53,216 +55,13 @@ def main() -> None:
     """
 
 
-TARGET_MODEL = click.option(
-    "--target-model",
-    type=click.Path(path_type=Path),
-    help="HF model directory of the target (default: the built-in demo target).",
-)
-DEVICE = click.option(
-    "--device",
-    type=click.Choice(["auto", "cuda", "cpu"]),
-    default="auto",
-    show_default=True,
-    help="auto: CUDA if a GPU is visible, else CPU.",
-)
-
-
-def regen_flags(*, launch: bool) -> Callable:
-    """The regeneration flags, shared by ``launch`` (where they fill ``data.*`` / ``regen.*``) and
-    ``regenerate``; unset ones leave the config's value (``regenerate``: RegenConfig's defaults)."""
-    options = [
-        click.option(
-            "--chat-template-arg",
-            multiple=True,
-            metavar="KEY=VALUE",
-            help="Extra apply_chat_template argument for rendering and generation prompts, e.g. "
-            "enable_thinking=false (VALUE read as JSON, else a string); repeatable.",
-        ),
-        click.option("--temperature", type=float, help="Regeneration: 0 greedy (default), > 0 sampled."),
-        click.option(
-            "--top-p", type=float, help="Regeneration: nucleus sampling threshold in (0, 1] (default 1)."
-        ),
-        click.option(
-            "--top-k", type=int, help="Regeneration: sample among the k most likely tokens (0: all)."
-        ),
-        click.option(
-            "--regen-seed", type=int, help="Regeneration: sampling seed (per conversation and turn)."
-        ),
-        click.option(
-            "--max-new-tokens",
-            type=int,
-            help="Regeneration: tokens per assistant turn at most (default 1024).",
-        ),
-        click.option(
-            "--regen-batch", type=int, help="Regeneration: conversations decoded together (default 32)."
-        ),
-    ]
-    if launch:
-        options.insert(
-            0,
-            click.option(
-                "--responses",
-                type=click.Choice(["dataset", "target"]),
-                help="Train on the data's assistant turns, or on the target's own replies: it regenerates "
-                "every turn first, turn by turn, while the drafters already train (default dataset; demo target).",
-            ),
-        )
-
-    def apply(fn: Callable) -> Callable:
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-
-    return apply
-
-
 @main.command()
-@TARGET_MODEL
-@click.option(
-    "--data",
-    "data_path",
-    type=click.Path(path_type=Path),
-    help="JSONL training data: messages, ShareGPT or input_ids+loss_mask (default with the demo: bundled samples).",
-)
-@click.option(
-    "--run-dir",
-    type=click.Path(path_type=Path),
-    help="Where config, metrics, logs and checkpoints go (default: runs/<time>).",
-)
+@field_options()  # every RunConfig field with a flag (docs/configuration.md lists them next to their fields)
 @click.option(
     "--resume",
     "resume_dir",
     type=click.Path(path_type=Path),
     help="Continue the run in this directory from its latest checkpoint, with its saved config.",
-)
-@DEVICE
-@click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4 or 0,1.")
-@click.option("--drafter-gpus", help="GPUs of the drafter workers (one process each), e.g. 5-7.")
-@click.option(
-    "--target-parallel",
-    type=click.Choice(["auto", "replicas", "split"]),
-    help="One target replica per GPU, or one replica split by layers across the target GPUs "
-    "(auto: replicas when the weights fit one GPU).",
-)
-@click.option("--workers", type=int, default=2, show_default=True, help="Number of drafter workers on CPU.")
-@click.option(
-    "--drafter-mode",
-    type=click.Choice(["processes", "threads"]),
-    help="One worker process per drafter device (default), or one process with a drafter thread per device.",
-)
-@click.option("--epochs", type=int, help="Epochs over the data (recipe: 6; demo: 1).")
-@click.option("--max-steps", type=int, help="Stop after this many optimizer steps.")
-@click.option("--lr", type=float, help="Peak learning rate (recipe: 6e-4).")
-@click.option(
-    "--token-budget",
-    type=int,
-    help="Max tokens per batch (default 4096: one 3072-token sample with 512 anchors, or several short ones; demo 2048).",
-)
-@click.option("--max-length", type=int, help="Longer samples are truncated (default 3072; demo 512).")
-@click.option(
-    "--skip-bad-lines", is_flag=True, help="Skip and count malformed data lines instead of stopping."
-)
-@click.option(
-    "--tokenize-workers",
-    type=int,
-    help="Processes tokenizing --data in parallel, while the target loads (default: one per core but one; "
-    "0 or 1: in-process; files under 4 MiB always in-process).",
-)
-@click.option(
-    "--drafter-preset",
-    type=click.Choice(list(PRESETS)),
-    help="A served drafter's shape (widths follow the target; the flags below override its fields): "
-    + presets_help()
-    + ".",
-)
-@regen_flags(launch=True)
-@click.option("--draft-layers", type=int, help="Drafter depth (default 5).")
-@click.option(
-    "--layer-types",
-    help="Attention of each draft layer, comma-separated: full_attention or sliding_attention (full/sliding "
-    "for short), e.g. sliding,sliding,sliding,sliding,full (default: all full).",
-)
-@click.option(
-    "--sliding-window",
-    type=int,
-    help="Keys a sliding_attention layer sees, the query included (e.g. 2048); needs sliding layers.",
-)
-@click.option("--block-size", type=int, help="Draft block size (default 16).")
-@click.option("--mask-token-id", type=int, help="Mask token (default: a reserved token of the tokenizer).")
-@click.option("--max-anchors", type=int, help="Sampled blocks per sequence (recipe: 512; demo: 32).")
-@click.option(
-    "--target-layer-ids", help="Comma-separated target layers to read (default: the even-spread rule)."
-)
-@click.option(
-    "--attention",
-    "attention_backend",
-    type=click.Choice(["auto", "flex", "sdpa"]),
-    help="Drafter attention backend (auto: flex on CUDA, SDPA on CPU).",
-)
-@click.option(
-    "--compile",
-    "compile_mode",
-    type=click.Choice(["auto", "on", "off", "full"]),
-    help="torch.compile the drafter's flex attention (auto: on CUDA); full: also its layers and CE terms "
-    "(faster; see docs/performance.md before using it).",
-)
-@click.option(
-    "--compile-warmup",
-    type=click.Choice(["once", "each"]),
-    help="Workers starting together on an empty compile cache: each = all compile at once (default; "
-    "the shortest time to the first step); once = one compiles, the others wait and start warm (least CPU).",
-)
-@click.option(
-    "--activation-checkpointing",
-    type=click.Choice(["none", "layers", "loss", "all"]),
-    help="Recompute in backward: the draft layers, the LM-head loss, or both (default none).",
-)
-@click.option("--checkpoint-every", type=int, help="Steps between checkpoints (default 500).")
-@click.option("--eval-every", type=int, help="Steps between tau evaluations (default: only at the end).")
-@click.option("--eval-samples", type=int, help="Held-out samples for tau (default 16).")
-@click.option(
-    "--eval-generate",
-    type=click.Choice(["off", "end", "every"]),
-    help="Real tau by speculative decoding of held-out prompts: in the final evaluation (end, default), "
-    "at every evaluation, or off (the simulated tau only).",
-)
-@click.option("--eval-prompts", type=int, help="Held-out prompts the real tau decodes (default 16).")
-@click.option(
-    "--eval-max-new-tokens", type=int, help="Tokens per real-tau answer at most (default 256; demo 128)."
-)
-@click.option("--seed", type=int, help="Seed of data order and anchor sampling.")
-@click.option("--bind", help="Producer address (default tcp://127.0.0.1:0, a free loopback port).")
-@click.option(
-    "--keys",
-    type=click.Path(path_type=Path),
-    help="CURVE key directory (`dflash-pipe keys generate DIR`); needed when --bind is not loopback.",
-)
-@click.option(
-    "--peer-timeout",
-    type=float,
-    help="Seconds of silence after which a worker or the producer is declared dead (default 120).",
-)
-@click.option(
-    "--reconnect-timeout",
-    type=float,
-    help="Seconds the launched workers keep retrying a lost producer, waiting for --resume (default 300).",
-)
-@click.option(
-    "--wire-dtype",
-    type=click.Choice(["bf16", "fp8"]),
-    help="Features on the wire: bf16 (the target's dtype) or fp8 (e4m3 + a scale per token and layer).",
-)
-@click.option(
-    "--payload-path",
-    type=click.Choice(["auto", "socket", "shm", "cuda_ipc"]),
-    help="auto: GPU memory (CUDA IPC) or shared memory for same-host workers, frames for the rest "
-    "(default); socket; shm only; cuda_ipc only.",
-)
-@click.option(
-    "--log",
-    multiple=True,
-    metavar="SINK",
-    help="Metrics sinks besides metrics.jsonl: tensorboard, wandb; repeat or comma-separate for several.",
 )
 @click.option(
     "--live/--plain", default=None, help="Live dashboard or plain log lines (default: live on a terminal)."
@@ -355,7 +154,7 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
 
 
 @main.command()
-@TARGET_MODEL
+@field_options("target_model")
 @click.option(
     "--data",
     "data_path",
@@ -369,7 +168,7 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Output JSONL (messages format, provenance header); an existing one made the same way is resumed.",
 )
-@DEVICE
+@field_options("layout.device")
 @click.option("--gpu", type=int, default=0, show_default=True, help="The GPU to generate on (with CUDA).")
 @click.option(
     "--max-length",
@@ -378,10 +177,9 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     show_default=True,
     help="Training length the file is for: a turn is generated only while the conversation fits under it.",
 )
-@click.option(
-    "--skip-bad-lines", is_flag=True, help="Skip and count malformed data lines instead of stopping."
+@field_options(
+    "data.skip_bad_lines", "data.chat_template_kwargs", *(f"regen.{f.name}" for f in fields(RegenConfig))
 )
-@regen_flags(launch=False)
 def regenerate(**opts) -> None:
     """Regenerate every assistant turn of --data with the target, turn by turn, into --out.
 
@@ -394,16 +192,11 @@ def regenerate(**opts) -> None:
       dflash-pipe regenerate --target-model /models/Qwen3-8B --data chat.jsonl --out chat.qwen3-8b.jsonl
     """
     from dflash_pipe.data import DataConfig, DataError
-    from dflash_pipe.data.config import RegenConfig
-    from dflash_pipe.launch_options import parse_template_args
+    from dflash_pipe.launch_options import parse_template_args, section_values
     from dflash_pipe.regenerate import regenerate_file
 
-    names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "regen_seed": "seed"}
-    names |= {"max_new_tokens": "max_new_tokens", "regen_batch": "batch_size"}
     try:
-        settings = RegenConfig(
-            **{field: opts[flag] for flag, field in names.items() if opts[flag] is not None}
-        )
+        settings = RegenConfig(**section_values(opts, "regen"))
         data = DataConfig(
             path=opts["data_path"],
             max_length=opts["max_length"],
@@ -466,7 +259,7 @@ def regenerate(**opts) -> None:
 @click.option(
     "--reconnect-timeout",
     type=float,
-    default=300.0,
+    default=WireConfig.__dataclass_fields__["reconnect_timeout_s"].default,
     show_default=True,
     help="If the producer dies, seconds to keep trying the same address (for `launch --resume`); 0 exits.",
 )

@@ -1,8 +1,10 @@
 """From ``dflash-pipe launch`` flags and an optional config file to one validated RunConfig, and its plan.
 
 Precedence, lowest first: the dataclass defaults, the demo's defaults (only without --target-model), the
-fields of a drafter preset (--drafter-preset or drafter.preset), the config file, the flags the user typed. The flags that map onto config fields are listed in `FLAG_FIELDS`
-(the configuration reference shows them next to each field).
+fields of a drafter preset (--drafter-preset or drafter.preset), the config file, the flags the user typed.
+Each flag that sets a config field is declared by that field (``flag`` in its metadata) and made into a
+click option here (``field_options``); `FLAG_FIELDS` maps them back (the configuration reference shows them
+next to each field).
 """
 
 from __future__ import annotations
@@ -11,70 +13,110 @@ import dataclasses
 import json
 import shlex
 import time
+import types
+import typing
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import click
 
 from dflash_pipe.data import demo_data_path
 from dflash_pipe.drafter.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_pipe.drafter.presets import preset_options
+from dflash_pipe.fields import Flag, flag_of
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.config_file import ConfigFileError, check_run_file, dump, load_file
 from dflash_pipe.run.layout import LayoutConfig, parse_gpu_spec
 
-FLAG_FIELDS: dict[str, str] = {
-    "run_dir": "run_dir",
-    "target_model": "target_model",
-    "data_path": "data.path",
-    "token_budget": "data.token_budget",
-    "max_length": "data.max_length",
-    "skip_bad_lines": "data.skip_bad_lines",
-    "tokenize_workers": "data.tokenize_workers",
-    "drafter_preset": "drafter.preset",
-    "responses": "data.responses",
-    "chat_template_arg": "data.chat_template_kwargs",
-    "temperature": "regen.temperature",
-    "top_p": "regen.top_p",
-    "top_k": "regen.top_k",
-    "regen_seed": "regen.seed",
-    "max_new_tokens": "regen.max_new_tokens",
-    "regen_batch": "regen.batch_size",
-    "draft_layers": "drafter.num_layers",
-    "layer_types": "drafter.layer_types",
-    "sliding_window": "drafter.sliding_window",
-    "block_size": "drafter.block_size",
-    "mask_token_id": "drafter.mask_token_id",
-    "max_anchors": "drafter.max_anchors",
-    "target_layer_ids": "drafter.target_layer_ids",
-    "attention_backend": "drafter.attention_backend",
-    "epochs": "train.epochs",
-    "max_steps": "train.max_steps",
-    "lr": "train.lr",
-    "seed": "train.seed",
-    "compile_mode": "train.compile",
-    "compile_warmup": "train.compile_warmup",
-    "activation_checkpointing": "train.activation_checkpointing",
-    "checkpoint_every": "train.checkpoint_every",
-    "eval_every": "train.eval_every",
-    "eval_generate": "train.eval_generate",
-    "eval_prompts": "train.eval_prompts",
-    "eval_max_new_tokens": "train.eval_max_new_tokens",
-    "bind": "wire.bind",
-    "keys": "wire.keys",
-    "peer_timeout": "wire.peer_timeout_s",
-    "reconnect_timeout": "wire.reconnect_timeout_s",
-    "wire_dtype": "wire.wire_dtype",
-    "payload_path": "wire.payload_path",
-    "eval_samples": "eval_samples",
-    "log": "log",
-    "device": "layout.device",
-    "target_gpus": "layout.target_gpus",
-    "drafter_gpus": "layout.drafter_gpus",
-    "workers": "layout.cpu_workers",
-    "target_parallel": "layout.target_parallel",
-    "drafter_mode": "layout.drafter_mode",
-}
-"""launch option (click parameter name) -> the RunConfig field it sets."""
+
+class FieldOption(click.Option):
+    """A ``launch`` option made from a config field's ``flag`` metadata; ``field_path`` is the field it sets
+    ("data.token_budget")."""
+
+    def __init__(self, *args: Any, field_path: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.field_path = field_path
+
+
+def config_flags(kind: type = RunConfig, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+    """(dotted path, field, type) of every field with a flag, in field order, the sections' fields in
+    their section's place."""
+    hints = typing.get_type_hints(kind)
+    out: list[tuple[str, dataclasses.Field, Any]] = []
+    for f in dataclasses.fields(kind):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += config_flags(hints[f.name], f"{prefix}{f.name}.")
+        elif flag_of(f) is not None:
+            out.append((prefix + f.name, f, hints[f.name]))
+    return out
+
+
+def _click_type(hint: Any, spec: Flag) -> dict[str, Any]:
+    """click's type for a field's type: Literal -> Choice, bool -> a flag, Path, int, float; str, tuple
+    (comma-separated, parsed by ``_flag_value``) and dict (repeatable KEY=VALUE) are text."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (types.UnionType, typing.Union) and len(args) == 1:
+        hint = args[0]
+    if spec.choices is not None:
+        return {"type": click.Choice(list(spec.choices))}
+    if typing.get_origin(hint) is typing.Literal:
+        return {"type": click.Choice([str(a) for a in typing.get_args(hint)])}
+    if hint is bool:
+        return {"is_flag": True}
+    if hint in (int, float):
+        return {"type": hint}
+    if hint is Path:
+        return {"type": click.Path(path_type=Path)}
+    if hint is str or typing.get_origin(hint) in (tuple, dict):
+        return {}
+    raise TypeError(f"no command-line type for a field of type {hint!r}; give its flag choices or change it")
+
+
+def field_options(*paths: str) -> Callable[[Callable], Callable]:
+    """The click options of the config fields ``paths`` (none given: every field with a flag, in field
+    order), each declared by its field's ``flag``: name, help and whether it shows a default."""
+    every = config_flags()
+    by_path = {path: (f, hint) for path, f, hint in every}
+    unknown = sorted(set(paths) - set(by_path))
+    if unknown:
+        raise KeyError(f"no config field with a flag at {unknown}")
+    chosen = [(p, *by_path[p]) for p in paths] if paths else every
+    options = []
+    for path, f, hint in chosen:
+        spec = flag_of(f)
+        assert spec is not None
+        kwargs: dict[str, Any] = {"help": spec.help, **_click_type(hint, spec)}
+        if spec.multiple:
+            kwargs["multiple"] = True
+        if spec.metavar:
+            kwargs["metavar"] = spec.metavar
+        if spec.default is not None:
+            kwargs.update(default=spec.default, show_default=True)
+        options.append(click.option(spec.name, spec.param_name, cls=FieldOption, field_path=path, **kwargs))
+
+    def apply(fn: Callable) -> Callable:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return apply
+
+
+def section_values(opts: dict[str, Any], section: str) -> dict[str, Any]:
+    """The given (not None) flags of one config section as its field names, e.g. ``regen``'s
+    ``{"seed": 3}`` for ``--regen-seed 3``."""
+    out = {}
+    for path, f, _ in config_flags():
+        spec = flag_of(f)
+        if path.startswith(section + ".") and spec and opts.get(spec.param_name) is not None:
+            out[f.name] = opts[spec.param_name]
+    return out
+
+
+FLAG_FIELDS: dict[str, str] = {flag_of(f).param_name: path for path, f, _ in config_flags()}  # type: ignore[union-attr]
+"""launch option (click parameter name) -> the RunConfig field it sets: made from the fields' flags."""
 _LAYOUT_FLAGS = ("device", "target_gpus", "drafter_gpus", "workers")
 
 DEMO_DEFAULTS: dict[str, Any] = {
@@ -90,29 +132,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 """Without --target-model (the built-in demo): a small drafter, one short epoch, trained on the demo
 target's own replies (``--responses dataset`` trains on the bundled text instead)."""
-RESUME_OVERRIDES = {
-    "tokenize_workers",
-    "regen_batch",
-    "compile_warmup",
-    "keys",
-    "peer_timeout",
-    "reconnect_timeout",
-    "payload_path",
-    "max_steps",
-    "device",
-    "target_gpus",
-    "drafter_gpus",
-    "workers",
-    "target_parallel",
-    "drafter_mode",
-    "activation_checkpointing",
-    "live",
-    "epochs",
-    "log",
-    "eval_generate",
-    "eval_prompts",
-    "eval_max_new_tokens",
-}
+RESUME_OVERRIDES = {flag_of(f).param_name for _, f, _ in config_flags() if flag_of(f).resume} | {"live"}  # type: ignore[union-attr]
 """Flags that may change on --resume; everything else comes from the run's saved config."""
 
 

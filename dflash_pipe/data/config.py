@@ -7,31 +7,74 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-RESPONSES = ("dataset", "target")
+from dflash_pipe.fields import check_choice, flag
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     """Where the training data is and how it is cut into samples and batches."""
 
-    path: Path
+    path: Path = field(
+        metadata=flag(
+            "--data",
+            "JSONL training data: messages, ShareGPT or input_ids+loss_mask (default with the demo: bundled "
+            "samples).",
+            param="data_path",
+        )
+    )
     """JSONL file: one conversation (messages / ShareGPT) or one pre-tokenized sample per line."""
-    max_length: int = 3072
+    max_length: int = field(
+        default=3072, metadata=flag("--max-length", "Longer samples are truncated (default 3072; demo 512).")
+    )
     """Tokens per sample; longer samples are truncated (and counted in ``LoadedData.truncated``)."""
-    token_budget: int = 4096
+    token_budget: int = field(
+        default=4096,
+        metadata=flag(
+            "--token-budget",
+            "Max tokens per batch (default 4096: one 3072-token sample with 512 anchors, or several short "
+            "ones; demo 2048).",
+        ),
+    )
     """Maximum tokens per batch (sum of sample lengths); a longer single sample gets a batch of its own."""
-    skip_bad_lines: bool = False
+    skip_bad_lines: bool = field(
+        default=False,
+        metadata=flag("--skip-bad-lines", "Skip and count malformed data lines instead of stopping."),
+    )
     """Skip malformed lines (counted per reason) instead of raising ``DataError`` on the first one."""
     min_loss_tokens: int = 2
     """Samples with fewer trainable anchor positions (p with loss_mask[p] and loss_mask[p+1]) are dropped."""
-    tokenize_workers: int | None = None
+    tokenize_workers: int | None = field(
+        default=None,
+        metadata=flag(
+            "--tokenize-workers",
+            "Processes tokenizing --data in parallel, while the target loads (default: one per core but one; "
+            "0 or 1: in-process; files under 4 MiB always in-process).",
+            resume=True,
+        ),
+    )
     """Worker processes that tokenize the file in parallel (pieces of lines, merged in file order, so the
     samples are the same as in-process). None: one per CPU core but one, at most 16; 0 or 1: in-process.
     Files under 4 MiB are always tokenized in-process (starting a worker costs more than it saves)."""
-    responses: Literal["dataset", "target"] = "dataset"
+    responses: Literal["dataset", "target"] = field(
+        default="dataset",
+        metadata=flag(
+            "--responses",
+            "Train on the data's assistant turns, or on the target's own replies: it regenerates every turn "
+            "first, turn by turn, while the drafters already train (default dataset; demo target).",
+        ),
+    )
     """Which assistant turns are trained: "dataset" as the file has them; "target": the target regenerates
     every assistant turn first, turn by turn (``RegenConfig``), and the drafter trains on what it said."""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=flag(
+            "--chat-template-arg",
+            "Extra apply_chat_template argument for rendering and generation prompts, e.g. "
+            "enable_thinking=false (VALUE read as JSON, else a string); repeatable.",
+            multiple=True,
+            metavar="KEY=VALUE",
+        ),
+    )
     """Extra arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": false}``), used to render the
     training text and the regeneration prompts."""
 
@@ -48,11 +91,9 @@ class DataConfig:
             raise ValueError(
                 f"DataConfig.min_loss_tokens must be >= 0, got {self.min_loss_tokens}; use e.g. 2"
             )
-        if self.responses not in RESPONSES:
-            raise ValueError(
-                f"DataConfig.responses must be dataset or target, got {self.responses!r}; use target to "
-                "train on the target's own replies"
-            )
+        check_choice(
+            self, "responses", "DataConfig.responses", "; use target to train on the target's own replies"
+        )
         self.chat_template_kwargs = check_template_kwargs(self.chat_template_kwargs)
         if self.tokenize_workers is not None and self.tokenize_workers < 0:
             raise ValueError(
@@ -83,18 +124,35 @@ class RegenConfig:
     regenerate``). Every field but ``batch_size`` enters the regenerated file's provenance: a file made with
     other settings is not reused."""
 
-    temperature: float = 0.0
+    temperature: float = field(
+        default=0.0, metadata=flag("--temperature", "Regeneration: 0 greedy (default), > 0 sampled.")
+    )
     """0: greedy (the target's argmax, what lossless greedy speculative decoding serves); > 0: sampled."""
-    top_p: float = 1.0
+    top_p: float = field(
+        default=1.0,
+        metadata=flag("--top-p", "Regeneration: nucleus sampling threshold in (0, 1] (default 1)."),
+    )
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1: all)."""
-    top_k: int = 0
+    top_k: int = field(
+        default=0, metadata=flag("--top-k", "Regeneration: sample among the k most likely tokens (0: all).")
+    )
     """Keep only the k most likely tokens when sampling (0: no limit)."""
-    seed: int = 0
+    seed: int = field(
+        default=0, metadata=flag("--regen-seed", "Regeneration: sampling seed (per conversation and turn).")
+    )
     """Seeds sampling per (conversation, turn): a turn's tokens do not depend on batching or resume."""
-    max_new_tokens: int = 1024
+    max_new_tokens: int = field(
+        default=1024,
+        metadata=flag("--max-new-tokens", "Regeneration: tokens per assistant turn at most (default 1024)."),
+    )
     """Tokens generated per assistant turn at most (also bounded by data.max_length); a turn cut here is
     kept and counted as truncated."""
-    batch_size: int = 32
+    batch_size: int = field(
+        default=32,
+        metadata=flag(
+            "--regen-batch", "Regeneration: conversations decoded together (default 32).", resume=True
+        ),
+    )
     """Conversations generated together (one batched decode per turn round)."""
 
     def __post_init__(self) -> None:

@@ -10,30 +10,71 @@ from typing import Any, Literal
 
 from dflash_pipe.data import DataConfig
 from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.drafter.presets import PRESETS, presets_help
+from dflash_pipe.fields import check_choice, flag
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.wire.addresses import DEFAULT_ADDRESS, require_keys_for
 
 
 @dataclass(kw_only=True, slots=True)
 class DrafterOptions:
     """What the user chooses about the drafter; the rest is derived from the target's config."""
 
-    preset: str | None = None
+    preset: str | None = field(
+        default=None,
+        metadata=flag(
+            "--drafter-preset",
+            "A served drafter's shape (widths follow the target; the flags below override its fields): "
+            + presets_help()
+            + ".",
+            choices=tuple(PRESETS),
+        ),
+    )
     """A published drafter's shape (docs/drafter.md): sets num_layers, block_size, layer_types and
     sliding_window, each still overridable; widths always follow the target."""
-    num_layers: int = 5
-    block_size: int = 16
-    layer_types: tuple[str, ...] | None = None
+    num_layers: int = field(default=5, metadata=flag("--draft-layers", "Drafter depth (default 5)."))
+    block_size: int = field(default=16, metadata=flag("--block-size", "Draft block size (default 16)."))
+    layer_types: tuple[str, ...] | None = field(
+        default=None,
+        metadata=flag(
+            "--layer-types",
+            "Attention of each draft layer, comma-separated: full_attention or sliding_attention (full/sliding for short), e.g. sliding,sliding,sliding,sliding,full (default: all full).",
+        ),
+    )
     """One per draft layer: full_attention or sliding_attention (comma-separated on the command line;
     full/sliding for short). None: all full_attention."""
-    sliding_window: int | None = None
+    sliding_window: int | None = field(
+        default=None,
+        metadata=flag(
+            "--sliding-window",
+            "Keys a sliding_attention layer sees, the query included (e.g. 2048); needs sliding layers.",
+        ),
+    )
     """Keys a sliding_attention layer sees, the query included (e.g. 2048); only with sliding layers."""
-    mask_token_id: int | None = None
+    mask_token_id: int | None = field(
+        default=None,
+        metadata=flag("--mask-token-id", "Mask token (default: a reserved token of the tokenizer)."),
+    )
     """None: a reserved token of the tokenizer (e.g. <|mask|>), or an error saying to set it."""
-    target_layer_ids: tuple[int, ...] | None = None
+    target_layer_ids: tuple[int, ...] | None = field(
+        default=None,
+        metadata=flag(
+            "--target-layer-ids", "Comma-separated target layers to read (default: the even-spread rule)."
+        ),
+    )
     """None: the even-spread rule of the DFlash reference."""
-    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
-    max_anchors: int = 512
+    attention_backend: Literal["auto", "flex", "sdpa"] = field(
+        default="auto",
+        metadata=flag(
+            "--attention",
+            "Drafter attention backend (auto: flex on CUDA, SDPA on CPU).",
+            param="attention_backend",
+        ),
+    )
+    max_anchors: int = field(
+        default=512, metadata=flag("--max-anchors", "Sampled blocks per sequence (recipe: 512; demo: 32).")
+    )
 
     def __post_init__(self) -> None:
         if self.target_layer_ids is not None:
@@ -42,14 +83,10 @@ class DrafterOptions:
             raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}.")
         if self.block_size < 2:
             raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}.")
-        if self.attention_backend not in ("auto", "flex", "sdpa"):
-            raise ValueError(
-                f"drafter.attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}."
-            )
+        check_choice(self, "attention_backend", "drafter.attention_backend")
         if self.max_anchors < 1:
             raise ValueError(f"drafter.max_anchors must be >= 1, got {self.max_anchors}.")
         from dflash_pipe.drafter.config import check_layer_types
-        from dflash_pipe.drafter.presets import PRESETS
 
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(
@@ -66,25 +103,62 @@ class DrafterOptions:
 
 @dataclass(kw_only=True, slots=True)
 class WireConfig:
-    bind: str = "tcp://127.0.0.1:0"
+    bind: str = field(
+        default=DEFAULT_ADDRESS,
+        metadata=flag("--bind", "Producer address (default tcp://127.0.0.1:0, a free loopback port)."),
+    )
     """Producer address; port 0 picks a free one. Anything but loopback or ipc:// needs `keys`."""
-    keys: Path | None = None
+    keys: Path | None = field(
+        default=None,
+        metadata=flag(
+            "--keys",
+            "CURVE key directory (`dflash-pipe keys generate DIR`); needed when --bind is not loopback.",
+            resume=True,
+        ),
+    )
     """CURVE key directory (`dflash-pipe keys generate DIR`): workers must hold its client key to connect."""
     ready_batches: int = 4
     """Batches of features the producer keeps computed ahead of demand (host memory bound)."""
     worker_credits: int = 2
     """Batches each worker may hold at once (one training, the rest in flight)."""
     heartbeat_s: float = 2.0
-    peer_timeout_s: float = 120.0
+    peer_timeout_s: float = field(
+        default=120.0,
+        metadata=flag(
+            "--peer-timeout",
+            "Seconds of silence after which a worker or the producer is declared dead (default 120).",
+            resume=True,
+        ),
+    )
     """A peer silent this long is declared dead (covers a cold torch.compile)."""
     join_timeout_s: float = 600.0
     """How long the producer waits for all launched workers to say HELLO."""
-    reconnect_timeout_s: float = 300.0
+    reconnect_timeout_s: float = field(
+        default=300.0,
+        metadata=flag(
+            "--reconnect-timeout",
+            "Seconds the launched workers keep retrying a lost producer, waiting for --resume (default 300).",
+            resume=True,
+        ),
+    )
     """How long a launched worker keeps retrying the producer's address after losing it (for --resume)."""
-    wire_dtype: Literal["bf16", "fp8"] = "bf16"
+    wire_dtype: Literal["bf16", "fp8"] = field(
+        default="bf16",
+        metadata=flag(
+            "--wire-dtype",
+            "Features on the wire: bf16 (the target's dtype) or fp8 (e4m3 + a scale per token and layer).",
+        ),
+    )
     """Features on the wire: "bf16" keeps the target's dtype; "fp8" sends float8_e4m3fn with one fp32 scale
     per token and layer (about half the bytes of bf16), dequantised on the worker's device."""
-    payload_path: Literal["auto", "socket", "shm", "cuda_ipc"] = "auto"
+    payload_path: Literal["auto", "socket", "shm", "cuda_ipc"] = field(
+        default="auto",
+        metadata=flag(
+            "--payload-path",
+            "auto: GPU memory (CUDA IPC) or shared memory for same-host workers, frames for the rest (default); socket; shm only; cuda_ipc only.",
+            resume=True,
+        ),
+    )
     """How BATCH payloads travel: "socket" as frames; "shm" through a shared-memory ring (same-host workers
     only; others are refused); "cuda_ipc" through a ring in the target GPU's memory that same-host CUDA
     workers open with CUDA IPC (others are refused; one that cannot open it gets frames); "auto": the CUDA
@@ -94,15 +168,10 @@ class WireConfig:
     """Frame size for tensors sent on the socket (measured fastest by `dflash-pipe bench transport`)."""
 
     def __post_init__(self) -> None:
-        from dflash_pipe.wire.addresses import require_keys_for
-        from dflash_pipe.wire.codec import MIN_FRAME_BYTES
+        from dflash_pipe.wire.codec import MIN_FRAME_BYTES  # torch: not at import (the CLI reads this module)
 
-        if self.wire_dtype not in ("bf16", "fp8"):
-            raise ValueError(f"wire.wire_dtype must be bf16 or fp8, got {self.wire_dtype!r}.")
-        if self.payload_path not in ("auto", "socket", "shm", "cuda_ipc"):
-            raise ValueError(
-                f"wire.payload_path must be auto, socket, shm or cuda_ipc, got {self.payload_path!r}."
-            )
+        check_choice(self, "wire_dtype", "wire.wire_dtype")
+        check_choice(self, "payload_path", "wire.payload_path")
         if self.frame_bytes < MIN_FRAME_BYTES:
             raise ValueError(
                 f"wire.frame_bytes must be >= {MIN_FRAME_BYTES} (64 KiB), got {self.frame_bytes}; "
@@ -127,8 +196,15 @@ class WireConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    run_dir: Path
-    target_model: Path | None = None
+    run_dir: Path = field(
+        metadata=flag("--run-dir", "Where config, metrics, logs and checkpoints go (default: runs/<time>).")
+    )
+    target_model: Path | None = field(
+        default=None,
+        metadata=flag(
+            "--target-model", "HF model directory of the target (default: the built-in demo target)."
+        ),
+    )
     """HF model directory; None runs the embedded demo target."""
     data: DataConfig
     regen: RegenConfig = field(default_factory=RegenConfig)
@@ -137,11 +213,22 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
-    eval_samples: int = 16
+    eval_samples: int = field(
+        default=16, metadata=flag("--eval-samples", "Held-out samples for tau (default 16).")
+    )
     """Held-out samples used for the acceptance (tau) evaluation; 0 disables it."""
     compile_cache: Path | None = None
     """Shared torch.compile cache dir; None means RUN_DIR/compile-cache."""
-    log: tuple[str, ...] = ("jsonl",)
+    log: tuple[str, ...] = field(
+        default=("jsonl",),
+        metadata=flag(
+            "--log",
+            "Metrics sinks besides metrics.jsonl: tensorboard, wandb; repeat or comma-separate for several.",
+            resume=True,
+            multiple=True,
+            metavar="SINK",
+        ),
+    )
     """Metrics sinks: jsonl (always written), tensorboard (RUN_DIR/tensorboard/), wandb; several at once."""
 
     def __post_init__(self) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from dflash_pipe.fields import check_choice, flag
 
 _SPEC = re.compile(r"^\d+(-\d+)?$")
 
@@ -33,16 +35,49 @@ def parse_gpu_spec(spec: str, *, flag: str = "--gpus") -> tuple[int, ...]:
 
 @dataclass(kw_only=True, slots=True)
 class LayoutConfig:
-    device: Literal["cuda", "cpu"] = "cuda"
-    target_gpus: tuple[int, ...] = ()
+    device: Literal["cuda", "cpu"] = field(
+        default="cuda",
+        metadata=flag(
+            "--device",
+            "auto: CUDA if a GPU is visible, else CPU.",
+            resume=True,
+            choices=("auto", "cuda", "cpu"),
+            default="auto",
+        ),
+    )
+    target_gpus: tuple[int, ...] = field(
+        default=(),
+        metadata=flag("--target-gpus", "GPUs of the target replicas, e.g. 0-4 or 0,1.", resume=True),
+    )
     """CUDA devices of the producer's target replicas (one replica per GPU)."""
-    drafter_gpus: tuple[int, ...] = ()
+    drafter_gpus: tuple[int, ...] = field(
+        default=(),
+        metadata=flag(
+            "--drafter-gpus", "GPUs of the drafter workers (one process each), e.g. 5-7.", resume=True
+        ),
+    )
     """CUDA devices of the drafter workers (one worker process per GPU)."""
-    cpu_workers: int = 2
+    cpu_workers: int = field(
+        default=2, metadata=flag("--workers", "Number of drafter workers on CPU.", resume=True, default=2)
+    )
     """Number of drafter workers when device is cpu."""
-    target_parallel: Literal["auto", "replicas", "split"] = "auto"
+    target_parallel: Literal["auto", "replicas", "split"] = field(
+        default="auto",
+        metadata=flag(
+            "--target-parallel",
+            "One target replica per GPU, or one replica split by layers across the target GPUs (auto: replicas when the weights fit one GPU).",
+            resume=True,
+        ),
+    )
     """One target replica per GPU (fits), one replica split by layers over all target GPUs, or auto."""
-    drafter_mode: Literal["processes", "threads"] = "processes"
+    drafter_mode: Literal["processes", "threads"] = field(
+        default="processes",
+        metadata=flag(
+            "--drafter-mode",
+            "One worker process per drafter device (default), or one process with a drafter thread per device.",
+            resume=True,
+        ),
+    )
     """One worker process per drafter device, or one worker process running a drafter thread per device
     (one CUDA context; compiles serialised by a process-wide lock)."""
 
@@ -53,12 +88,8 @@ class LayoutConfig:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}.")
         if self.device == "cuda" and (not self.target_gpus or not self.drafter_gpus):
             raise ValueError("On CUDA both --target-gpus and --drafter-gpus are needed (e.g. 0-4 and 5-7).")
-        if self.target_parallel not in ("auto", "replicas", "split"):
-            raise ValueError(
-                f"--target-parallel must be auto, replicas or split, got {self.target_parallel!r}."
-            )
-        if self.drafter_mode not in ("processes", "threads"):
-            raise ValueError(f"--drafter-mode must be processes or threads, got {self.drafter_mode!r}.")
+        check_choice(self, "target_parallel", "--target-parallel")
+        check_choice(self, "drafter_mode", "--drafter-mode")
         if self.cpu_workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.cpu_workers}.")
 
@@ -86,11 +117,11 @@ class LayoutConfig:
             return
         if device_count == 0:
             raise ValueError("No CUDA GPU is visible. Pass --device cpu to run on the CPU.")
-        for flag, ids in (("--target-gpus", self.target_gpus), ("--drafter-gpus", self.drafter_gpus)):
+        for option, ids in (("--target-gpus", self.target_gpus), ("--drafter-gpus", self.drafter_gpus)):
             missing = [i for i in ids if i >= device_count]
             if missing:
                 raise ValueError(
-                    f"{flag}: GPU ids {missing} do not exist; this machine has {device_count} "
+                    f"{option}: GPU ids {missing} do not exist; this machine has {device_count} "
                     f"(ids 0-{device_count - 1})."
                 )
 

@@ -4,50 +4,98 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from dflash_pipe.fields import check_choice, flag
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    lr: float = 6e-4
+    lr: float = field(default=6e-4, metadata=flag("--lr", "Peak learning rate (recipe: 6e-4)."))
     """Peak AdamW learning rate."""
     warmup_ratio: float = 0.04
     """Fraction of all planned samples spent warming the LR up linearly."""
     min_lr_ratio: float = 0.0
     """Cosine decay floor, as a fraction of ``lr``."""
-    epochs: int = 6
+    epochs: int = field(
+        default=6, metadata=flag("--epochs", "Epochs over the data (recipe: 6; demo: 1).", resume=True)
+    )
     grad_clip: float = 1.0
     """Max global grad norm; 0 disables clipping."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
-    seed: int = 0
-    checkpoint_every: int = 500
+    seed: int = field(default=0, metadata=flag("--seed", "Seed of data order and anchor sampling."))
+    checkpoint_every: int = field(
+        default=500, metadata=flag("--checkpoint-every", "Steps between checkpoints (default 500).")
+    )
     """Steps between checkpoints (one is always written at the end)."""
-    eval_every: int = 0
+    eval_every: int = field(
+        default=0, metadata=flag("--eval-every", "Steps between tau evaluations (default: only at the end).")
+    )
     """Steps between acceptance (tau) evaluations; 0 evaluates only at the end."""
-    eval_generate: Literal["off", "end", "every"] = "end"
+    eval_generate: Literal["off", "end", "every"] = field(
+        default="end",
+        metadata=flag(
+            "--eval-generate",
+            "Real tau by speculative decoding of held-out prompts: in the final evaluation (end, default), at every evaluation, or off (the simulated tau only).",
+            resume=True,
+        ),
+    )
     """Real acceptance by speculative decoding of held-out prompts (tau, per-position acceptance, tokens/s,
     lossless against greedy decoding) besides the simulated tau: in the final evaluation only ("end"), at
     every evaluation ("every": the other drafters wait while rank 0 decodes, so keep it well under
     wire.peer_timeout_s), or never ("off"). Rank 0 loads the whole target on its device for it."""
-    eval_prompts: int = 16
+    eval_prompts: int = field(
+        default=16,
+        metadata=flag("--eval-prompts", "Held-out prompts the real tau decodes (default 16).", resume=True),
+    )
     """Held-out prompts the real evaluation decodes (at most the held-out samples, `eval_samples`)."""
-    eval_max_new_tokens: int = 256
+    eval_max_new_tokens: int = field(
+        default=256,
+        metadata=flag(
+            "--eval-max-new-tokens",
+            "Tokens per real-tau answer at most (default 256; demo 128).",
+            resume=True,
+        ),
+    )
     """Each real-evaluation answer stops at its end-of-turn token or after this many tokens."""
-    max_steps: int | None = None
+    max_steps: int | None = field(
+        default=None, metadata=flag("--max-steps", "Stop after this many optimizer steps.", resume=True)
+    )
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
-    compile: Literal["auto", "on", "off", "full"] = "auto"
+    compile: Literal["auto", "on", "off", "full"] = field(
+        default="auto",
+        metadata=flag(
+            "--compile",
+            "torch.compile the drafter's flex attention (auto: on CUDA); full: also its layers and CE terms (faster; see docs/performance.md before using it).",
+            param="compile_mode",
+        ),
+    )
     """torch.compile the drafter. on: the flex attention kernel and block mask (on the SDPA path: the layers);
     auto = on for CUDA, off on CPU. full: also the decoder layers whole and the LM head's CE terms: faster
     steps, but torch 2.11's Inductor failed on it at another shape (docs/performance.md has both): try it
     with `dflash-pipe bench throughput --compile full` first."""
-    compile_warmup: Literal["once", "each"] = "each"
+    compile_warmup: Literal["once", "each"] = field(
+        default="each",
+        metadata=flag(
+            "--compile-warmup",
+            "Workers starting together on an empty compile cache: each = all compile at once (default; the shortest time to the first step); once = one compiles, the others wait and start warm (least CPU).",
+            resume=True,
+        ),
+    )
     """How workers that start together on an empty compile cache warm up. each: every worker compiles at
     the same time (no waiting; faster to the first step than once, docs/performance.md). once: one compiles
     under the cache's lock, the others wait and start warm (the least CPU work, for hosts with few cores
     per worker)."""
-    activation_checkpointing: Literal["none", "layers", "loss", "all"] = "none"
+    activation_checkpointing: Literal["none", "layers", "loss", "all"] = field(
+        default="none",
+        metadata=flag(
+            "--activation-checkpointing",
+            "Recompute in backward: the draft layers, the LM-head loss, or both (default none).",
+            resume=True,
+        ),
+    )
     """Recompute in backward instead of keeping: the draft layers' activations, the final norm + LM-head
     loss, or both (less memory, more compute; see drafter/checkpointing.py)."""
     log_every: int = 10
@@ -68,8 +116,7 @@ class TrainConfig:
             raise ValueError(f"train.checkpoint_every must be >= 1, got {self.checkpoint_every}.")
         if self.eval_every < 0:
             raise ValueError(f"train.eval_every must be >= 0, got {self.eval_every}.")
-        if self.eval_generate not in ("off", "end", "every"):
-            raise ValueError(f"train.eval_generate must be off, end or every, got {self.eval_generate!r}.")
+        check_choice(self, "eval_generate", "train.eval_generate")
         if self.eval_prompts < 1 or self.eval_max_new_tokens < 1:
             raise ValueError(
                 f"train.eval_prompts and train.eval_max_new_tokens must be >= 1 (got {self.eval_prompts}, "
@@ -77,15 +124,8 @@ class TrainConfig:
             )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 or unset, got {self.max_steps}.")
-        if self.compile not in ("auto", "on", "off", "full"):
-            raise ValueError(f"train.compile must be auto, on, off or full, got {self.compile!r}.")
-        if self.compile_warmup not in ("once", "each"):
-            raise ValueError(f"train.compile_warmup must be once or each, got {self.compile_warmup!r}.")
-        if self.activation_checkpointing not in ("none", "layers", "loss", "all"):
-            raise ValueError(
-                "train.activation_checkpointing must be none, layers, loss or all, "
-                f"got {self.activation_checkpointing!r}."
-            )
+        for name in ("compile", "compile_warmup", "activation_checkpointing"):
+            check_choice(self, name, f"train.{name}")
         if self.log_every < 1:
             raise ValueError(f"train.log_every must be >= 1, got {self.log_every}.")
 

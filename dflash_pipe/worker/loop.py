@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash_pipe.compute.precision import autocast
-from dflash_pipe.drafter import acceptance
+from dflash_pipe.drafter.acceptance import acceptance  # the function (the package's name is the module)
 from dflash_pipe.drafter.evaluate import simulated_metrics
 from dflash_pipe.run.checkpoint import save_checkpoint
 from dflash_pipe.run.ledger import Ledger

@@ -1,6 +1,7 @@
 """The package is one house in layers: a module imports only its own layer and the layers below it.
 
-Bottom to top: the protocol (``wire``), what every part reads (telemetry, the data inputs), the run formats
+Bottom to top: the protocol (``wire``), what every part reads (telemetry, the data inputs, the field
+metadata the configs declare their flags with), the run formats
 (run config, layout, checkpoint, ledger, producer record, the part configs), compute (the shared compile
 and precision policy, then the target, the drafter, the training step), the processes (producer, worker,
 launcher) and the command line on top. Every import counts, the ones inside functions and under
@@ -22,7 +23,7 @@ NAME = "dflash_pipe"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("protocol", ("wire",)),
-    ("support", ("telemetry", "data")),
+    ("support", ("telemetry", "data", "fields")),
     (
         "formats",
         ("run", "drafter.config", "drafter.rope", "drafter.presets", "train.config"),
