@@ -1,18 +1,14 @@
 """The ``dflash-pipe`` command line: builds the run config from flags and calls one library function.
 
-torch is imported lazily inside each command, so ``worker`` can point the compile cache at the run's
-directory before torch (and Inductor) read their environment.
-
-Why it is past 400 lines: it still holds option declarations that restate ``RunConfig`` and the bodies of
-the eval and regenerate commands; making the CLI from the config and moving those bodies into the library
-is issue 21 (the layering redesign, scheduled after the target/drafter/regeneration work it would move).
+``launch``'s options are made from the config fields (``launch_options.field_options``); ``worker``,
+``eval`` and ``bench`` live in ``dflash_pipe.commands``. torch is imported lazily inside each command, so
+``worker`` can point the compile cache at the run's directory before torch (and Inductor) read their
+environment.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -21,12 +17,12 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from dflash_pipe import __version__
+from dflash_pipe.commands import check_machine, console
+from dflash_pipe.commands.bench import bench
+from dflash_pipe.commands.evaluate import eval_cmd
+from dflash_pipe.commands.worker import worker
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.launch_options import field_options
-from dflash_pipe.run.config import WireConfig
-
-_STARTED = time.time()
-console = Console(stderr=True, soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -113,24 +109,8 @@ def launch(**opts) -> None:
     if opts["dry_run"]:
         click.echo(plan_text(cfg, resume=resume))
         return
-    _check_machine(cfg)
+    check_machine(cfg)
     _run_launch(cfg, resume=resume, live=opts["live"])
-
-
-def _check_machine(cfg) -> None:
-    """What a dry run leaves out: GPU ids against this machine, metrics sinks installed."""
-    from dflash_pipe.telemetry import sink_problem
-
-    problems = [p for kind in cfg.log if (p := sink_problem(kind))]
-    if problems:
-        raise click.UsageError("; ".join(problems))
-    if cfg.layout.device == "cuda":
-        import torch
-
-        try:
-            cfg.layout.validate_against(torch.cuda.device_count())
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
 
 
 def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
@@ -229,104 +209,6 @@ def regenerate(**opts) -> None:
         console.print(line, markup=False, highlight=False)
 
 
-@main.command()
-@click.option(
-    "--connect", required=True, help="The producer's address, as `launch` printed it (tcp://HOST:PORT)."
-)
-@click.option("--device", help="Device of this worker: cpu or cuda:N; comma-separated for several.")
-@click.option("--gpus", help="Start one worker per GPU, e.g. 6 or 6,7.")
-@click.option(
-    "--threads",
-    is_flag=True,
-    help="One process for all the devices, a drafter thread each (launch --drafter-mode threads).",
-)
-@click.option("--name", help="Worker name in logs and the dashboard (default: HOST-DEVICE).")
-@click.option(
-    "--compile-cache", type=click.Path(path_type=Path), help="torch.compile cache dir to share with the run."
-)
-@click.option(
-    "--join-timeout",
-    type=float,
-    default=900.0,
-    show_default=True,
-    help="Seconds to wait for the producer's WELCOME.",
-)
-@click.option(
-    "--keys",
-    type=click.Path(path_type=Path),
-    help="The producer's CURVE key directory (needs client.key_secret and server.key).",
-)
-@click.option(
-    "--reconnect-timeout",
-    type=float,
-    default=WireConfig.__dataclass_fields__["reconnect_timeout_s"].default,
-    show_default=True,
-    help="If the producer dies, seconds to keep trying the same address (for `launch --resume`); 0 exits.",
-)
-def worker(
-    connect: str,
-    device: str | None,
-    gpus: str | None,
-    threads: bool,
-    name: str | None,
-    compile_cache: Path | None,
-    join_timeout: float,
-    keys: Path | None,
-    reconnect_timeout: float,
-) -> None:
-    """Run drafter worker(s) that connect to a producer.
-
-    \b
-    Examples:
-      dflash-pipe worker --connect tcp://10.0.0.5:5555 --gpus 6,7
-      dflash-pipe worker --connect tcp://127.0.0.1:5555 --device cpu
-      dflash-pipe worker --connect tcp://10.0.0.5:5555 --gpus 6,7 --threads   # one process, two threads
-    """
-    import socket
-    import subprocess
-
-    from dflash_pipe.launcher import SAFE_GPU_ENV, compile_cache_env, worker_command
-    from dflash_pipe.run.layout import parse_gpu_spec
-
-    if bool(device) == bool(gpus):
-        raise click.UsageError("Give exactly one of --device (cpu, cuda:N) or --gpus (e.g. 6,7).")
-    devices = device.split(",") if device else [f"cuda:{i}" for i in parse_gpu_spec(gpus, flag="--gpus")]
-    if compile_cache is not None:
-        os.environ.update(compile_cache_env(compile_cache, workers_on_host=len(devices)))
-    for key, value in SAFE_GPU_ENV.items():
-        os.environ.setdefault(key, value)
-    host = socket.gethostname()
-    if len(devices) > 1 and not threads:
-        procs = [
-            subprocess.Popen(
-                worker_command(
-                    connect,
-                    d,
-                    name=f"{name or host}-{d}",
-                    join_timeout_s=join_timeout,
-                    reconnect_timeout_s=reconnect_timeout,
-                    compile_cache=compile_cache,
-                    keys=keys,
-                )
-            )
-            for d in devices
-        ]
-        sys.exit(max(p.wait() for p in procs))
-    from dflash_pipe.worker.proc import run_worker
-
-    sys.exit(
-        run_worker(
-            connect,
-            device=",".join(devices),
-            name=name or f"{host}-{'+'.join(devices)}",
-            join_timeout_s=join_timeout,
-            started_at=_STARTED,
-            keys=keys,
-            reconnect_timeout_s=reconnect_timeout,
-        )
-    )
-
-
 @main.group()
 def keys() -> None:
     """CURVE keys that authenticate workers to a producer on a non-loopback address."""
@@ -379,166 +261,6 @@ def export(checkpoint: Path, out_dir: Path) -> None:
     console.print(f"exported {checkpoint} -> {out_dir}")
 
 
-@main.command("eval")
-@click.option(
-    "--target-model",
-    type=click.Path(exists=True, path_type=Path),
-    required=True,
-    help="HF model directory of the target.",
-)
-@click.option(
-    "--drafter",
-    "drafter_dir",
-    type=click.Path(exists=True, path_type=Path),
-    required=True,
-    help="Exported drafter directory (see `export`).",
-)
-@click.option(
-    "--data",
-    "data_path",
-    type=click.Path(exists=True, path_type=Path),
-    required=True,
-    help="JSONL samples to evaluate on.",
-)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda:N.")
-@click.option(
-    "--mode",
-    type=click.Choice(["generate", "simulated"]),
-    default="generate",
-    show_default=True,
-    help="generate: real speculative decoding of the samples' prompts, checked lossless against greedy "
-    "decoding; simulated: the fast teacher-forced tau on the samples' own text.",
-)
-@click.option(
-    "--max-samples",
-    type=int,
-    help="Evaluate at most this many samples (default: 16 prompts for generate, 256 samples for simulated).",
-)
-@click.option(
-    "--max-new-tokens",
-    type=int,
-    default=256,
-    show_default=True,
-    help="generate: each answer stops at its end-of-turn token or after this many tokens.",
-)
-@click.option(
-    "--check/--no-check",
-    default=True,
-    show_default=True,
-    help="generate: also decode each prompt greedily with the target and fail unless the outputs are equal "
-    "(about doubles the time; gives the greedy tokens/s for the speedup).",
-)
-@click.option(
-    "--num-anchors", type=int, default=64, show_default=True, help="simulated: blocks per sequence."
-)
-@click.option("--max-length", type=int, default=3072, show_default=True, help="Longer samples are truncated.")
-@click.option(
-    "--out",
-    "out_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Also write the result (metrics, command, versions) to this JSON file.",
-)
-def eval_cmd(
-    target_model: Path,
-    drafter_dir: Path,
-    data_path: Path,
-    device: str,
-    mode: str,
-    max_samples: int | None,
-    max_new_tokens: int,
-    check: bool,
-    num_anchors: int,
-    max_length: int,
-    out_file: Path | None,
-) -> None:
-    """Acceptance length (tau) of a drafter against its target: real, or simulated.
-
-    generate (default): real greedy speculative decoding as it is served. For each sample's prompt (its turns
-    before the first assistant turn) the target prefills, the drafter drafts a block from the target's
-    features, the target verifies it in one forward on its KV cache, the matching prefix plus the target's
-    own token is kept; to the end of the turn. tau = tokens per draft-verify step (the bonus included), per
-    draft position the share of steps that kept it, tokens/s; the output must equal the target's greedy
-    decoding (exit status 1 if not). simulated: teacher-forced on the samples' own text at sampled anchors
-    (fast; overstates tau when the data is not what the target says).
-
-    \b
-    Examples:
-      dflash-pipe eval --target-model /models/Qwen3-8B --drafter out/qwen3-8b-dflash --data eval.jsonl
-      dflash-pipe eval ... --mode simulated --max-samples 256
-    """
-    import json
-
-    import torch
-    from transformers import AutoTokenizer
-
-    from dflash_pipe.data import DataConfig, load_samples
-    from dflash_pipe.drafter.speculate import CacheCropError, LosslessError
-
-    for name, value in (("--max-samples", max_samples), ("--max-new-tokens", max_new_tokens)):
-        if value is not None and value < 1:
-            raise click.UsageError(f"{name} must be >= 1, got {value}.")
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
-    limit = max_samples or (16 if mode == "generate" else 256)
-    try:  # a drafter that does not fit the target, or bad data: one line naming the input, no traceback
-        tokenizer = AutoTokenizer.from_pretrained(str(target_model))
-        data = load_samples(DataConfig(path=data_path, max_length=max_length), tokenizer)
-        if mode == "generate":
-            from dflash_pipe.drafter.generate_eval import evaluate_export, render_generate_table
-
-            result = evaluate_export(
-                target_model,
-                drafter_dir,
-                data.samples,
-                tokenizer=tokenizer,
-                device=dev,
-                max_prompts=limit,
-                max_new_tokens=max_new_tokens,
-                check=check,
-                progress=console.is_terminal,
-            )
-            Console().print(render_generate_table(result))
-            metrics = result.metrics()
-        else:
-            from dflash_pipe.drafter.evaluate import render_acceptance_table, simulate_export
-
-            simulated = simulate_export(
-                target_model,
-                drafter_dir,
-                data.samples[:limit],
-                device=dev,
-                num_anchors=num_anchors,
-                progress=console.is_terminal,
-            )
-            Console().print(render_acceptance_table(simulated))
-            metrics = simulated.metrics()
-    except (ValueError, OSError) as exc:  # DataError is a ValueError
-        raise click.ClickException(str(exc)) from None
-    except (LosslessError, CacheCropError) as exc:  # the one number would be wrong: say so and fail
-        raise click.ClickException(str(exc)) from None
-    if out_file is not None:
-        from dflash_pipe.bench.save import provenance
-
-        record = {
-            "mode": mode,
-            "command": sys.argv,
-            "target_model": str(target_model),
-            "drafter": str(drafter_dir),
-            "data": str(data_path),
-            "metrics": metrics,
-            "provenance": provenance(),
-        }
-        out_file.parent.mkdir(parents=True, exist_ok=True)
-        out_file.write_text(json.dumps(record, indent=2) + "\n")
-        console.print(f"wrote {out_file}")
-    if mode == "generate":  # every prompt ran and the record is written: now fail loudly on a mismatch
-        try:
-            result.check_lossless()
-        except LosslessError as exc:
-            raise click.ClickException(str(exc)) from None
-
-
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option(
@@ -561,243 +283,6 @@ def report(run_dir: Path, out_dir: Path | None) -> None:
         run_report(run_dir, out_dir, Console())
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
-
-
-@main.group()
-def bench() -> None:
-    """Measure this machine: pipeline stages, transports, compile start-up; each beside its baseline.
-
-    \b
-    Every bench shows a table, checks its goal, and writes OUT/<name>.json (machine, versions, config,
-    figures) and OUT/<name>.png. CPU defaults finish in about a minute each.
-      dflash-pipe bench throughput                  # demo target on CPU, every stage and the pipeline
-      dflash-pipe bench throughput --compare        # plus offline (disk) and threaded designs
-      dflash-pipe bench transport                   # GB/s of each transport vs memcpy
-      dflash-pipe bench compile                     # time to first step: cold, warm, N together
-    """
-
-
-def _bench_out(out: Path | None) -> Path:
-    return out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
-
-
-def _bench_scratch(out: Path, keep: bool):
-    """Where a bench's scratch files go (run dirs, batch files, compile caches): OUT/work with
-    --keep-work, else a temporary directory removed at the end."""
-    import contextlib
-    import tempfile
-
-    if keep:
-        return contextlib.nullcontext(out / "work")
-    return tempfile.TemporaryDirectory(prefix="dflash-bench-")
-
-
-def _finish_bench(result, out: Path) -> None:
-    from dflash_pipe.bench.save import save_result, show_result
-
-    show_result(result, Console())
-    for kind, path in save_result(result, out).items():
-        console.print(f"wrote {kind.upper()} {path}")
-
-
-def _bench_progress():
-    """A rich status line that shows the stage being measured (plain lines when not on a terminal)."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def progress():
-        if not console.is_terminal:
-            yield lambda text: console.print(f"bench: {text}")
-            return
-        with console.status("bench: starting") as status:
-            yield lambda text: status.update(f"bench: {text}")
-
-    return progress()
-
-
-_KEEP_OPTION = click.option(
-    "--keep-work", is_flag=True, help="Keep the scratch files (run dirs, logs, caches) in OUT/work."
-)
-_OUT_OPTION = click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Results directory for the JSON and PNG (default: bench-results/<time>).",
-)
-
-
-@bench.command("throughput")
-@click.option(
-    "--target-model", type=click.Path(path_type=Path), help="HF model directory (default: the demo target)."
-)
-@click.option(
-    "--data",
-    "data_path",
-    type=click.Path(path_type=Path),
-    help="JSONL data (default with the demo: bundled).",
-)
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4.")
-@click.option("--drafter-gpus", help="GPUs of the drafter workers, e.g. 5-7.")
-@click.option("--workers", type=int, help="Drafter workers on CPU (default 2).")
-@click.option("--token-budget", type=int, help="Max tokens per batch (as `launch`).")
-@click.option("--max-length", type=int, help="Longer samples are truncated (as `launch`).")
-@click.option("--draft-layers", type=int, help="Drafter depth (as `launch`).")
-@click.option("--max-anchors", type=int, help="Sampled blocks per sequence (as `launch`).")
-@click.option(
-    "--compile", "compile_mode", type=click.Choice(["auto", "on", "off", "full"]), help="As `launch`."
-)
-@click.option("--seconds", type=float, default=3.0, show_default=True, help="Measured seconds per stage.")
-@click.option("--compare", is_flag=True, help="Also run offline (features via disk) and threaded drafters.")
-@_OUT_OPTION
-@_KEEP_OPTION
-def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_work: bool, **opts) -> None:
-    """Tokens/s of the producer, the drafters and the transport alone and of the whole pipeline.
-
-    \b
-    All on the same data; pipeline efficiency = pipeline / slowest stage alone (goal >= 0.95; when the
-    target and the drafters share devices, the goal is checked against the time-sharing bound
-    1 / (1/producer alone + 1/drafters alone)), and where time goes (target idle waiting for credits,
-    workers waiting for batches, queue depth). Examples:
-      dflash-pipe bench throughput --seconds 3
-      dflash-pipe bench throughput --target-model /models/Qwen3-8B --data chat.jsonl \\
-          --target-gpus 0 --drafter-gpus 0 --seconds 20 --compare --out bench-results/h200
-    """
-    from dflash_pipe.bench.throughput import run_throughput_bench
-    from dflash_pipe.launch_options import build_run_config
-
-    if seconds <= 0:
-        raise click.UsageError(f"--seconds must be > 0, got {seconds}.")
-    out = _bench_out(out_dir)
-    try:
-        cfg, _ = build_run_config({**opts, "run_dir": out / "work" / "prepare"})
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.UsageError(str(exc)) from None
-    _check_machine(cfg)
-    with _bench_scratch(out, keep_work) as scratch, _bench_progress() as progress:
-        try:
-            result = run_throughput_bench(
-                cfg, seconds=seconds, work_dir=Path(scratch), compare=compare, progress=progress
-            )
-        except (RuntimeError, ValueError, FileNotFoundError) as exc:  # a stage failed: its log's end
-            hint = "" if keep_work else " (rerun with --keep-work to keep the logs)"
-            raise click.ClickException(f"bench throughput failed{hint}: {exc}") from None
-    _finish_bench(result, out)
-
-
-@bench.command("transport")
-@click.option("--sizes-mib", help="Comma-separated message sizes in MiB (default: the bench's own list).")
-@click.option(
-    "--budget-mib",
-    type=int,
-    default=384,
-    show_default=True,
-    help="MiB moved per path and size (>= 3 messages).",
-)
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
-    default="auto",
-    show_default=True,
-    help="cuda adds the GPU cases (device -> pinned host, GPU -> worker GPU through shm and through CUDA "
-    "IPC); auto: when a GPU is present.",
-)
-@_OUT_OPTION
-def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir: Path | None) -> None:
-    """GB/s of every transport (tcp, ipc, same-host paths) by message size, against a memcpy of the same bytes.
-
-    \b
-    Goals: the wire adds <= 5% over raw pyzmq at the same sizes and frames; the same-host ring moves GPU ->
-    worker GPU at >= 25 GB/s. With CUDA the summary also says which same-host GPU path (shm or cuda_ipc)
-    is faster. Example:
-      dflash-pipe bench transport --sizes-mib 1,16,126 --budget-mib 2048
-    """
-    from dflash_pipe.bench.transport import run_transport_bench
-
-    try:
-        sizes = [float(x) for x in sizes_mib.split(",")] if sizes_mib else [1.0, 16.0, 126.0]
-    except ValueError:
-        raise click.UsageError(
-            f"--sizes-mib {sizes_mib!r}: give numbers separated by commas, e.g. 1,4,16"
-        ) from None
-    out = _bench_out(out_dir)
-    with _bench_progress() as progress:
-        progress("transport")
-        cuda = None if device == "auto" else device == "cuda"
-        result = run_transport_bench(sizes, budget_mib=budget_mib, cuda=cuda)
-    _finish_bench(result, out)
-
-
-@bench.command("compile")
-@click.option(
-    "--target-model", type=click.Path(path_type=Path), help="HF model directory (default: the demo target)."
-)
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--drafter-gpus", help="GPUs of the N workers started together, e.g. 0 or 0-3 (default: 0).")
-@click.option("--workers", type=int, default=2, show_default=True, help="N: workers started together.")
-@click.option("--draft-layers", type=int, help="Drafter depth (default: 1 on CPU, 5 on CUDA).")
-@click.option(
-    "--seq-len", type=int, help="Tokens of the warm-up and the first step (default: 256 CPU, 2048 CUDA)."
-)
-@click.option(
-    "--compile-warmup",
-    "warmups",
-    default="each",
-    show_default=True,
-    help="How the N together warm up (launch --compile-warmup): once, each, or once,each to compare both.",
-)
-@_OUT_OPTION
-@_KEEP_OPTION
-def bench_compile(
-    target_model: Path | None,
-    device: str,
-    drafter_gpus: str | None,
-    workers: int,
-    draft_layers: int | None,
-    seq_len: int | None,
-    warmups: str,
-    out_dir: Path | None,
-    keep_work: bool,
-) -> None:
-    """Time to first training step: cold cache, warm cache, and N workers started together on one cache.
-
-    \b
-    Workers start as the launcher starts them (shared cache, the warm-up lock). Goal: N together within
-    1.2x of one worker's cold time. On CPU the drafter's layers are compiled for the bench (a CPU worker
-    compiles nothing). Examples:
-      dflash-pipe bench compile
-      dflash-pipe bench compile --target-model /models/Qwen3-8B --drafter-gpus 0 --workers 3
-    """
-    from dflash_pipe.bench.compile import run_compile_bench
-    from dflash_pipe.run.layout import parse_gpu_spec
-
-    if workers < 1:
-        raise click.UsageError(f"--workers must be >= 1, got {workers}.")
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpus = parse_gpu_spec(drafter_gpus, flag="--drafter-gpus") if drafter_gpus else (0,)
-    out = _bench_out(out_dir)
-    with _bench_scratch(out, keep_work) as scratch, _bench_progress() as progress:
-        try:
-            result = run_compile_bench(
-                target_model=target_model,
-                device=device,
-                gpus=gpus,
-                workers=workers,
-                draft_layers=draft_layers,
-                seq_len=seq_len,
-                warmups=tuple(w.strip() for w in warmups.split(",") if w.strip()),
-                work_dir=Path(scratch),
-                progress=progress,
-            )
-        except (ValueError, FileNotFoundError) as exc:
-            raise click.UsageError(str(exc)) from None
-        except RuntimeError as exc:  # a worker start failed: the end of its log
-            hint = "" if keep_work else " (rerun with --keep-work to keep the logs)"
-            raise click.ClickException(f"bench compile failed{hint}: {exc}") from None
-    _finish_bench(result, out)
 
 
 def _load_option_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
@@ -832,6 +317,8 @@ def _add_config_options(group: click.Group) -> None:
             )
 
 
+for _command in (worker, eval_cmd, bench):
+    main.add_command(_command)
 _add_config_options(main)
 
 if __name__ == "__main__":

@@ -6,93 +6,60 @@
 payloads live in, ``fp8`` the feature encoding. It imports nothing else of the package: it is the bottom
 layer. Non-loopback addresses need keys (``dflash-pipe keys generate DIR``); see docs/security.md.
 
-The endpoints load on first use (PEP 562), so importing the codec or the messages (the run config does)
-does not load pyzmq.
+Names load on first use (PEP 562): the run config reads ``addresses`` without loading torch (the codec)
+or pyzmq (the endpoints); ``from dflash_pipe.wire import Batch, decode`` works as before.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from dflash_pipe.wire.codec import (
-    DEFAULT_MAX_TENSOR_BYTES,
-    DTYPES,
-    INLINE_MAX_BYTES,
-    decode,
-    dtype_from_name,
-    dtype_name,
-    encode,
-)
-from dflash_pipe.wire.errors import (
-    BadMessage,
-    PeerGoneError,
-    ProtocolError,
-    ProtocolVersionError,
-    SendTimeoutError,
-    TransportError,
-)
-from dflash_pipe.wire.messages import (
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    Ack,
-    Batch,
-    Bye,
-    Checkpoint,
-    Done,
-    Error,
-    Heartbeat,
-    Hello,
-    Kind,
-    Message,
-    Metrics,
-    Ready,
-    Reject,
-    Welcome,
-)
-
-_ENDPOINTS = ("ProducerEndpoint", "WorkerEndpoint")
+_FROM = {
+    ".codec": (
+        "DEFAULT_MAX_TENSOR_BYTES",
+        "DTYPES",
+        "INLINE_MAX_BYTES",
+        "decode",
+        "dtype_from_name",
+        "dtype_name",
+        "encode",
+    ),
+    ".errors": (
+        "BadMessage",
+        "PeerGoneError",
+        "ProtocolError",
+        "ProtocolVersionError",
+        "SendTimeoutError",
+        "TransportError",
+    ),
+    ".messages": (
+        "MESSAGE_TYPES",
+        "PROTOCOL_VERSION",
+        "Ack",
+        "Batch",
+        "Bye",
+        "Checkpoint",
+        "Done",
+        "Error",
+        "Heartbeat",
+        "Hello",
+        "Kind",
+        "Message",
+        "Metrics",
+        "Ready",
+        "Reject",
+        "Welcome",
+    ),
+    ".transport": ("ProducerEndpoint", "WorkerEndpoint"),
+}
+_EXPORTS = {name: module for module, names in _FROM.items() for name in names}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _ENDPOINTS:
+    if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from dflash_pipe.wire import transport
-
-    value = getattr(transport, name)
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     globals()[name] = value
     return value
-
-
-__all__ = [
-    "DEFAULT_MAX_TENSOR_BYTES",
-    "DTYPES",
-    "INLINE_MAX_BYTES",
-    "MESSAGE_TYPES",
-    "PROTOCOL_VERSION",
-    "Ack",
-    "BadMessage",
-    "Batch",
-    "Bye",
-    "Checkpoint",
-    "Done",
-    "Error",
-    "Heartbeat",
-    "Hello",
-    "Kind",
-    "Message",
-    "Metrics",
-    "PeerGoneError",
-    "ProducerEndpoint",
-    "ProtocolError",
-    "ProtocolVersionError",
-    "Ready",
-    "Reject",
-    "SendTimeoutError",
-    "TransportError",
-    "Welcome",
-    "WorkerEndpoint",
-    "decode",
-    "dtype_from_name",
-    "dtype_name",
-    "encode",
-]

@@ -62,3 +62,14 @@ def test_resume_overrides_come_from_the_fields() -> None:
 def test_a_bad_choice_is_refused_by_the_command_line(tmp_path, flags: list[str], needle: str) -> None:
     result = CliRunner().invoke(main, ["launch", "--dry-run", "--run-dir", str(tmp_path), *flags])
     assert result.exit_code == 2 and needle in result.output, result.output
+
+
+def test_the_command_line_imports_neither_torch_nor_zmq() -> None:
+    """Its options come from the config modules now: they must stay light, since `worker` points the
+    compile cache's environment at the run before torch (and Inductor) read it."""
+    import subprocess
+    import sys
+
+    code = "import sys, dflash_pipe.cli; print(sorted({'torch', 'zmq', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,32 @@
+"""The commands of ``dflash-pipe`` beside ``launch`` (``dflash_pipe.cli``): one module each for ``worker``,
+``eval`` and ``bench``, registered on the group in ``cli``. torch is imported inside each command, never at
+import, so ``worker`` can set the compile cache's environment before torch reads it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+from rich.console import Console
+
+STARTED = time.time()
+"""When the command line started (a launched worker's time to its first step counts from here)."""
+console = Console(stderr=True, soft_wrap=True)
+"""Where commands report: stderr, so stdout stays the command's output (``--print-config``)."""
+
+
+def check_machine(cfg: Any) -> None:
+    """What a dry run leaves out: GPU ids against this machine, metrics sinks installed."""
+    from dflash_pipe.telemetry import sink_problem
+
+    problems = [p for kind in cfg.log if (p := sink_problem(kind))]
+    if problems:
+        raise click.UsageError("; ".join(problems))
+    if cfg.layout.device == "cuda":
+        import torch
+
+        try:
+            cfg.layout.validate_against(torch.cuda.device_count())
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None

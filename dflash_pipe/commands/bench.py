@@ -1,0 +1,251 @@
+"""``dflash-pipe bench``: measure this machine (pipeline stages, transports, compile start-up), each figure
+beside its baseline, saved as JSON with provenance and a PNG."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from dflash_pipe.commands import check_machine, console
+
+
+@click.group()
+def bench() -> None:
+    """Measure this machine: pipeline stages, transports, compile start-up; each beside its baseline.
+
+    \b
+    Every bench shows a table, checks its goal, and writes OUT/<name>.json (machine, versions, config,
+    figures) and OUT/<name>.png. CPU defaults finish in about a minute each.
+      dflash-pipe bench throughput                  # demo target on CPU, every stage and the pipeline
+      dflash-pipe bench throughput --compare        # plus offline (disk) and threaded designs
+      dflash-pipe bench transport                   # GB/s of each transport vs memcpy
+      dflash-pipe bench compile                     # time to first step: cold, warm, N together
+    """
+
+
+def _bench_out(out: Path | None) -> Path:
+    return out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def _bench_scratch(out: Path, keep: bool):
+    """Where a bench's scratch files go (run dirs, batch files, compile caches): OUT/work with
+    --keep-work, else a temporary directory removed at the end."""
+    import contextlib
+    import tempfile
+
+    if keep:
+        return contextlib.nullcontext(out / "work")
+    return tempfile.TemporaryDirectory(prefix="dflash-bench-")
+
+
+def _finish_bench(result, out: Path) -> None:
+    from dflash_pipe.bench.save import save_result, show_result
+
+    show_result(result, Console())
+    for kind, path in save_result(result, out).items():
+        console.print(f"wrote {kind.upper()} {path}")
+
+
+def _bench_progress():
+    """A rich status line that shows the stage being measured (plain lines when not on a terminal)."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def progress():
+        if not console.is_terminal:
+            yield lambda text: console.print(f"bench: {text}")
+            return
+        with console.status("bench: starting") as status:
+            yield lambda text: status.update(f"bench: {text}")
+
+    return progress()
+
+
+_KEEP_OPTION = click.option(
+    "--keep-work", is_flag=True, help="Keep the scratch files (run dirs, logs, caches) in OUT/work."
+)
+
+
+_OUT_OPTION = click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Results directory for the JSON and PNG (default: bench-results/<time>).",
+)
+
+
+@bench.command("throughput")
+@click.option(
+    "--target-model", type=click.Path(path_type=Path), help="HF model directory (default: the demo target)."
+)
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(path_type=Path),
+    help="JSONL data (default with the demo: bundled).",
+)
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4.")
+@click.option("--drafter-gpus", help="GPUs of the drafter workers, e.g. 5-7.")
+@click.option("--workers", type=int, help="Drafter workers on CPU (default 2).")
+@click.option("--token-budget", type=int, help="Max tokens per batch (as `launch`).")
+@click.option("--max-length", type=int, help="Longer samples are truncated (as `launch`).")
+@click.option("--draft-layers", type=int, help="Drafter depth (as `launch`).")
+@click.option("--max-anchors", type=int, help="Sampled blocks per sequence (as `launch`).")
+@click.option(
+    "--compile", "compile_mode", type=click.Choice(["auto", "on", "off", "full"]), help="As `launch`."
+)
+@click.option("--seconds", type=float, default=3.0, show_default=True, help="Measured seconds per stage.")
+@click.option("--compare", is_flag=True, help="Also run offline (features via disk) and threaded drafters.")
+@_OUT_OPTION
+@_KEEP_OPTION
+def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_work: bool, **opts) -> None:
+    """Tokens/s of the producer, the drafters and the transport alone and of the whole pipeline.
+
+    \b
+    All on the same data; pipeline efficiency = pipeline / slowest stage alone (goal >= 0.95; when the
+    target and the drafters share devices, the goal is checked against the time-sharing bound
+    1 / (1/producer alone + 1/drafters alone)), and where time goes (target idle waiting for credits,
+    workers waiting for batches, queue depth). Examples:
+      dflash-pipe bench throughput --seconds 3
+      dflash-pipe bench throughput --target-model /models/Qwen3-8B --data chat.jsonl \\
+          --target-gpus 0 --drafter-gpus 0 --seconds 20 --compare --out bench-results/h200
+    """
+    from dflash_pipe.bench.throughput import run_throughput_bench
+    from dflash_pipe.launch_options import build_run_config
+
+    if seconds <= 0:
+        raise click.UsageError(f"--seconds must be > 0, got {seconds}.")
+    out = _bench_out(out_dir)
+    try:
+        cfg, _ = build_run_config({**opts, "run_dir": out / "work" / "prepare"})
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from None
+    check_machine(cfg)
+    with _bench_scratch(out, keep_work) as scratch, _bench_progress() as progress:
+        try:
+            result = run_throughput_bench(
+                cfg, seconds=seconds, work_dir=Path(scratch), compare=compare, progress=progress
+            )
+        except (RuntimeError, ValueError, FileNotFoundError) as exc:  # a stage failed: its log's end
+            hint = "" if keep_work else " (rerun with --keep-work to keep the logs)"
+            raise click.ClickException(f"bench throughput failed{hint}: {exc}") from None
+    _finish_bench(result, out)
+
+
+@bench.command("transport")
+@click.option("--sizes-mib", help="Comma-separated message sizes in MiB (default: the bench's own list).")
+@click.option(
+    "--budget-mib",
+    type=int,
+    default=384,
+    show_default=True,
+    help="MiB moved per path and size (>= 3 messages).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="cuda adds the GPU cases (device -> pinned host, GPU -> worker GPU through shm and through CUDA "
+    "IPC); auto: when a GPU is present.",
+)
+@_OUT_OPTION
+def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir: Path | None) -> None:
+    """GB/s of every transport (tcp, ipc, same-host paths) by message size, against a memcpy of the same bytes.
+
+    \b
+    Goals: the wire adds <= 5% over raw pyzmq at the same sizes and frames; the same-host ring moves GPU ->
+    worker GPU at >= 25 GB/s. With CUDA the summary also says which same-host GPU path (shm or cuda_ipc)
+    is faster. Example:
+      dflash-pipe bench transport --sizes-mib 1,16,126 --budget-mib 2048
+    """
+    from dflash_pipe.bench.transport import run_transport_bench
+
+    try:
+        sizes = [float(x) for x in sizes_mib.split(",")] if sizes_mib else [1.0, 16.0, 126.0]
+    except ValueError:
+        raise click.UsageError(
+            f"--sizes-mib {sizes_mib!r}: give numbers separated by commas, e.g. 1,4,16"
+        ) from None
+    out = _bench_out(out_dir)
+    with _bench_progress() as progress:
+        progress("transport")
+        cuda = None if device == "auto" else device == "cuda"
+        result = run_transport_bench(sizes, budget_mib=budget_mib, cuda=cuda)
+    _finish_bench(result, out)
+
+
+@bench.command("compile")
+@click.option(
+    "--target-model", type=click.Path(path_type=Path), help="HF model directory (default: the demo target)."
+)
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--drafter-gpus", help="GPUs of the N workers started together, e.g. 0 or 0-3 (default: 0).")
+@click.option("--workers", type=int, default=2, show_default=True, help="N: workers started together.")
+@click.option("--draft-layers", type=int, help="Drafter depth (default: 1 on CPU, 5 on CUDA).")
+@click.option(
+    "--seq-len", type=int, help="Tokens of the warm-up and the first step (default: 256 CPU, 2048 CUDA)."
+)
+@click.option(
+    "--compile-warmup",
+    "warmups",
+    default="each",
+    show_default=True,
+    help="How the N together warm up (launch --compile-warmup): once, each, or once,each to compare both.",
+)
+@_OUT_OPTION
+@_KEEP_OPTION
+def bench_compile(
+    target_model: Path | None,
+    device: str,
+    drafter_gpus: str | None,
+    workers: int,
+    draft_layers: int | None,
+    seq_len: int | None,
+    warmups: str,
+    out_dir: Path | None,
+    keep_work: bool,
+) -> None:
+    """Time to first training step: cold cache, warm cache, and N workers started together on one cache.
+
+    \b
+    Workers start as the launcher starts them (shared cache, the warm-up lock). Goal: N together within
+    1.2x of one worker's cold time. On CPU the drafter's layers are compiled for the bench (a CPU worker
+    compiles nothing). Examples:
+      dflash-pipe bench compile
+      dflash-pipe bench compile --target-model /models/Qwen3-8B --drafter-gpus 0 --workers 3
+    """
+    from dflash_pipe.bench.compile import run_compile_bench
+    from dflash_pipe.run.layout import parse_gpu_spec
+
+    if workers < 1:
+        raise click.UsageError(f"--workers must be >= 1, got {workers}.")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus = parse_gpu_spec(drafter_gpus, flag="--drafter-gpus") if drafter_gpus else (0,)
+    out = _bench_out(out_dir)
+    with _bench_scratch(out, keep_work) as scratch, _bench_progress() as progress:
+        try:
+            result = run_compile_bench(
+                target_model=target_model,
+                device=device,
+                gpus=gpus,
+                workers=workers,
+                draft_layers=draft_layers,
+                seq_len=seq_len,
+                warmups=tuple(w.strip() for w in warmups.split(",") if w.strip()),
+                work_dir=Path(scratch),
+                progress=progress,
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            raise click.UsageError(str(exc)) from None
+        except RuntimeError as exc:  # a worker start failed: the end of its log
+            hint = "" if keep_work else " (rerun with --keep-work to keep the logs)"
+            raise click.ClickException(f"bench compile failed{hint}: {exc}") from None
+    _finish_bench(result, out)
