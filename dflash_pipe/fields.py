@@ -3,7 +3,8 @@
 ``flag("--token-budget", "Max tokens per batch ...")`` goes into the field's metadata; the command line
 is made from these (``launch_options.field_options``: the click type from the field's type, a ``Literal``
 becoming a ``click.Choice``), so an option is declared once, next to its field. ``choices`` reads a
-``Literal`` field's values for the field's own validation, so an enum is listed once too.
+``Literal`` field's values for the field's own validation, so an enum is listed once too; ``build``
+makes a config from a mapping, naming unknown keys.
 """
 
 from __future__ import annotations
@@ -68,3 +69,12 @@ def check_choice(obj: Any, name: str, label: str, hint: str = "") -> None:
         words = [str(a) for a in allowed]
         listed = ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else words[0]
         raise ValueError(f"{label} must be {listed}, got {value!r}{hint}.")
+
+
+def build(kind: type, values: dict[str, Any], where: str, hint: str = "") -> Any:
+    """``kind(**values)``, naming unknown keys and the valid ones (not a TypeError) when there are any."""
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"Unknown {where} config key(s) {unknown}; valid keys are {sorted(names)}{hint}.")
+    return kind(**values)

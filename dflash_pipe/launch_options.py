@@ -115,7 +115,8 @@ def section_values(opts: dict[str, Any], section: str) -> dict[str, Any]:
     return out
 
 
-FLAG_FIELDS: dict[str, str] = {flag_of(f).param_name: path for path, f, _ in config_flags()}  # type: ignore[union-attr]
+_FLAGS = [(path, flag_of(f)) for path, f, _ in config_flags()]
+FLAG_FIELDS: dict[str, str] = {spec.param_name: path for path, spec in _FLAGS if spec is not None}
 """launch option (click parameter name) -> the RunConfig field it sets: made from the fields' flags."""
 _LAYOUT_FLAGS = ("device", "target_gpus", "drafter_gpus", "workers")
 
@@ -132,7 +133,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 """Without --target-model (the built-in demo): a small drafter, one short epoch, trained on the demo
 target's own replies (``--responses dataset`` trains on the bundled text instead)."""
-RESUME_OVERRIDES = {flag_of(f).param_name for _, f, _ in config_flags() if flag_of(f).resume} | {"live"}  # type: ignore[union-attr]
+RESUME_OVERRIDES = {spec.param_name for _, spec in _FLAGS if spec is not None and spec.resume} | {"live"}
 """Flags that may change on --resume; everything else comes from the run's saved config."""
 
 

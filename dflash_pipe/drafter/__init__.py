@@ -7,8 +7,7 @@ CLI; ``from dflash_pipe.drafter import DFlashDrafter`` works as before.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dflash_pipe import lazy_exports
 
 _EXPORTS = {
     "AcceptanceCounts": ".acceptance",
@@ -32,11 +31,4 @@ _EXPORTS = {
     "load_frozen_target_parts": ".target_parts",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

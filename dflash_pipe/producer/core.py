@@ -1,10 +1,11 @@
 """The producer's core: plans, leases and accounting of one run, with no socket in it.
 
-``ProducerCore`` admits workers (``producer.handshake``: HELLO -> WELCOME or REJECT), keeps the plan queue of the target threads
-full, leases ready batches to workers with credits, takes ACKs, READYs, METRICS and BYEs, drops silent or
-failed workers (their leases go back to the queue), and counts what the summary and the dashboard show. It
-speaks through an ``Outbox`` (send a message, reject a peer), so a test drives it with plain lists;
-``ProducerProc`` (``producer.proc``) is the process shell with the socket, the target threads and signals.
+``ProducerCore`` admits workers (``producer.handshake``: HELLO -> WELCOME or REJECT), keeps the plan
+queue of the target threads full, leases ready batches to workers with credits, takes ACKs, READYs,
+METRICS and BYEs, drops silent or failed workers (their leases go back to the queue), and counts what the
+summary and the dashboard show. It speaks through an ``Outbox`` (send a message, reject a peer), so a test
+drives it with plain lists; ``ProducerProc`` (``producer.proc``) is the process shell with the socket,
+the target threads and signals.
 """
 
 from __future__ import annotations

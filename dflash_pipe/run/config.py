@@ -11,7 +11,7 @@ from typing import Any, Literal
 from dflash_pipe.data import DataConfig
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.drafter.presets import PRESETS, presets_help
-from dflash_pipe.fields import check_choice, flag
+from dflash_pipe.fields import build, check_choice, flag
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.wire.addresses import DEFAULT_ADDRESS, require_keys_for
@@ -39,7 +39,8 @@ class DrafterOptions:
         default=None,
         metadata=flag(
             "--layer-types",
-            "Attention of each draft layer, comma-separated: full_attention or sliding_attention (full/sliding for short), e.g. sliding,sliding,sliding,sliding,full (default: all full).",
+            "Attention of each draft layer, comma-separated: full_attention or sliding_attention "
+            "(full/sliding for short), e.g. sliding,sliding,sliding,sliding,full (default: all full).",
         ),
     )
     """One per draft layer: full_attention or sliding_attention (comma-separated on the command line;
@@ -155,7 +156,8 @@ class WireConfig:
         default="auto",
         metadata=flag(
             "--payload-path",
-            "auto: GPU memory (CUDA IPC) or shared memory for same-host workers, frames for the rest (default); socket; shm only; cuda_ipc only.",
+            "auto: GPU memory (CUDA IPC) or shared memory for same-host workers, frames for the rest "
+            "(default); socket; shm only; cuda_ipc only.",
             resume=True,
         ),
     )
@@ -269,8 +271,8 @@ class RunConfig:
         }
         for key, kind in parts.items():
             if key in data:
-                data[key] = _build(kind, data[key], key)
-        return _build(cls, data, "run")
+                data[key] = build(kind, data[key], key)
+        return build(cls, data, "run")
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -278,14 +280,6 @@ class RunConfig:
     @classmethod
     def load(cls, path: Path) -> RunConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
-
-
-def _build(kind: type, values: dict[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ValueError(f"Unknown {where} config key(s) {unknown}; valid keys are {sorted(names)}.")
-    return kind(**values)
 
 
 def _jsonable(value: Any) -> Any:

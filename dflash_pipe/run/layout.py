@@ -65,7 +65,8 @@ class LayoutConfig:
         default="auto",
         metadata=flag(
             "--target-parallel",
-            "One target replica per GPU, or one replica split by layers across the target GPUs (auto: replicas when the weights fit one GPU).",
+            "One target replica per GPU, or one replica split by layers across the target GPUs (auto: "
+            "replicas when the weights fit one GPU).",
             resume=True,
         ),
     )
@@ -74,7 +75,8 @@ class LayoutConfig:
         default="processes",
         metadata=flag(
             "--drafter-mode",
-            "One worker process per drafter device (default), or one process with a drafter thread per device.",
+            "One worker process per drafter device (default), or one process with a drafter thread per "
+            "device.",
             resume=True,
         ),
     )

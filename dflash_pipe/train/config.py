@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dflash_pipe.fields import check_choice, flag
+from dflash_pipe.fields import build, check_choice, flag
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,7 +38,8 @@ class TrainConfig:
         default="end",
         metadata=flag(
             "--eval-generate",
-            "Real tau by speculative decoding of held-out prompts: in the final evaluation (end, default), at every evaluation, or off (the simulated tau only).",
+            "Real tau by speculative decoding of held-out prompts: in the final evaluation (end, default), "
+            "at every evaluation, or off (the simulated tau only).",
             resume=True,
         ),
     )
@@ -68,7 +69,8 @@ class TrainConfig:
         default="auto",
         metadata=flag(
             "--compile",
-            "torch.compile the drafter's flex attention (auto: on CUDA); full: also its layers and CE terms (faster; see docs/performance.md before using it).",
+            "torch.compile the drafter's flex attention (auto: on CUDA); full: also its layers and CE terms "
+            "(faster; see docs/performance.md before using it).",
             param="compile_mode",
         ),
     )
@@ -80,7 +82,9 @@ class TrainConfig:
         default="each",
         metadata=flag(
             "--compile-warmup",
-            "Workers starting together on an empty compile cache: each = all compile at once (default; the shortest time to the first step); once = one compiles, the others wait and start warm (least CPU).",
+            "Workers starting together on an empty compile cache: each = all compile at once (default; the "
+            "shortest time to the first step); once = one compiles, the others wait and start warm (least "
+            "CPU).",
             resume=True,
         ),
     )
@@ -137,11 +141,4 @@ class TrainConfig:
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Inverse of ``to_dict``, validated; a key this version does not know is named (a producer of
         another dflash-pipe version), not passed on as a TypeError."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(
-                f"Unknown train config key(s) {unknown}; valid keys are {sorted(names)} (producer and worker "
-                "run different dflash-pipe versions?)."
-            )
-        return cls(**values)
+        return build(cls, values, "train", " (producer and worker run different dflash-pipe versions?)")

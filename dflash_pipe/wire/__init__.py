@@ -12,8 +12,7 @@ or pyzmq (the endpoints); ``from dflash_pipe.wire import Batch, decode`` works a
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dflash_pipe import lazy_exports
 
 _FROM = {
     ".codec": (
@@ -55,11 +54,4 @@ _FROM = {
 }
 _EXPORTS = {name: module for module, names in _FROM.items() for name in names}
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -22,7 +22,7 @@ PACKAGE = Path(dflash_pipe.__file__).resolve().parent
 NAME = "dflash_pipe"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("protocol", ("wire",)),
+    ("protocol", ("", "wire")),
     ("support", ("telemetry", "data", "fields")),
     (
         "formats",
@@ -33,11 +33,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("drafter", ("drafter",)),
     ("training step", ("train",)),
     ("processes", ("producer", "worker", "launcher", "regenerate")),
-    ("command line", ("", "cli", "commands", "launch_options", "reference", "report", "bench", "__main__")),
+    ("command line", ("cli", "commands", "launch_options", "reference", "report", "bench", "__main__")),
 )
 """Bottom first. A module's layer is the one holding the longest prefix of its dotted name (below
 ``dflash_pipe``): the part configs are run formats although their packages are compute (``drafter.rope``
-with them: a drafter config is valid when its RoPE parameters build); "" is the root package itself."""
+with them: a drafter config is valid when its RoPE parameters build); "" is the root package itself
+(the version and the lazy-export helper every package's ``__init__`` uses: below everything)."""
 
 PEERS = (("producer",), ("train", "worker"))
 """Packages that talk only through the protocol and the run formats: neither imports the other (the
