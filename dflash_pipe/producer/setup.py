@@ -105,7 +105,9 @@ class PendingRun:
         ledger = self.saved_ledger
         if ledger is None:
             ledger = Ledger(len(train_samples), self.cfg.train.epochs)
-        elif ledger.num_samples != len(train_samples):
+        else:  # --epochs may change on resume: more trains on (the checks ran in rundir.check_resume)
+            ledger = ledger.with_epochs(self.cfg.train.epochs)
+        if ledger.num_samples != len(train_samples):
             raise RunDirError(
                 f"--resume {self.cfg.run_dir}: the checkpoint was trained on {ledger.num_samples} samples but "
                 f"the data now gives {len(train_samples)}. Resume with the same --data and settings."
@@ -326,7 +328,7 @@ def _check_run_dir(run_dir: Path, *, resume: bool) -> None:
 
 
 def load_run_config(run_dir: Path) -> RunConfig:
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.exists():
-        raise RunDirError(f"--resume {run_dir}: no {CONFIG_FILE} there, so there is no run to resume.")
-    return RunConfig.load(path)
+    """The saved config of the run at ``run_dir`` (the path given is the run: ``rundir.load_run_config``)."""
+    from dflash_pipe.rundir import load_run_config as load
+
+    return load(run_dir)

@@ -2,15 +2,19 @@
 
 A checkpoint is built in a temporary directory and renamed into place, then the ``latest`` pointer is
 replaced the same way: a crash (or a full disk) never leaves a half-written checkpoint as the latest.
+Each one carries a manifest (every file's size and sha256, read back from disk once written), so a resume
+or an export can tell an intact checkpoint from one damaged since (``verify_checkpoint``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,10 @@ DRAFTER_CONFIG = "drafter_config.json"
 OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 RNG = "rng.pt"
+MANIFEST = "manifest.json"
+REQUIRED_FILES = (DRAFTER_WEIGHTS, DRAFTER_CONFIG, OPTIMIZER, RNG, TRAINER_STATE)
+"""What a resume loads: a checkpoint missing any of them cannot be resumed."""
+_HASH_CHUNK = 8 << 20
 
 
 @dataclass(slots=True)
@@ -68,6 +76,7 @@ def save_checkpoint(
             tmp / TRAINER_STATE,
             {"step": step, "time": time.time(), "ledger": ledger, "extra": extra or {}},
         )
+        write_manifest(tmp)
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -94,6 +103,75 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             f"checkpoint directory under {pointer.parent}."
         )
     return path
+
+
+def write_manifest(path: Path) -> None:
+    """``manifest.json``: each file of the checkpoint with its size and sha256, hashed as read back from
+    disk, so what is recorded is what was written."""
+    path = Path(path)
+    files = {
+        f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+        for f in sorted(path.iterdir())
+        if f.is_file() and f.name != MANIFEST
+    }
+    _write_json(path / MANIFEST, {"format": 1, "files": files})
+
+
+def verify_checkpoint(path: Path, files: Sequence[str] | None = None) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (one phrase naming the file), or None if it is intact.
+
+    With a manifest, each file (``files``, default all listed) must be there with its recorded size and
+    sha256. A checkpoint written before manifests existed is checked for its files and readable JSON only."""
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path} does not exist"
+    manifest = path / MANIFEST
+    if not manifest.exists():
+        return _check_unmanifested(path, files or REQUIRED_FILES)
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+        listed = {name: (int(e["bytes"]), str(e["sha256"])) for name, e in entries.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{manifest} is unreadable ({type(e).__name__}: {e})"
+    for name in files or REQUIRED_FILES:
+        if name not in listed:
+            return f"{manifest} does not list {name}"
+    for name in files or listed:
+        size, digest = listed[name]
+        f = path / name
+        if not f.exists():
+            return f"{f} is missing (its manifest lists it)"
+        try:
+            actual = f.stat().st_size
+            if actual != size:
+                return f"{f} has {actual} bytes, its manifest says {size} (cut short or overwritten)"
+            if file_sha256(f) != digest:
+                return f"{f} does not match its sha256 in {MANIFEST} (changed or damaged on disk)"
+        except OSError as e:
+            return f"{f} cannot be read ({e.strerror or e})"
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    """Streaming sha256 of a file (constant memory, whatever its size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_unmanifested(path: Path, files: Sequence[str]) -> str | None:
+    for name in files:
+        f = path / name
+        if not f.is_file() or f.stat().st_size == 0:
+            return f"{f} is missing or empty"
+    for name in (n for n in (TRAINER_STATE, DRAFTER_CONFIG) if n in files):
+        try:
+            json.loads((path / name).read_text())
+        except (OSError, ValueError) as e:
+            return f"{path / name} is unreadable ({type(e).__name__}: {e})"
+    return None
 
 
 def read_trainer_state(path: Path) -> TrainerState:
