@@ -68,6 +68,7 @@ class RunDirLock:
         self.notes: list[str] = []
         self._lock = FileLock(self.run_dir / LOCK_FILE, timeout=0)
         self._held = False
+        self._record: dict[str, Any] = {}
 
     def acquire(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +84,8 @@ class RunDirLock:
             self._lock.release()
             self._held = False
             raise
-        _write_json(self.run_dir / OWNER_FILE, owner_record())
+        self._record = owner_record()
+        _write_json(self.run_dir / OWNER_FILE, self._record)
 
     def _check_previous(self, previous: dict[str, Any]) -> None:
         if not previous or previous.get("released") or _is_self(previous):
@@ -107,7 +109,7 @@ class RunDirLock:
             return
         self._held = False
         with contextlib.suppress(OSError):
-            _write_json(self.run_dir / OWNER_FILE, {**owner_record(), "released": _now()})
+            _write_json(self.run_dir / OWNER_FILE, {**self._record, "released": _now()})
         self._lock.release()
 
     def __enter__(self) -> RunDirLock:
@@ -122,7 +124,7 @@ def owner_record() -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "command": shlex.join(sys.argv),
+        "command": shlex.join(["dflash-pipe", *sys.argv[1:]]),
         "cwd": os.getcwd(),
         "started": _now(),
         "version": __version__,
@@ -203,6 +205,24 @@ def load_run_config(run_dir: Path) -> RunConfig:
             f"{path} does not fit dflash-pipe {__version__} ({e}); it was written by {by}. Resume it with that "
             f"version{with_it}, or start a new --run-dir (`dflash-pipe export {run_dir} OUT` keeps its drafter)."
         ) from None
+
+
+_PATH_KEYS = (("data", "path"), ("target_model",), ("compile_cache",), ("wire", "keys"))
+"""Paths of a config that a launch reads relative to the directory it runs in."""
+
+
+def save_run_config(cfg: RunConfig) -> None:
+    """RUN_DIR/config.json, its input paths made absolute (they were just read from this directory), so
+    ``--resume`` works from any directory; ``run_dir`` stays as given (a resume uses the path it is given)."""
+    data = cfg.to_dict()
+    for keys in _PATH_KEYS:
+        parent = data
+        for key in keys[:-1]:
+            parent = parent[key]
+        value = parent[keys[-1]]
+        if value is not None and not Path(value).is_absolute():
+            parent[keys[-1]] = str(Path(value).resolve())
+    (cfg.run_dir / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _hint(path: Path) -> str:

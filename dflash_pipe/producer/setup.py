@@ -112,7 +112,9 @@ class PendingRun:
                 f"--resume {self.cfg.run_dir}: the checkpoint was trained on {ledger.num_samples} samples but "
                 f"the data now gives {len(train_samples)}. Resume with the same --data and settings."
             )
-        self.cfg.save(self.cfg.run_dir / CONFIG_FILE)
+        from dflash_pipe.rundir import save_run_config
+
+        save_run_config(self.cfg)
         return RunContext(
             cfg=self.cfg,
             run_id=self.run_id,
