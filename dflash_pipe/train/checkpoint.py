@@ -2,8 +2,9 @@
 
 A checkpoint is built in a temporary directory and renamed into place, then the ``latest`` pointer is
 replaced the same way: a crash (or a full disk) never leaves a half-written checkpoint as the latest.
-Each one carries a manifest (every file's size and sha256, read back from disk once written), so a resume
-or an export can tell an intact checkpoint from one damaged since (``verify_checkpoint``).
+Each one carries a manifest (every file's size and sha256 by 64 MiB pieces, read back from disk once
+written), so a resume or an export can tell an intact checkpoint from one damaged since
+(``verify_checkpoint``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import random
 import shutil
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,10 @@ RNG = "rng.pt"
 MANIFEST = "manifest.json"
 REQUIRED_FILES = (DRAFTER_WEIGHTS, DRAFTER_CONFIG, OPTIMIZER, RNG, TRAINER_STATE)
 """What a resume loads: a checkpoint missing any of them cannot be resumed."""
-_HASH_CHUNK = 8 << 20
+CHUNK_BYTES = 64 << 20
+"""The manifest hashes files in pieces of this size, so a big file hashes on several cores."""
+_READ_BYTES = 8 << 20
+_HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclass(slots=True)
@@ -106,11 +111,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def write_manifest(path: Path) -> None:
-    """``manifest.json``: each file of the checkpoint with its size and sha256, hashed as read back from
-    disk, so what is recorded is what was written."""
+    """``manifest.json``: each file of the checkpoint with its size and the sha256 of each of its
+    ``CHUNK_BYTES`` pieces, hashed as read back from disk, so what is recorded is what was written."""
     path = Path(path)
     files = {
-        f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+        f.name: {"bytes": f.stat().st_size, "chunk_bytes": CHUNK_BYTES, "sha256": file_digests(f)}
         for f in sorted(path.iterdir())
         if f.is_file() and f.name != MANIFEST
     }
@@ -130,14 +135,16 @@ def verify_checkpoint(path: Path, files: Sequence[str] | None = None) -> str | N
         return _check_unmanifested(path, files or REQUIRED_FILES)
     try:
         entries = json.loads(manifest.read_text())["files"]
-        listed = {name: (int(e["bytes"]), str(e["sha256"])) for name, e in entries.items()}
+        listed = {
+            name: (int(e["bytes"]), list(e["sha256"]), int(e["chunk_bytes"])) for name, e in entries.items()
+        }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{manifest} is unreadable ({type(e).__name__}: {e})"
     for name in files or REQUIRED_FILES:
         if name not in listed:
             return f"{manifest} does not list {name}"
     for name in files or listed:
-        size, digest = listed[name]
+        size, digests, chunk = listed[name]
         f = path / name
         if not f.exists():
             return f"{f} is missing (its manifest lists it)"
@@ -145,19 +152,34 @@ def verify_checkpoint(path: Path, files: Sequence[str] | None = None) -> str | N
             actual = f.stat().st_size
             if actual != size:
                 return f"{f} has {actual} bytes, its manifest says {size} (cut short or overwritten)"
-            if file_sha256(f) != digest:
+            if file_digests(f, chunk) != digests:
                 return f"{f} does not match its sha256 in {MANIFEST} (changed or damaged on disk)"
         except OSError as e:
             return f"{f} cannot be read ({e.strerror or e})"
     return None
 
 
-def file_sha256(path: Path) -> str:
-    """Streaming sha256 of a file (constant memory, whatever its size)."""
+def file_digests(path: Path, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
+    """The sha256 of each ``chunk_bytes`` piece of a file (one piece under that size: its plain sha256), hashed
+    on several threads: hashlib releases the GIL, and one core hashes only ~1 GB/s (a 12.6 GB checkpoint of the
+    Qwen3-8B drafter took 13 s on one core of the H200 host)."""
+    size = Path(path).stat().st_size
+    starts = range(0, max(size, 1), chunk_bytes)
+    threads = min(len(starts), _HASH_THREADS)
+    if threads <= 1:
+        return [_chunk_sha256(path, start, chunk_bytes) for start in starts]
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dflash-sha256") as pool:
+        return list(pool.map(lambda start: _chunk_sha256(path, start, chunk_bytes), starts))
+
+
+def _chunk_sha256(path: Path, start: int, length: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
+        f.seek(start)
+        left = length
+        while left > 0 and (block := f.read(min(_READ_BYTES, left))):
+            digest.update(block)
+            left -= len(block)
     return digest.hexdigest()
 
 
