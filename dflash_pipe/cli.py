@@ -133,7 +133,8 @@ def regen_flags(*, launch: bool) -> Callable:
     "--resume",
     "resume_dir",
     type=click.Path(path_type=Path),
-    help="Continue the run in this directory from its latest checkpoint, with its saved config.",
+    help="Continue the run in this directory (wherever it was started) from its latest intact checkpoint, "
+    "with its saved config; a finished run says how to train on (--epochs, --max-steps).",
 )
 @DEVICE
 @click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4 or 0,1.")
