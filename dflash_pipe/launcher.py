@@ -209,10 +209,10 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     loads (finished: ``RunComplete``; damaged: ``RunDirError``), then runs it (``_launch``)."""
     from rich.markup import escape
 
-    from dflash_pipe.rundir import RunDirLock, check_resume
+    from dflash_pipe.rundir import RunDirLock, check_launch
 
-    with RunDirLock(cfg.run_dir) as lock:
-        for note in lock.notes + (check_resume(cfg) if resume else []):
+    with RunDirLock(cfg.run_dir, check=lambda: check_launch(cfg, resume=resume)) as lock:
+        for note in lock.notes:
             console.print(f"[yellow]warning:[/] {escape(note)}")
         return _launch(cfg, resume=resume, console=console, live=live)
 

@@ -22,13 +22,14 @@ import shlex
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock, Timeout
 
 from dflash_pipe import __version__
-from dflash_pipe.producer.setup import CONFIG_FILE, RunDirError
+from dflash_pipe.producer.setup import CONFIG_FILE, RunDirError, check_run_dir
 from dflash_pipe.train.checkpoint import (
     CHECKPOINTS,
     DRAFTER_CONFIG,
@@ -60,11 +61,15 @@ class RunComplete(Exception):
 
 
 class RunDirLock:
-    """The launch's hold on its run directory: ``with RunDirLock(run_dir) as lock:``; ``lock.notes`` holds the
-    warning about a dead owner taken over, if any. Release is safe to call twice."""
+    """The launch's hold on its run directory: ``with RunDirLock(run_dir, check=...) as lock:``.
 
-    def __init__(self, run_dir: Path) -> None:
+    ``check`` runs with the lock held, before owner.json is written: a launch it refuses (a fresh run over
+    an old one, a finished run) leaves the run dir as it was. ``lock.notes`` holds the warnings: a dead owner
+    taken over, and what ``check`` returned. Release is safe to call twice."""
+
+    def __init__(self, run_dir: Path, check: Callable[[], list[str]] | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.check = check
         self.notes: list[str] = []
         self._lock = FileLock(self.run_dir / LOCK_FILE, timeout=0)
         self._held = False
@@ -80,6 +85,8 @@ class RunDirLock:
         previous = read_owner(self.run_dir)
         try:
             self._check_previous(previous)
+            if self.check is not None:
+                self.notes += self.check()
         except BaseException:
             self._lock.release()
             self._held = False
@@ -141,8 +148,8 @@ def read_owner(run_dir: Path) -> dict[str, Any]:
 
 
 def describe_owner(owner: dict[str, Any]) -> str:
-    if not owner:
-        return "another process (its owner.json is not written yet)"
+    if not owner or owner.get("released"):  # the record is a previous owner's: the holder is starting
+        return "another launch that is starting (its owner.json is not written yet)"
     return (
         f"pid {owner.get('pid', '?')} on {owner.get('host', '?')} (`{owner.get('command', '?')}`, "
         f"since {owner.get('started', '?')})"
@@ -150,7 +157,7 @@ def describe_owner(owner: dict[str, Any]) -> str:
 
 
 def busy_message(run_dir: Path, owner: dict[str, Any]) -> str:
-    pid = owner.get("pid")
+    pid = None if owner.get("released") else owner.get("pid")
     stop = f"kill -INT {pid}" if pid else "Ctrl-C in its terminal"
     return (
         f"{run_dir} is in use by {describe_owner(owner)}. Wait for it to finish or stop it ({stop} drains "
@@ -292,6 +299,13 @@ def _steps(root: Path) -> list[Path]:
 
 
 # --- before a resume -----------------------------------------------------------------------------------
+
+
+def check_launch(cfg: RunConfig, *, resume: bool) -> list[str]:
+    """The run dir checks of a launch, with its lock held: a fresh run never lands on an old one
+    (``RunDirError``); a resume runs ``check_resume``."""
+    check_run_dir(cfg.run_dir, resume=resume)
+    return check_resume(cfg) if resume else []
 
 
 def check_resume(cfg: RunConfig) -> list[str]:

@@ -174,7 +174,7 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
     from transformers import AutoConfig, AutoTokenizer
 
     run_dir = cfg.run_dir
-    _check_run_dir(run_dir, resume=resume)
+    check_run_dir(run_dir, resume=resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     target_path = cfg.target_model
     if target_path is None:
@@ -318,7 +318,8 @@ def check_checkpoint_fits(checkpoint: Path, drafter: DrafterConfig, run_dir: Pat
             )
 
 
-def _check_run_dir(run_dir: Path, *, resume: bool) -> None:
+def check_run_dir(run_dir: Path, *, resume: bool) -> None:
+    """A fresh run never lands on a run with checkpoints; a resume needs a run (its config.json)."""
     has_config = (run_dir / CONFIG_FILE).exists()
     if resume and not has_config:
         raise RunDirError(f"--resume {run_dir}: no {CONFIG_FILE} there, so there is no run to resume.")

@@ -107,3 +107,18 @@ def test_a_live_owner_without_the_lock_is_not_taken_over(tmp_path: Path):
     finally:
         proc.stdin.close()
         proc.wait()
+
+
+def test_a_refused_check_leaves_the_run_dir_as_it_was(tmp_path: Path):
+    """The launch's checks run with the lock held and before owner.json is written."""
+    previous = {"pid": 7, "host": "h", "command": "dflash-pipe launch", "started": "t0", "released": "t1"}
+    (tmp_path / OWNER_FILE).write_text(json.dumps(previous))
+
+    def refuse() -> list[str]:
+        raise RunDirBusy("refused")
+
+    with pytest.raises(RunDirBusy, match="refused"), RunDirLock(tmp_path, check=refuse):
+        pass
+    assert read_owner(tmp_path) == previous
+    with RunDirLock(tmp_path, check=lambda: ["a note"]) as lock:
+        assert lock.notes == ["a note"] and read_owner(tmp_path)["pid"] == os.getpid()
