@@ -233,3 +233,25 @@ def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def test_voids_of_a_regenerated_run_count_as_trained_after_set_up(tmp_path: Path):
+    """Conversations regenerated with nothing to train are never in the ledger: the set-up check counts them,
+    and the launch that trained every epoch records it for the next resume."""
+    from types import SimpleNamespace
+
+    from dflash_pipe.rundir import check_open_work, record_complete
+
+    run_dir = make_run(tmp_path / "run", trained=SAMPLES - 1)
+    cfg = resumed(run_dir)
+    ledger = Ledger(SAMPLES, 1)
+    ledger.mark(0, range(SAMPLES - 1))
+    ctx = SimpleNamespace(cfg=cfg, ledger=ledger, resume_from=step_dir(run_dir, 4), resume_step=4, regen=None)
+    check_open_work(ctx)  # one sample still to train
+    ctx.regen = SimpleNamespace(voids={SAMPLES - 1})
+    with pytest.raises(RunComplete, match="all 1 epoch"):
+        check_open_work(ctx)
+    assert check_resume(cfg) == []  # the checkpoint alone does not know ...
+    record_complete(run_dir, checkpoint=str(step_dir(run_dir, 4).resolve()), epochs=1)
+    with pytest.raises(RunComplete):  # ... the launch's record does
+        check_resume(cfg)
