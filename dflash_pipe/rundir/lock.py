@@ -63,24 +63,30 @@ class RunDirLock:
             self._lock.release()
             self._held = False
             raise
-        self._record = owner_record()
+        self._record = {**owner_record(), "run_dir": str(self.run_dir.resolve())}
         _write_json(self.run_dir / OWNER_FILE, self._record)
 
     def _check_previous(self, previous: dict[str, Any]) -> None:
+        """A previous owner that never released: dead (take over, with a warning), or alive while the lock
+        is free (refuse: the file system may not lock). A record copied with the run dir names the original."""
         if not previous or previous.get("released") or _is_self(previous):
             return
-        if previous.get("host") == socket.gethostname() and _is_dflash_process(int(previous.get("pid", -1))):
+        here = previous.get("host") == socket.gethostname()
+        recorded = previous.get("run_dir")
+        copied = bool(recorded) and recorded != str(self.run_dir.resolve())
+        if here and _is_dflash_process(int(previous.get("pid", -1))):
+            if copied:  # it owns the original run dir, not this copy
+                return
             raise RunDirBusy(
                 f"{self.run_dir / OWNER_FILE} names {describe_owner(previous)}, which still runs, but the lock "
                 f"file {self.run_dir / LOCK_FILE} is free: this file system may not support file locks. "
                 "Stop that process first; if it does not use this run dir, delete owner.json"
             )
-        where = (
-            "" if previous.get("host") == socket.gethostname() else " (on another host: make sure it stopped)"
-        )
+        where = "" if here else " (on another host: make sure it stopped)"
+        origin = f" (the record came with the copy from {recorded})" if copied else ""
         self.notes.append(
             f"took over {self.run_dir} from {describe_owner(previous)}, which ended without releasing it "
-            f"(killed?){where}"
+            f"(killed?){where}{origin}"
         )
 
     def release(self) -> None:

@@ -87,9 +87,14 @@ def test_a_live_owner_without_the_lock_is_not_taken_over(tmp_path: Path):
     """The owner still runs but the lock is free (a file system without locks): refuse, never share."""
     import socket
 
+    script = "import sys; print('up', flush=True); sys.stdin.read()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()", "dflash_pipe"], stdin=subprocess.PIPE
+        [sys.executable, "-c", script, "dflash_pipe"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    assert proc.stdout.readline().strip() == "up"  # running (its command line is the new one)
     try:
         owner = {
             "pid": proc.pid,
@@ -104,6 +109,10 @@ def test_a_live_owner_without_the_lock_is_not_taken_over(tmp_path: Path):
         probe.acquire()  # the refusal released the lock it took
         probe.release()
         assert read_owner(tmp_path)["pid"] == proc.pid
+        # the same record in a copy of a live run's dir: its owner holds the original, the copy is free
+        (tmp_path / OWNER_FILE).write_text(json.dumps({**owner, "run_dir": str(tmp_path / "original")}))
+        with RunDirLock(tmp_path) as lock:
+            assert lock.notes == []
     finally:
         proc.stdin.close()
         proc.wait()
