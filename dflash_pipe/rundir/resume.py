@@ -41,10 +41,17 @@ def check_resume(cfg: RunConfig) -> list[str]:
     notes += more
     if ckpt is None:
         return notes
-    state = read_trainer_state(ckpt)
     try:
-        ledger = Ledger.from_dict(state.ledger).with_epochs(cfg.train.epochs)
-    except (ValueError, KeyError) as e:
+        state = read_trainer_state(ckpt)
+        ledger = Ledger.from_dict(state.ledger)
+    except (ValueError, KeyError, TypeError) as e:
+        raise RunDirError(
+            f"{ckpt}/trainer_state.json has no readable step and ledger ({type(e).__name__}: {e}). Point "
+            f"{run_dir}/checkpoints/latest at an older checkpoint, or start a new --run-dir"
+        ) from None
+    try:
+        ledger = ledger.with_epochs(cfg.train.epochs)
+    except ValueError as e:
         raise RunDirError(f"--resume {run_dir} --{e}") from None
     epochs_done = ledger.current_epoch() >= cfg.train.epochs or _recorded_complete(run_dir, ckpt, cfg)
     if message := complete_message(cfg, ckpt.name, state.step, epochs_done=epochs_done):
