@@ -61,6 +61,12 @@ def main() -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="demo")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, help="Where the checkpoint is written (default: a temp dir).")
+    parser.add_argument(
+        "--big-mib",
+        type=int,
+        default=0,
+        help="Also hash a file of this many MiB on 1 thread and on the default.",
+    )
     args = parser.parse_args()
     model = DrafterTensors(*SHAPES[args.shape])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -101,10 +107,32 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
         "torch": torch.__version__,
     }
+    if args.big_mib:
+        result["big_file"] = _threads(args.big_mib, args.work)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"checkpoint_manifest_cost_{args.shape}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "bytes"}, indent=2))
+
+
+def _threads(mib: int, work: Path | None) -> dict[str, float]:
+    """GB/s of ``file_digests`` on one thread and on the default (``min(8, cores)``), from the page cache."""
+    import os
+
+    with tempfile.NamedTemporaryFile(dir=work) as f:
+        block = os.urandom(1 << 20)
+        for _ in range(mib):
+            f.write(block)
+        f.flush()
+        ck.file_digests(f.name)  # into the page cache
+        out = {"gb": mib * (1 << 20) / 1e9, "default_threads": ck._HASH_THREADS}
+        for label, threads in (("1_thread", 1), ("default", ck._HASH_THREADS)):
+            saved, ck._HASH_THREADS = ck._HASH_THREADS, threads
+            t = time.perf_counter()
+            ck.file_digests(f.name)
+            out[f"{label}_gb_per_s"] = out["gb"] / (time.perf_counter() - t)
+            ck._HASH_THREADS = saved
+    return out
 
 
 if __name__ == "__main__":
