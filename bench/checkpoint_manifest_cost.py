@@ -56,7 +56,7 @@ class DrafterTensors(torch.nn.Module):
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="demo")
     parser.add_argument("--out", type=Path, required=True)
@@ -67,7 +67,7 @@ def main() -> None:
         default=0,
         help="Also hash a file of this many MiB on 1 thread and on the default.",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = DrafterTensors(*SHAPES[args.shape])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
@@ -113,6 +113,7 @@ def main() -> None:
     out = args.out / f"checkpoint_manifest_cost_{args.shape}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "bytes"}, indent=2))
+    return result
 
 
 def _threads(mib: int, work: Path | None) -> dict[str, float]:
