@@ -1,8 +1,7 @@
 """What a checkpoint's manifest costs: the sha256 of every file, read back once written, and the resume's check.
 
-A module with the drafter's trainable tensors (the shapes of a DFlash drafter of the given width and depth,
-fc included; the frozen embedding and LM head are never saved) and an AdamW state after one step is saved
-with ``save_checkpoint``; the run times the whole save, the manifest part of it, and ``verify_checkpoint``.
+The real DFlash drafter of the given shape (its frozen embedding and LM head, never saved, get a tiny
+vocabulary) and an AdamW state after one step are saved with ``save_checkpoint``; the run times the whole save, the manifest part of it, and ``verify_checkpoint``.
   PYTHONPATH=. python bench/checkpoint_manifest_cost.py --shape demo --out DIR      # the CPU demo's drafter
   PYTHONPATH=. python bench/checkpoint_manifest_cost.py --shape qwen3-8b --out DIR  # 1.05B params, ~12.6 GB
 Writes DIR/checkpoint_manifest_cost_<shape>.json. Times are from the page cache (the files were just
@@ -20,40 +19,28 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
+from dflash_pipe.drafter.config import default_target_layer_ids
 from dflash_pipe.train import checkpoint as ck
 
-SHAPES = {  # hidden, intermediate, heads, kv heads, head_dim, draft layers
-    "demo": (128, 384, 4, 2, 32, 3),
-    "qwen3-8b": (4096, 12288, 32, 8, 128, 5),
-}
+SHAPES = {  # DrafterConfig fields: the demo drafter, and the Qwen3-8B recipe's (docs/drafter.md)
+    "demo": dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, num_hidden_layers=3, num_target_layers=6),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, num_hidden_layers=5, num_target_layers=36),
+}  # fmt: skip
 
 
-class DrafterTensors(torch.nn.Module):
-    def __init__(self, hidden: int, inter: int, heads: int, kv: int, head_dim: int, layers: int) -> None:
-        super().__init__()
-        shapes = {
-            "fc.weight": (hidden, layers * hidden),
-            "hidden_norm.weight": (hidden,),
-            "norm.weight": (hidden,),
-        }
-        for i in range(layers):
-            p = f"layers.{i}."
-            shapes |= {
-                p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
-                p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
-                p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                p + "self_attn.q_norm.weight": (head_dim,),
-                p + "self_attn.k_norm.weight": (head_dim,),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter),
-                p + "input_layernorm.weight": (hidden,),
-                p + "post_attention_layernorm.weight": (hidden,),
-            }
-        self.params = torch.nn.ParameterDict(
-            {k.replace(".", "_"): torch.nn.Parameter(torch.randn(s) * 0.02) for k, s in shapes.items()}
-        )
+def build_drafter(shape: dict[str, int]) -> DFlashDrafter:
+    """The real drafter of that shape; its embedding and LM head (frozen, never saved) get a tiny vocabulary."""
+    vocab, layers = 8, shape["num_hidden_layers"]
+    ids = default_target_layer_ids(shape["num_target_layers"], layers)
+    cfg = DrafterConfig(**shape, vocab_size=vocab, mask_token_id=vocab - 1, target_layer_ids=ids)
+    embed = torch.nn.Embedding(vocab, cfg.hidden_size)
+    head = torch.nn.Linear(cfg.hidden_size, vocab, bias=False)
+    return DFlashDrafter(
+        cfg, embed.requires_grad_(False), head.requires_grad_(False), compile_attention=False
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -68,12 +55,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="Also hash a file of this many MiB on 1 thread and on the default.",
     )
     args = parser.parse_args(argv)
-    model = DrafterTensors(*SHAPES[args.shape])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
+    model = build_drafter(SHAPES[args.shape])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in trainable)
     timed = {"manifest_s": 0.0}
     write = ck.write_manifest
 
