@@ -255,3 +255,18 @@ def test_voids_of_a_regenerated_run_count_as_trained_after_set_up(tmp_path: Path
     record_complete(run_dir, checkpoint=str(step_dir(run_dir, 4).resolve()), epochs=1)
     with pytest.raises(RunComplete):  # ... the launch's record does
         check_resume(cfg)
+
+
+def test_a_checkpoint_of_another_target_or_drafter_shape_is_refused_naming_the_field(tmp_path: Path):
+    from dflash_pipe.producer.setup import check_checkpoint_fits
+    from tests.drafter.conftest import tiny_config
+
+    now = tiny_config()
+    ckpt = tmp_path / "step-00000004"
+    ckpt.mkdir()
+    (ckpt / ck.DRAFTER_CONFIG).write_text(json.dumps(now.to_dict()))
+    check_checkpoint_fits(ckpt, now, tmp_path)  # the same shape: fine
+    for field, other in (("hidden_size", 64), ("target_layer_ids", [0, 1]), ("num_hidden_layers", 3)):
+        (ckpt / ck.DRAFTER_CONFIG).write_text(json.dumps({**now.to_dict(), field: other}))
+        with pytest.raises(RunDirError, match=re.escape(f"the checkpoint's drafter has {field}={other!r}")):
+            check_checkpoint_fits(ckpt, now, tmp_path)
