@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The H200 runs behind bench/results/h200_{hybrid_cuda_tests,spec_eval_cost,regenerate_speed}: the CUDA-only
-# hybrid tests (flash-linear-attention kernels in fp32 against HF per sample), the real-eval cost per
-# prompt, and the regeneration speed. Needs the wheels in .whl (pyzmq, flash-linear-attention, fla-core for
-# python 3.12: pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl ...).
-# PART=1: tests + real-eval cost (~6 min); PART=2: regeneration speed (~7 min). Writes under ${OUT:-/tmp/out}.
+# The H200 runs behind bench/results/h200_{cuda_tests,spec_eval_cost,regenerate_speed}: the CUDA-only tests
+# (flash-linear-attention kernels in fp32 against HF per sample, flex packing, CUDA IPC), the real-eval cost
+# per prompt, the regeneration speed, and a compiled sliding-window drafter on the GPU. Needs the wheels in
+# .whl (pyzmq, flash-linear-attention, fla-core for python 3.12:
+# pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl ...).
+# PART=1: the fla test, real-eval cost, regeneration speed (~10 min); PART=2: the other CUDA tests and a
+# compiled sliding-window drafter (~5 min).
+# Each step has its own timeout and log under ${OUT:-/tmp/out}; results go to $OUT/results_partN.tgz.
 set -u
 OUT=${OUT:-/tmp/out}
 res=/tmp/res
@@ -12,14 +15,31 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/extra
-python3 -c "import torch, transformers, triton, zmq; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-if [ "${PART:-1}" = 1 ]; then
-  timeout 150 python3 -m pytest tests/target/test_hybrid_cuda.py -q -x -p no:cacheprovider 2>&1 | tail -8
-  for shape in qwen3-1.7b qwen3-8b; do
-    timeout 170 python3 bench/spec_eval_cost.py --shape $shape --prompts 3 --out "$res/h200_spec_eval_cost/$shape" 2>&1 | tail -25
-  done
+python3 -c "import torch, transformers, triton, zmq, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
+step() {  # step NAME SECONDS CMD...: the command's output in $OUT/NAME.log, its exit status in the summary
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "$name: rc $? in $((SECONDS - t0)) s"
+}
+pytest_cuda=(python3 -m pytest -q -rs -s --tb=long --show-capture=no -p no:cacheprovider)
+if [ "${PART:-1}" = 1 ]; then  # the real-eval cost runs beside the short fla test (a GPU mostly idle)
+  step spec_eval_qwen3-8b 300 python3 bench/spec_eval_cost.py --shape qwen3-8b --prompts 2 \
+    --max-new-tokens 128 --out "$res/h200_spec_eval_cost/qwen3-8b" &
+  step hybrid_cuda_test 200 "${pytest_cuda[@]}" tests/target/test_hybrid_cuda.py
+  step regen_generation 150 python3 bench/regenerate_speed.py --device cuda --shapes qwen3-1.7b,qwen3-8b \
+    --prompts 64 --batch-sizes 64 --hf-prompts 2 --new-tokens 128 --launch-shapes none \
+    --out "$res/h200_regenerate_speed/generation"
+  step regen_launch 400 python3 bench/regenerate_speed.py --device cuda --shapes none \
+    --launch-shapes qwen3-1.7b --launch-args "--target-gpus 0 --drafter-gpus 0 --eval-generate off" \
+    --out "$res/h200_regenerate_speed/launch"
+  wait
 else
-  timeout 480 python3 bench/regenerate_speed.py --device cuda --prompts 32 --hf-prompts 4 \
-      --out "$res/h200_regenerate_speed" 2>&1 | tail -40
+  step cuda_tests 200 "${pytest_cuda[@]}" tests/target/test_packing.py tests/target/test_features.py \
+    tests/target/test_placement.py tests/producer/test_target_thread.py tests/wire/test_cuda_ipc.py \
+    tests/wire/test_wire_shm.py
+  step sliding_drafter 120 python3 -m dflash_pipe launch --plain --device cuda --drafter-preset qwen3.6-27b \
+    --target-layer-ids 1,2,3,4 --max-steps 30 --eval-generate off --run-dir /tmp/sliding-run
 fi
 tar -czf "$OUT/results_part${PART:-1}.tgz" -C "$res" .

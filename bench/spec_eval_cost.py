@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def measure(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -
     layer_ids, bs = drafter.cfg.target_layer_ids, drafter.cfg.block_size
     real = drafter_proposer(drafter)
     per_kind: dict[str, list[dict]] = {"random drafter": [], "oracle drafts": [], "greedy (the check)": []}
-    for prompt in prompts:
+    for n, prompt in enumerate(prompts, 1):
+        started = time.perf_counter()
         greedy = greedy_generate(target, prompt, max_new_tokens=max_new_tokens)
         horizon = greedy_generate(target, prompt, max_new_tokens=max_new_tokens + bs).tokens
         per_kind["greedy (the check)"].append(
@@ -123,6 +125,13 @@ def measure(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -
                     "not_lossless": int(out.tokens != greedy.tokens),
                 }
             )
+        print(  # progress: a GPU run can take minutes, and a killed one should say how far it got
+            f"prompt {n}/{len(prompts)}: {time.perf_counter() - started:.1f} s "
+            f"(greedy {greedy.seconds:.1f} s, random drafter {per_kind['random drafter'][-1]['seconds']:.1f} s, "
+            f"oracle {per_kind['oracle drafts'][-1]['seconds']:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     rows = []
     for kind, runs in per_kind.items():
         seconds = statistics.fmean(r["seconds"] for r in runs)
@@ -170,6 +179,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
         )
         args.draft_layers, args.block_size = min(args.draft_layers, 2), min(args.block_size, 8)
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    built = time.perf_counter()
     target, drafter = build(
         args.shape,
         device,
@@ -177,6 +187,11 @@ def main(argv: list[str] | None = None) -> BenchResult:
         draft_layers=args.draft_layers,
         block_size=args.block_size,
         attention=args.attention,
+    )
+    print(
+        f"{args.shape} target and drafter built in {time.perf_counter() - built:.1f} s",
+        file=sys.stderr,
+        flush=True,
     )
     gen = torch.Generator().manual_seed(0)
     vocab = drafter.cfg.vocab_size - 1  # the last row is the mask token

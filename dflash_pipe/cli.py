@@ -57,7 +57,8 @@ def main() -> None:
     "--resume",
     "resume_dir",
     type=click.Path(path_type=Path),
-    help="Continue the run in this directory from its latest checkpoint, with its saved config.",
+    help="Continue the run in this directory (wherever it was started) from its latest intact checkpoint, "
+    "with its saved config; a finished run says how to train on (--epochs, --max-steps).",
 )
 @click.option(
     "--live/--plain", default=None, help="Live dashboard or plain log lines (default: live on a terminal)."
@@ -119,10 +120,14 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from dflash_pipe.producer.core import RunAborted
     from dflash_pipe.producer.setup import SetupError
     from dflash_pipe.report import print_summary
+    from dflash_pipe.rundir import RunComplete
     from dflash_pipe.target.families import UnsupportedTargetError
 
     try:
         summary = run(cfg, resume=resume, console=console, live=live)
+    except RunComplete as exc:  # nothing to train: say so (and how to train on), exit 0
+        console.print(str(exc), markup=False, highlight=False)
+        return
     except (DataError, SetupError, FileNotFoundError, UnsupportedTargetError) as exc:
         console.print(f"[red]error:[/] {exc}")
         sys.exit(2)
@@ -239,22 +244,20 @@ def keys_generate(directory: Path) -> None:
 @click.argument("checkpoint", type=click.Path(exists=True, path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
 def export(checkpoint: Path, out_dir: Path) -> None:
-    """Export a checkpoint (or a run dir's latest) to the DFlash reference format.
+    """Export a checkpoint (or the latest of a run dir or its checkpoints/) to the DFlash reference format.
 
     \b
     Writes OUT_DIR/config.json (with dflash_config) and OUT_DIR/model.safetensors, which the
-    reference DFlashDraftModel loads next to the target. Example:
+    reference DFlashDraftModel loads next to the target. The checkpoint is verified against its manifest
+    first; a running run can be exported. Examples:
       dflash-pipe export runs/q8b out/qwen3-8b-dflash
+      dflash-pipe export runs/q8b/checkpoints/step-00001000 out/q8b-step1000
     """
     from dflash_pipe.drafter import export_checkpoint
-    from dflash_pipe.run.checkpoint import latest_checkpoint
+    from dflash_pipe.rundir import find_checkpoint
 
-    if (checkpoint / "checkpoints").is_dir():
-        latest = latest_checkpoint(checkpoint)
-        if latest is None:
-            raise click.UsageError(f"{checkpoint} is a run dir without checkpoints yet.")
-        checkpoint = latest
     try:
+        checkpoint = find_checkpoint(checkpoint)
         export_checkpoint(checkpoint, out_dir)
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None

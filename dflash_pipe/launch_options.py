@@ -212,7 +212,13 @@ def _resume_config(given: dict[str, Any]) -> RunConfig:
     if fixed:
         flags = ", ".join("--" + k.replace("_", "-") for k in fixed)
         raise ValueError(f"--resume uses the run's saved config; {flags} cannot change on resume.")
-    cfg = load_run_config(Path(given["resume_dir"]))
+    run_dir = Path(given["resume_dir"])
+    if "run_dir" in given and Path(given["run_dir"]).resolve() != run_dir.resolve():
+        raise ValueError(
+            f"--resume {run_dir} continues that run where it is; --run-dir {given['run_dir']} names another "
+            "directory. Leave --run-dir out (or copy the run dir there and --resume the copy)."
+        )
+    cfg = load_run_config(run_dir)
     values = cfg.to_dict()
     for option, value in given.items():  # the allowed overrides, set and validated like a fresh config
         path = FLAG_FIELDS.get(option, "")

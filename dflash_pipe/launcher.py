@@ -244,6 +244,19 @@ def prepare(cfg: RunConfig, *, resume: bool, live: bool | None = None) -> tuple[
 
 
 def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
+    """Takes the run dir (refused while another launch holds it), checks a resumed run before anything
+    loads (finished: ``RunComplete``; damaged: ``RunDirError``), then runs it (``_launch``)."""
+    from rich.markup import escape
+
+    from dflash_pipe.rundir import RunDirLock, check_launch
+
+    with RunDirLock(cfg.run_dir, check=lambda: check_launch(cfg, resume=resume)) as lock:
+        for note in lock.notes:
+            console.print(f"[yellow]warning:[/] {escape(note)}")
+        return _launch(cfg, resume=resume, console=console, live=live)
+
+
+def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None):
     """Prepares the run (the target loads while the data tokenizes), starts producer and workers, and
     returns the producer's summary."""
     import torch
@@ -264,8 +277,10 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
         os.environ.setdefault(key, value)
     hf_logging.disable_progress_bar()
     from dflash_pipe.run.record import read_record, write_record
+    from dflash_pipe.rundir import check_open_work, record_complete
 
     ctx, replicas = prepare(cfg, resume=resume, live=live)
+    check_open_work(ctx)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
     producer = ProducerProc(ctx, console=console, live=live, replicas=replicas)
     pool = WorkerPool(cfg, producer.address)
@@ -284,6 +299,8 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
             console.print(f"adopting worker(s) still running from the previous producer: {names}")
         summary = producer.serve(watch=pool)
         pool.wait(timeout_s=60)
+        if producer.core.scheduler.finished():
+            record_complete(cfg.run_dir, checkpoint=summary.last_checkpoint, epochs=cfg.train.epochs)
         return summary
     except RunAborted:
         raise

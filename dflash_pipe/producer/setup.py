@@ -106,12 +106,16 @@ class PendingRun:
         ledger = self.saved_ledger
         if ledger is None:
             ledger = Ledger(len(train_samples), self.cfg.train.epochs)
-        elif ledger.num_samples != len(train_samples):
+        else:  # --epochs may change on resume: more trains on (the checks ran in rundir.check_resume)
+            ledger = ledger.with_epochs(self.cfg.train.epochs)
+        if ledger.num_samples != len(train_samples):
             raise RunDirError(
                 f"--resume {self.cfg.run_dir}: the checkpoint was trained on {ledger.num_samples} samples but "
                 f"the data now gives {len(train_samples)}. Resume with the same --data and settings."
             )
-        self.cfg.save(self.cfg.run_dir / CONFIG_FILE)
+        from dflash_pipe.rundir import save_run_config
+
+        save_run_config(self.cfg)
         return RunContext(
             cfg=self.cfg,
             run_id=self.run_id,
@@ -171,7 +175,7 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
     from transformers import AutoConfig, AutoTokenizer
 
     run_dir = cfg.run_dir
-    _check_run_dir(run_dir, resume=resume)
+    check_run_dir(run_dir, resume=resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     target_path = cfg.target_model
     if target_path is None:
@@ -315,7 +319,8 @@ def check_checkpoint_fits(checkpoint: Path, drafter: DrafterConfig, run_dir: Pat
             )
 
 
-def _check_run_dir(run_dir: Path, *, resume: bool) -> None:
+def check_run_dir(run_dir: Path, *, resume: bool) -> None:
+    """A fresh run never lands on a run with checkpoints; a resume needs a run (its config.json)."""
     has_config = (run_dir / CONFIG_FILE).exists()
     if resume and not has_config:
         raise RunDirError(f"--resume {run_dir}: no {CONFIG_FILE} there, so there is no run to resume.")
@@ -327,7 +332,7 @@ def _check_run_dir(run_dir: Path, *, resume: bool) -> None:
 
 
 def load_run_config(run_dir: Path) -> RunConfig:
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.exists():
-        raise RunDirError(f"--resume {run_dir}: no {CONFIG_FILE} there, so there is no run to resume.")
-    return RunConfig.load(path)
+    """The saved config of the run at ``run_dir`` (the path given is the run: ``rundir.load_run_config``)."""
+    from dflash_pipe.rundir import load_run_config as load
+
+    return load(run_dir)

@@ -63,6 +63,23 @@ class Ledger:
                 return epoch
         return self.epochs
 
+    def with_epochs(self, epochs: int) -> Ledger:
+        """The same record for a run of ``epochs`` epochs: a resume with more epochs trains on, with fewer
+        it may drop only epochs nothing was trained in yet."""
+        if epochs < 1:
+            raise ValueError(f"a run needs at least one epoch, got {epochs}.")
+        dropped = {e: int(b.sum()) for e, b in self._bits.items() if e >= epochs and b.any()}
+        if dropped:
+            first = min(dropped)
+            raise ValueError(
+                f"epochs {epochs}: the checkpoint has already trained {dropped[first]} sample(s) of epoch "
+                f"{first + 1}; give {first + 1} or more epochs."
+            )
+        ledger = Ledger(self.num_samples, epochs)
+        ledger.duplicates = self.duplicates
+        ledger._bits = {e: b.copy() for e, b in self._bits.items() if e < epochs}
+        return ledger
+
     def to_dict(self) -> dict:
         return {
             "num_samples": self.num_samples,

@@ -146,7 +146,7 @@ def _serve(
         step = 0
         if welcome.resume_from and Path(welcome.resume_from).exists():
             state = load_checkpoint(Path(welcome.resume_from), model=model, optimizer=optimizer)
-            step, ledger = state.step, Ledger.from_dict(state.ledger)
+            step, ledger = state.step, Ledger.from_dict(state.ledger).with_epochs(train_cfg.epochs)
         if len(devs) > 1:
             replicas = ThreadedReplicas(models, devs)
             print(

@@ -91,3 +91,29 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="does not fit"):
         ck.load_checkpoint(path, model=Other(), optimizer=None)
+
+
+def test_the_manifest_records_every_file_as_written(tmp_path):
+    import hashlib
+
+    model, opt = make()
+    path = ck.save_checkpoint(tmp_path, step=3, model=model, drafter_config={}, optimizer=opt, ledger={})
+    manifest = json.loads((path / ck.MANIFEST).read_text())["files"]
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != ck.MANIFEST)
+    assert sorted(manifest) == on_disk and set(ck.REQUIRED_FILES) <= set(manifest)
+    for name, entry in manifest.items():
+        data = (path / name).read_bytes()
+        assert len(data) < ck.CHUNK_BYTES  # one piece each: the file's plain sha256 (sha256sum)
+        assert entry == {
+            "bytes": len(data),
+            "chunk_bytes": ck.CHUNK_BYTES,
+            "sha256": [hashlib.sha256(data).hexdigest()],
+        }
+    weights = (path / ck.DRAFTER_WEIGHTS).read_bytes()  # in pieces, on threads, as a big file is hashed
+    pieces = [hashlib.sha256(weights[i : i + 16]).hexdigest() for i in range(0, len(weights), 16)]
+    assert len(pieces) > 8 and ck.file_digests(path / ck.DRAFTER_WEIGHTS, chunk_bytes=16) == pieces
+    assert ck.verify_checkpoint(path) is None
+    (path / ck.OPTIMIZER).write_bytes((path / ck.OPTIMIZER).read_bytes() + b"x")
+    assert "optimizer.pt has" in ck.verify_checkpoint(path)
+    assert ck.verify_checkpoint(path, files=(ck.DRAFTER_WEIGHTS, ck.DRAFTER_CONFIG)) is None  # export's
+    assert "does not exist" in ck.verify_checkpoint(tmp_path / "nope")

@@ -30,3 +30,17 @@ def test_rejects_out_of_range():
         ledger.mark(0, [4])
     with pytest.raises(ValueError, match="epoch"):
         ledger.mark(1, [0])
+
+
+def test_with_epochs_trains_on_and_never_drops_trained_samples():
+    ledger = Ledger(4, epochs=1)
+    ledger.mark(0, range(4))
+    ledger.mark(0, [2])
+    longer = Ledger.from_dict(ledger.to_dict()).with_epochs(3)
+    assert longer.epochs == 3 and longer.current_epoch() == 1 and longer.duplicates == 1
+    assert longer.progress() == pytest.approx(4 / 12)
+    longer.mark(2, [0])  # the new epochs take samples
+    assert longer.with_epochs(3).trained(2) == {0}
+    with pytest.raises(ValueError, match="already trained 1 sample\\(s\\) of epoch 3; give 3 or more"):
+        longer.with_epochs(2)
+    assert Ledger(4, 3).with_epochs(1).epochs == 1  # nothing trained in the dropped epochs

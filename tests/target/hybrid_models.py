@@ -86,17 +86,22 @@ def save_hybrid(family: str, out: Path, seed: int = 0) -> Path:
 
 @torch.no_grad()
 def per_sample_reference(
-    model_dir: Path, ids: torch.Tensor, lengths: list[int], layer_ids: tuple[int, ...]
+    model_dir: Path,
+    ids: torch.Tensor,
+    lengths: list[int],
+    layer_ids: tuple[int, ...],
+    device: str = "cpu",
 ) -> list[torch.Tensor]:
-    """Each sample alone through the plain HF model (sdpa, no hooks): ``[len, k*H]`` per sample."""
+    """Each sample alone through the plain HF model (sdpa, no hooks) on ``device``: ``[len, k*H]`` per
+    sample, on the CPU."""
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
-    )
+    ).to(device)
     model.eval()
     out = []
     for chunk in ids.split(lengths):
-        hs = model(input_ids=chunk[None], output_hidden_states=True, use_cache=False).hidden_states
-        out.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1))
+        hs = model(input_ids=chunk[None].to(device), output_hidden_states=True, use_cache=False).hidden_states
+        out.append(torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1).cpu())
     return out
 
 

@@ -21,7 +21,8 @@ LAYERS = (0, 1, 2, 3, 4)
 def test_fla_path_on_cuda_equals_each_sample_alone(family, tmp_path, caplog):
     """The real kernels: flash-linear-attention with cu_seqlens, compiled flex attention, fp32 on the GPU,
     against each sample alone through the plain HF model on the GPU (fp32; its delta rule is fla's too, its
-    conv torch's). fla's chunked kernels multiply in tf32, hence the looser bound than the CPU tests'."""
+    conv torch's). Measured on an H200: at most 8.8e-6 (bench/results/h200_hybrid_target/cuda_test_log.txt);
+    the bound leaves room for fla's chunked kernels, which may multiply in tf32 on other GPUs."""
     pytest.importorskip("fla")
     model_dir = save_hybrid(family, tmp_path / family)
     with caplog.at_level(logging.INFO, logger="dflash_pipe.target"):
@@ -31,4 +32,4 @@ def test_fla_path_on_cuda_equals_each_sample_alone(family, tmp_path, caplog):
     reference = per_sample_reference(model_dir, packed_batch(LENGTHS), LENGTHS, LAYERS, device="cuda")
     errors = relative_errors(feats, reference, LENGTHS)
     print(family, "fla fp32 relative errors per sample:", errors)
-    assert max(errors) <= 5e-3, errors
+    assert max(errors) <= 1e-4, errors
