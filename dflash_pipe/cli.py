@@ -1,6 +1,6 @@
 """The ``dflash-pipe`` command line: builds the run config from flags and calls one library function.
 
-``launch``'s options are made from the config fields (``launch_options.field_options``); ``worker``,
+``launch``'s options are made from the config fields (``commands.options.field_options``); ``worker``,
 ``eval`` and ``bench`` live in ``dflash_pipe.commands``. torch is imported lazily inside each command, so
 ``worker`` can point the compile cache at the run's directory before torch (and Inductor) read their
 environment.
@@ -20,9 +20,9 @@ from dflash_pipe import __version__
 from dflash_pipe.commands import check_machine, console
 from dflash_pipe.commands.bench import bench
 from dflash_pipe.commands.evaluate import eval_cmd
+from dflash_pipe.commands.options import field_options
 from dflash_pipe.commands.worker import worker
 from dflash_pipe.data.config import RegenConfig
-from dflash_pipe.launch_options import field_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -176,8 +176,9 @@ def regenerate(**opts) -> None:
     Example:
       dflash-pipe regenerate --target-model /models/Qwen3-8B --data chat.jsonl --out chat.qwen3-8b.jsonl
     """
+    from dflash_pipe.commands.options import section_values
     from dflash_pipe.data import DataConfig, DataError
-    from dflash_pipe.launch_options import parse_template_args, section_values
+    from dflash_pipe.launch_options import parse_template_args
     from dflash_pipe.regenerate import regenerate_file
 
     try:

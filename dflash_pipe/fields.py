@@ -1,7 +1,7 @@
 """What a config field declares besides its type, default and docstring: the ``launch`` flag that sets it.
 
 ``flag("--token-budget", "Max tokens per batch ...")`` goes into the field's metadata; the command line
-is made from these (``launch_options.field_options``: the click type from the field's type, a ``Literal``
+is made from these (``commands.options.field_options``: the click type from the field's type, a ``Literal``
 becoming a ``click.Choice``), so an option is declared once, next to its field. ``choices`` reads a
 ``Literal`` field's values for the field's own validation, so an enum is listed once too; ``build``
 makes a config from a mapping, naming unknown keys.

@@ -233,12 +233,12 @@ def prepare(cfg: RunConfig, *, resume: bool, live: bool | None = None) -> tuple[
     processes for a big file) while a thread puts the target's weights on its devices; only the set-up that
     needs the data (ledger, train/eval split) waits for it. The future's ``result()`` is the replicas (or the
     loading error); ``ProducerProc`` waits for it when it starts serving."""
-    from dflash_pipe.producer import features
+    from dflash_pipe.producer import target_threads
     from dflash_pipe.producer.setup import start_run
 
     with start_run(cfg, resume=resume, progress=live) as pending:  # stops the tokenization on any error
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
-        replicas = loader.submit(features.load_replicas, pending)
+        replicas = loader.submit(target_threads.load_replicas, pending)
         loader.shutdown(wait=False)  # the thread ends when the target is loaded
         return pending.context(), replicas
 

@@ -9,6 +9,9 @@ import), and every path starts from an empty allocator and compile cache, so mem
 path's own. MFU counts the matmuls of the layers run (every ``nn.Linear``: 2 FLOPs per multiply-add) plus
 full attention over each sample's causal triangle, against 790 TFLOP/s (the dense producer bench's count);
 the delta rule and the conv (a few % of the FLOPs) are not counted.
+
+Past 400 lines because the bench's three paths (padded, packed, the fla kernels), its child process and
+its MFU count read together; each is one short function.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ import torch
 
 from dflash_pipe.bench.procs import Children, start_children
 from dflash_pipe.data import plan_batches
-from dflash_pipe.producer.features import TargetFailure, TargetThread, load_replicas, pack
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext, prepare_run
+from dflash_pipe.producer.target_threads import TargetFailure, TargetThread, load_replicas, pack
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m

@@ -18,6 +18,9 @@ acknowledges it. Paths:
 
 ``python -m dflash_pipe.bench.transport --out DIR`` runs it alone and writes DIR/transport.json.
 Plain pyzmq is imported here only to measure the baseline; the product's sockets live in ``wire.transport``.
+
+Past 400 lines because each transport path (tcp, ipc, shared memory, CUDA IPC) has its peer process and
+its row of the summary here, side by side.
 """
 
 from __future__ import annotations

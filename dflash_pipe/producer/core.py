@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash_pipe.data import plan_batches
 from dflash_pipe.producer.display import log_worker_metrics
-from dflash_pipe.producer.features import TargetFailure
 from dflash_pipe.producer.handshake import Peer, admit
 from dflash_pipe.producer.payloads import payload_for
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.producer.target_threads import TargetFailure
 from dflash_pipe.telemetry import MetricsLogger, RateMeter, RunState, TimeShares
 from dflash_pipe.wire import messages as m
 

@@ -21,10 +21,10 @@ import torch
 
 from dflash_pipe.producer.core import ProducerCore, RunAborted, WorkerWatch
 from dflash_pipe.producer.display import ProducerSummary, dashboard_state, summary
-from dflash_pipe.producer.features import TargetThread, build_batch, load_replicas
 from dflash_pipe.producer.rings import make_rings
 from dflash_pipe.producer.scheduler import PlannedBatch
 from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.producer.target_threads import TargetThread, build_batch, load_replicas
 from dflash_pipe.run.record import bind_address, write_record
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import Dashboard, make_logger

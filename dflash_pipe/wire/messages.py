@@ -10,6 +10,9 @@ Field values are restricted to what msgpack carries without extensions: None, bo
 float, str, lists and str-keyed dicts of those; tensors travel only in a `tensors: dict[str, Tensor]` field.
 Tuples are accepted and normalized to lists, ints in float fields to floats, so a decoded message compares
 equal to the one that was sent.
+
+Past 400 lines because every message of the protocol and the field checks they share are one schema, read
+top to bottom.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dflash_pipe.data import DataConfig, DataError, demo_data_path
 from dflash_pipe.data import loader as data_loader
 from dflash_pipe.data.lines import LoadCancelled
 from dflash_pipe.launcher import prepare
-from dflash_pipe.producer import features, setup
+from dflash_pipe.producer import setup, target_threads
 from dflash_pipe.producer.setup import OptionsError, prepare_run
 from dflash_pipe.run.config import DrafterOptions, RunConfig
 from dflash_pipe.run.layout import LayoutConfig
@@ -50,7 +50,7 @@ def test_target_loads_while_the_data_tokenizes(tmp_path: Path, monkeypatch):
         return ["replica"]
 
     monkeypatch.setattr(data_loader, "tokenize_piece", tokenize_after_target_starts)
-    monkeypatch.setattr(features, "load_replicas", fake_load_replicas)
+    monkeypatch.setattr(target_threads, "load_replicas", fake_load_replicas)
     ctx, replicas = prepare(config(tmp_path / "r"), resume=False, live=False)
     assert replicas.result(timeout=30) == ["replica"]
     assert seen["data_done"] is False and seen["layers"] == ctx.drafter.target_layer_ids
@@ -62,7 +62,7 @@ def test_target_loads_while_the_data_tokenizes(tmp_path: Path, monkeypatch):
 def test_a_data_error_surfaces_from_the_background(tmp_path: Path, monkeypatch):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"input_ids": [1, 2, 3], "loss_mask": [1, 1, 1]}\n{not json\n')
-    monkeypatch.setattr(features, "load_replicas", lambda pending: [])
+    monkeypatch.setattr(target_threads, "load_replicas", lambda pending: [])
     with pytest.raises(DataError) as info:
         prepare(config(tmp_path / "r", data), resume=False, live=False)
     assert str(info.value).startswith(f"{data}:2: not JSON:")

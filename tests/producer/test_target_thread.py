@@ -11,8 +11,8 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from dflash_pipe.data import Sample
-from dflash_pipe.producer.features import TargetFailure, TargetThread
 from dflash_pipe.producer.scheduler import PlannedBatch
+from dflash_pipe.producer.target_threads import TargetFailure, TargetThread
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire.slots import PayloadSlot, PrivateStaging
