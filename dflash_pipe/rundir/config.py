@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from dflash_pipe import __version__
 from dflash_pipe.producer.setup import CONFIG_FILE, RunDirError
-from dflash_pipe.rundir.lock import read_owner
 from dflash_pipe.run.checkpoint import CHECKPOINTS, LATEST, TRAINER_STATE
+from dflash_pipe.rundir.lock import read_owner
 
 if TYPE_CHECKING:
     from dflash_pipe.run.config import RunConfig

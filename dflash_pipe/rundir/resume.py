@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_pipe.producer.setup import RunDirError, check_run_dir
-from dflash_pipe.rundir.checkpoints import choose_checkpoint
 from dflash_pipe.run.checkpoint import read_trainer_state
 from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.rundir.checkpoints import choose_checkpoint
 
 if TYPE_CHECKING:
-    from dflash_pipe.run.config import RunConfig
     from dflash_pipe.producer.setup import RunContext
+    from dflash_pipe.run.config import RunConfig
 
 METRICS_FILE = "metrics.jsonl"
 

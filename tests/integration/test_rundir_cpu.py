@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.data import demo_data_path
-from dflash_pipe.target import default_cache_dir
 from dflash_pipe.run.checkpoint import OPTIMIZER, latest_checkpoint, read_trainer_state
 from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.target import default_cache_dir
 from tests.integration.test_faults_cpu import LiveRun
 from tests.integration.test_launch_cpu import ROOT, cli, launch
 
