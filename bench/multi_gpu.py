@@ -12,6 +12,9 @@ x2 -> target 0 / drafters 1, x4 -> 0-1 / 2-3, x8 -> 0-4 / 5-7); --target-gpus / 
 With --device cpu (demo target by default, tiny settings) every subcommand runs on this machine's CPU cores.
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set here, before torch
 starts, so every process these runs start inherits them. `bench/multi_gpu_commands.sh` runs them all.
+
+Past 400 lines because the four runs share their topology, options and metrics reading, and a multi-GPU
+session runs them from one script: splitting it would spread one experiment over files.
 """
 
 from __future__ import annotations
