@@ -4,8 +4,9 @@
 # per prompt, the regeneration speed, and a compiled sliding-window drafter on the GPU. Needs the wheels in
 # .whl (pyzmq, flash-linear-attention, fla-core for python 3.12:
 # pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl ...).
-# PART=1: the fla test, real-eval cost, regeneration speed (~10 min); PART=2: the other CUDA tests and a
-# compiled sliding-window drafter (~5 min).
+# PART=1: the fla test, real-eval cost, regeneration speed (~6 min); PART=2: launch to the first trained
+# step, target vs dataset responses (~6 min); PART=3: the other CUDA tests and a compiled sliding-window
+# drafter (~5 min, not run yet).
 # Each step has its own timeout and log under ${OUT:-/tmp/out}; results go to $OUT/results_partN.tgz.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -31,10 +32,11 @@ if [ "${PART:-1}" = 1 ]; then  # the real-eval cost runs beside the short fla te
   step regen_generation 150 python3 bench/regenerate_speed.py --device cuda --shapes qwen3-1.7b,qwen3-8b \
     --prompts 64 --batch-sizes 64 --hf-prompts 2 --new-tokens 128 --launch-shapes none \
     --out "$res/h200_regenerate_speed/generation"
+  wait
+elif [ "$PART" = 2 ]; then
   step regen_launch 400 python3 bench/regenerate_speed.py --device cuda --shapes none \
     --launch-shapes qwen3-1.7b --launch-args "--target-gpus 0 --drafter-gpus 0 --eval-generate off" \
     --out "$res/h200_regenerate_speed/launch"
-  wait
 else
   step cuda_tests 200 "${pytest_cuda[@]}" tests/target/test_packing.py tests/target/test_features.py \
     tests/target/test_placement.py tests/producer/test_target_thread.py tests/wire/test_cuda_ipc.py \
