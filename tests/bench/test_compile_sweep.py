@@ -1,0 +1,52 @@
+"""bench/compile_sweep.py in its CPU mode: every compiled step equals the eager one (loss and gradients),
+for all-full, block-10 and sliding+full drafters, and the draws after the first reuse the compiled graphs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.bench.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_cpu_sweep_compiled_equals_eager(tmp_path) -> None:
+    done = subprocess.run(  # its own process: Dynamo's caches and counters stay out of this one
+        [
+            sys.executable,
+            str(ROOT / "bench" / "compile_sweep.py"),
+            "--cpu",
+            "--draws",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "compile_sweep.json").read_text())
+    rows = result["rows"]
+    assert {(r["shape"], r["mode"]) for r in rows} == {
+        (shape, mode)
+        for shape in ("tiny-full", "tiny-block10", "tiny-sliding")
+        for mode in ("attention", "full")
+    }
+    assert not [r for r in rows if "error" in r]
+    assert all(r["within_tolerance"] for r in rows), [(r["shape"], r["grad_rel_max"]) for r in rows]
+    assert {r["block_size"] for r in rows} == {10, 16}
+    assert any("sliding_attention" in r["layer_types"] for r in rows)
+    for shape in ("tiny-full", "tiny-block10", "tiny-sliding"):
+        for mode in ("attention", "full"):
+            mine = sorted(
+                (r for r in rows if (r["shape"], r["mode"]) == (shape, mode)), key=lambda r: r["draw"]
+            )
+            assert mine[0]["new_graphs"] > 0  # compiled for real: not eager against eager
+            assert len({r["tokens"] for r in mine}) == 3  # three lengths ...
+            assert result["summary"][f"{shape}_{mode}_recompiling_draws"] <= 2  # ... few recompiles
+    assert result["provenance"]["versions"]["torch"]
