@@ -6,6 +6,8 @@ same step eagerly and compiled from the same weights, and records per draw: the 
 gradient against eager (relative), the step time, and the graphs compiled so far (a draw that compiles
 anew is a recompile a real run pays). Modes: ``attention`` (today's default on CUDA: the flex mask and
 kernel), ``full`` (whole layers, fused CE terms: ``train.compile=full``).
+MFU counts every layer's attention over the full-attention pattern (``drafter_step.count_flops``), so on
+sliding-window layers it is an upper bound; attention is a small share of the step's FLOPs.
 
   PYTHONPATH=. python bench/compile_sweep.py --out DIR                        # the GPU grid (H200)
   PYTHONPATH=. python bench/compile_sweep.py --shapes qwen3-8b --draws 6 --out DIR
