@@ -1,40 +1,54 @@
 """The drafter's training step compiled against eager, over the shapes a run meets (issue 20's sweep).
 
-For every drafter shape of the grid and every compile mode, draws context lengths and anchor counts the way
-a run does (packed rows up to the token budget, a random share of positions eligible as anchors), runs the
-same step eagerly and compiled from the same weights, and records per draw: the loss and every trainable
-gradient against eager (relative), the step time, and the graphs compiled so far (a draw that compiles
-anew is a recompile a real run pays). Modes: ``attention`` (today's default on CUDA: the flex mask and
-kernel), ``full`` (whole layers, fused CE terms: ``train.compile=full``).
+For every drafter shape of the grid and every compile mode, builds the drafter as a worker does
+(``worker.proc.make_drafter``: fp32 master weights, the frozen embedding and head in the compute dtype,
+the step under bf16 autocast, ``loss_sum`` backward), warms it up as a worker does (``train.warmup``'s
+synthetic batches), then feeds batches planned as a run plans them: sample lengths from a seeded
+long-tailed distribution, ``data.batching.plan_batches`` under the token budget, right-padded [B, S]
+rows, the loss mask on each sample's response part. Per batch it runs the same step eagerly and compiled
+from the same weights and records: the loss and every trainable gradient against eager (relative), the
+step time (first call, with any compile) and a second, steady call, MFU, and the graphs the batch compiled
+(a recompile a real run pays after its first step). Modes: ``attention`` (``train.compile=on``: the flex
+mask and kernel), ``full`` (``train.compile=full``: also whole layers and fused CE terms).
 MFU counts every layer's attention over the full-attention pattern (``drafter_step.count_flops``), so on
 sliding-window layers it is an upper bound; attention is a small share of the step's FLOPs.
 
   PYTHONPATH=. python bench/compile_sweep.py --out DIR                        # the GPU grid (H200)
   PYTHONPATH=. python bench/compile_sweep.py --shapes qwen3-8b --draws 6 --out DIR
+  PYTHONPATH=. python bench/compile_sweep.py --inductor split_reductions=False --out DIR   # a config probe
   PYTHONPATH=. python bench/compile_sweep.py --cpu --out DIR                  # tiny shapes (tests/bench)
-Writes DIR/compile_sweep.json (provenance, config, rows, summary). A failing compile is a row with its
-error, not a crash: the sweep exists to find such shapes.
+Writes DIR/compile_sweep.json (provenance, config, rows, summary) after every shape, and the full
+traceback of every failing batch to DIR/errors.log. A failing compile is a row with its error, not a
+crash: the sweep exists to find such shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rich.console import Console
 from torch import nn
 
 from dflash_pipe.bench.result import BenchResult
 from dflash_pipe.bench.save import save_result, show_result
-from dflash_pipe.compute.compile import apply_dynamo_settings, compiler_errors
+from dflash_pipe.compute.compile import apply_dynamo_settings, backward_with_settings, compiler_errors
+from dflash_pipe.compute.precision import autocast, compute_dtype
+from dflash_pipe.data.batching import plan_batches
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 from dflash_pipe.drafter.presets import PRESETS
+from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.train.warmup import warm_up
+from dflash_pipe.worker.proc import make_drafter
 
 PEAK_TFLOPS = 790.0  # H200 dense bf16, the MFU reference of this repo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,24 +66,26 @@ class Shape:
     inter: int
     vocab: int
     preset: str
-    budget: int  # tokens per packed row
+    budget: int  # tokens per batch (train.token_budget)
+    max_len: int  # longest sample (data.max_length)
 
 
 GRID: dict[str, Shape] = {
-    "qwen3-1.7b": Shape(2048, 16, 8, 128, 6144, 151936, "qwen3-8b", 8192),
-    "qwen3-8b": Shape(4096, 32, 8, 128, 12288, 151936, "qwen3-8b", 8192),
-    "llama3.1-8b": Shape(4096, 32, 8, 128, 14336, 128256, "llama3.1-8b", 8192),
-    "head-dim-64": Shape(2048, 32, 8, 64, 6144, 151936, "qwen3-8b", 8192),
-    "qwen3.6-27b": Shape(5120, 24, 4, 256, 17408, 248320, "qwen3.6-27b", 8192),
+    "qwen3-1.7b": Shape(2048, 16, 8, 128, 6144, 151936, "qwen3-8b", 8192, 4096),
+    "qwen3-8b": Shape(4096, 32, 8, 128, 12288, 151936, "qwen3-8b", 8192, 4096),
+    "llama3.1-8b": Shape(4096, 32, 8, 128, 14336, 128256, "llama3.1-8b", 8192, 4096),
+    "head-dim-64": Shape(2048, 32, 8, 64, 6144, 151936, "qwen3-8b", 8192, 4096),
+    "qwen3.6-27b": Shape(5120, 24, 4, 256, 17408, 248320, "qwen3.6-27b", 8192, 4096),
 }
 """hidden 2048 / 4096 / 5120, head_dim 64 / 128 / 256, block 16 and 10, all-full and sliding+full layers."""
 CPU_GRID: dict[str, Shape] = {
-    "tiny-full": Shape(128, 4, 2, 32, 256, 512, "qwen3-8b", 256),
-    "tiny-block10": Shape(128, 4, 2, 32, 256, 512, "llama3.1-8b", 256),
-    "tiny-sliding": Shape(128, 4, 2, 64, 256, 512, "qwen3.6-27b", 256),
+    "tiny-full": Shape(128, 4, 2, 32, 256, 512, "qwen3-8b", 512, 256),
+    "tiny-block10": Shape(128, 4, 2, 32, 256, 512, "llama3.1-8b", 512, 256),
+    "tiny-sliding": Shape(128, 4, 2, 64, 256, 512, "qwen3.6-27b", 512, 256),
 }
 """The grid's cases in miniature: all-full block 16, block 10, sliding + full layers (window 64)."""
-MODES = {"attention": dict(compile_attention=True), "full": dict(compile_attention=True, compile_layers=True)}
+MODES = {"attention": "on", "full": "full"}
+"""The sweep's mode names and the ``train.compile`` value each builds (eager: ``off``)."""
 
 
 def drafter_config(shape: Shape, *, max_anchors: int, sliding_window: int | None) -> DrafterConfig:
@@ -93,37 +109,58 @@ def drafter_config(shape: Shape, *, max_anchors: int, sliding_window: int | None
     )
 
 
-def build(cfg: DrafterConfig, mode: str | None, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
-    """One drafter; every call builds the same weights (seeded), so eager and compiled start equal."""
-    torch.manual_seed(0)
+def frozen_parts(cfg: DrafterConfig, device: torch.device) -> tuple[nn.Embedding, nn.Linear]:
+    """The target's embedding and LM head stand-ins, in the compute dtype as a worker loads them."""
+    torch.manual_seed(1)
+    dtype = compute_dtype(device)
     embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
     head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
     nn.init.normal_(head.weight, std=0.02)
-    flags: dict[str, Any] = dict(MODES[mode]) if mode else dict(compile_attention=False, compile_layers=False)
-    model = DFlashDrafter(cfg, embed, head, fused_ce=mode == "full", **flags)
-    return model.to(device=device, dtype=dtype).train()
+    return embed, head
 
 
-def draw(cfg: DrafterConfig, budget: int, gen: torch.Generator, device, dtype) -> tuple[torch.Tensor, ...]:
-    """One packed row as a run plans it: a length up to the budget, a random share of anchor positions."""
-    length = int(torch.randint(budget // 4, budget + 1, (1,), generator=gen))
-    share = float(torch.empty(1).uniform_(0.05, 1.0, generator=gen))
-    ids = torch.randint(0, cfg.vocab_size - 1, (1, length), generator=gen)
-    feats = torch.randn(1, length, cfg.feature_size, generator=gen) * 0.5
-    mask = torch.rand(1, length, generator=gen) < share
-    return ids.to(device), feats.to(device=device, dtype=dtype), mask.to(device)
+def build(cfg: DrafterConfig, compile_mode: str, parts, device: torch.device) -> DFlashDrafter:
+    """The drafter as a worker builds it; seeded, so every mode starts from the same weights."""
+    torch.manual_seed(0)
+    model, _ = make_drafter(cfg, TrainConfig(compile=compile_mode), *parts, device)
+    return model
+
+
+def planned_batches(shape: Shape, count: int, seed: int) -> list[list[int]]:
+    """Sample lengths as a chat dataset has them (log-normal, 64..max_len), planned into batches by
+    ``plan_batches`` under the token budget: the (B, S) pairs and per-sample lengths a run meets."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(shape.max_len / 6), 0.9, size=40 * count), 64, shape.max_len)
+    batches = plan_batches(lengths.astype(int).tolist(), shape.budget, seed=seed, epoch=0)
+    return [[int(lengths[i]) for i in batch] for batch in batches[:count]]
+
+
+def make_inputs(
+    cfg: DrafterConfig, lengths: list[int], gen: torch.Generator, device
+) -> tuple[torch.Tensor, ...]:
+    """One batch as ``train.batches.unpack`` hands it over: right-padded [B, S], loss on each sample's
+    response (from a random prompt share on), False on padding."""
+    b, s = len(lengths), max(lengths)
+    ids = torch.randint(0, cfg.vocab_size - 1, (b, s), generator=gen)
+    feats = torch.randn(b, s, cfg.feature_size, generator=gen) * 0.5
+    mask = torch.zeros(b, s, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        prompt = int(length * float(torch.empty(1).uniform_(0.1, 0.7, generator=gen)))
+        mask[row, prompt:length] = True
+    return ids.to(device), feats.to(device=device, dtype=compute_dtype(device)), mask.to(device)
 
 
 def step(
     model: DFlashDrafter, inputs: tuple[torch.Tensor, ...], seed: int
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients of one step (no optimizer: both models stay at the same weights)."""
+    """A worker's forward/backward (no optimizer: every model stays at the same weights)."""
     model.zero_grad(set_to_none=True)
     gen = torch.Generator(device=inputs[0].device).manual_seed(seed)
-    out = model(*inputs, generator=gen)
-    out.loss.backward()
+    with autocast(inputs[0].device):
+        out = model(*inputs, generator=gen)
+    backward_with_settings(out.loss_sum)
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return float(out.loss), grads
+    return float(out.loss_sum.detach()), grads
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,42 +176,70 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def timed(on: torch.device, fn, *args, **kwargs) -> tuple[Any, float]:
+    """``fn(*args, **kwargs)`` and its wall time, the device synchronised on both sides."""
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+    return out, time.perf_counter() - t0
 
 
 def sweep_shape(
-    name: str, shape: Shape, args: argparse.Namespace, device, dtype, say
+    name: str, shape: Shape, args: argparse.Namespace, device, say, log_error
 ) -> list[dict[str, Any]]:
     cfg = drafter_config(shape, max_anchors=args.max_anchors, sliding_window=args.sliding_window)
-    eager = build(cfg, None, device, dtype)
+    parts = frozen_parts(cfg, device)
+    eager = build(cfg, "off", parts, device)
+    batches = planned_batches(shape, args.draws, args.seed)
     rows = []
     for mode in args.modes:
         torch._dynamo.reset()
-        model = build(cfg, mode, device, dtype)
-        gen = torch.Generator().manual_seed(args.seed)
-        for i in range(args.draws):
-            inputs = draw(cfg, shape.budget, gen, device, dtype)
+        model = build(cfg, MODES[mode], parts, device)
+        before = graphs_compiled()
+        try:
+            _, warm_s = timed(
+                device,
+                warm_up,
+                model,
+                drafter_config=asdict(cfg),
+                cache_dir=args.out / "warmup",
+                device=device,
+                seq_len=min(1024, cfg.max_position_embeddings),
+            )
+            say(f"{name} {mode}: warm-up {warm_s:.1f} s, {graphs_compiled() - before} graph(s)")
+            warm = {"warmup_s": round(warm_s, 2), "warmup_graphs": graphs_compiled() - before}
+        except compiler_errors() + (RuntimeError,) as exc:
+            log_error(f"{name} {mode} warm-up", exc)
+            rows.append({"shape": name, "mode": mode, "draw": -1, "error": _first_line(exc)})
+            say(f"{name} {mode} warm-up: {rows[-1]['error']}")
+            continue
+        for i, lengths in enumerate(batches):
+            gen = torch.Generator().manual_seed(args.seed * 1000 + i)
+            inputs = make_inputs(cfg, lengths, gen, device)
             row: dict[str, Any] = {
                 "shape": name,
                 "mode": mode,
                 "draw": i,
-                "tokens": inputs[0].shape[1],
+                "batch": len(lengths),
+                "padded_len": max(lengths),
+                "tokens": sum(lengths),
                 "anchor_share": round(float(inputs[2].float().mean()), 3),
                 "block_size": cfg.block_size,
                 "layer_types": ",".join(sorted(set(cfg.layer_types))),
+                **(warm if i == 0 else {}),
             }
             try:
                 ref_loss, ref_grads = step(eager, inputs, seed=i)
                 before = graphs_compiled()
-                sync(device)
-                t0 = time.perf_counter()
-                loss, grads = step(model, inputs, seed=i)
-                sync(device)
-                seconds = time.perf_counter() - t0
+                (loss, grads), seconds = timed(device, step, model, inputs, seed=i)
+                new_graphs = graphs_compiled() - before if before >= 0 else None
+                _, steady = timed(device, step, model, inputs, seed=i)
             except compiler_errors() + (RuntimeError,) as exc:
-                row.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                log_error(f"{name} {mode} draw {i} {lengths}", exc)
+                row.update(error=_first_line(exc))
                 rows.append(row)
                 say(f"{name} {mode} draw {i}: {row['error']}")
                 continue
@@ -183,36 +248,61 @@ def sweep_shape(
                 loss_rel=relative(torch.tensor(loss), torch.tensor(ref_loss)),
                 grad_rel_max=max(relative(grads[n], ref_grads[n]) for n in ref_grads),
                 seconds=round(seconds, 4),
-                new_graphs=graphs_compiled() - before if before >= 0 else None,
-                mfu=round(flops / seconds / (PEAK_TFLOPS * 1e12), 4) if device.type == "cuda" else None,
+                steady_seconds=round(steady, 4),
+                new_graphs=new_graphs,
+                mfu=round(flops / steady / (PEAK_TFLOPS * 1e12), 4) if device.type == "cuda" else None,
             )
             row["within_tolerance"] = (
                 row["loss_rel"] <= args.loss_tol and row["grad_rel_max"] <= args.grad_tol
             )
             rows.append(row)
+            mfu = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
             say(
-                f"{name} {mode} draw {i}: {row['tokens']} tokens, loss rel {row['loss_rel']:.2e}, grad rel "
-                f"{row['grad_rel_max']:.2e}, {seconds:.3f} s, {row['new_graphs']} new graph(s)"
+                f"{name} {mode} draw {i}: B {len(lengths)} x {max(lengths)}, loss rel {row['loss_rel']:.2e}, "
+                f"grad rel {row['grad_rel_max']:.2e}, {seconds:.3f} s then {steady:.3f} s{mfu}, "
+                f"{new_graphs} new graph(s)"
             )
-        del model
+        del model  # before the next mode builds its own
     return rows
 
 
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per shape and mode: batches that compiled after warm-up, the steady step, MFU, and the share of the
+    batches' time spent in those compiles (the issue's goal: under 2% of a run's first 500 steps)."""
     out: dict[str, Any] = {"rows_failed": sum("error" in r for r in rows)}
     out["rows_outside_tolerance"] = sum(
         not r.get("within_tolerance", False) for r in rows if "error" not in r
     )
     for key in sorted({(r["shape"], r["mode"]) for r in rows}):
         mine = [r for r in rows if (r["shape"], r["mode"]) == key and "error" not in r]
-        steady = [r["seconds"] for r in mine if not r["new_graphs"]]
-        compiling = [r["seconds"] for r in mine if r["new_graphs"]]
         tag = f"{key[0]}_{key[1]}"
-        out[f"{tag}_recompiling_draws"] = len(compiling)
-        out[f"{tag}_steady_step_s"] = round(statistics.median(steady), 4) if steady else None
-        out[f"{tag}_compile_share"] = (
-            round(sum(compiling) / sum(r["seconds"] for r in mine), 3) if mine else None
+        out[f"{tag}_recompiling_draws"] = sum(bool(r["new_graphs"]) for r in mine)
+        out[f"{tag}_steady_step_s"] = (
+            round(statistics.median(r["steady_seconds"] for r in mine), 4) if mine else None
         )
+        mfus = [r["mfu"] for r in mine if r.get("mfu")]
+        out[f"{tag}_mfu_median"] = round(statistics.median(mfus), 4) if mfus else None
+        extra = sum(r["seconds"] - r["steady_seconds"] for r in mine if r["new_graphs"])
+        total = sum(r["seconds"] for r in mine)
+        out[f"{tag}_recompile_share"] = round(extra / total, 4) if total else None
+    return out
+
+
+def parse_inductor(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs for ``torch._inductor.config`` (values as Python literals)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--inductor {pair!r}: expected KEY=VALUE, e.g. split_reductions=False")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
     return out
 
 
@@ -222,19 +312,18 @@ def main(argv: list[str] | None = None) -> BenchResult:
     p.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (fp32), what tests/bench runs")
     p.add_argument("--shapes", default=None, help=f"comma list of {', '.join(GRID)} (default: all)")
     p.add_argument("--modes", default="attention,full", help="comma list of attention, full")
-    p.add_argument("--draws", type=int, default=4, help="context/anchor draws per shape and mode")
+    p.add_argument("--draws", type=int, default=6, help="planned batches per shape and mode, after warm-up")
     p.add_argument("--max-anchors", type=int, default=512)
     p.add_argument("--sliding-window", type=int, default=None, help="override the presets' window")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--inductor", action="append", default=[], help="KEY=VALUE for torch._inductor.config")
     p.add_argument("--loss-tol", type=float, default=None, help="default: 1e-2 in bf16, 1e-4 in fp32")
     p.add_argument("--grad-tol", type=float, default=None, help="default: 5e-2 in bf16, 1e-3 in fp32")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     grid = CPU_GRID if args.cpu else GRID
     names = list(grid) if not args.shapes else [s.strip() for s in args.shapes.split(",")]
-    unknown = [n for n in names if n not in grid]
-    if unknown:
+    if unknown := [n for n in names if n not in grid]:
         p.error(f"--shapes: unknown {unknown}; choose from {', '.join(grid)}")
     args.modes = [m.strip() for m in args.modes.split(",")]
     if bad := [m for m in args.modes if m not in MODES]:
@@ -242,28 +331,40 @@ def main(argv: list[str] | None = None) -> BenchResult:
     if args.cpu:
         args.max_anchors = min(args.max_anchors, 32)
         args.sliding_window = args.sliding_window or 64
-    bf16 = dtype == torch.bfloat16
+    bf16 = compute_dtype(device) == torch.bfloat16
     args.loss_tol = args.loss_tol if args.loss_tol is not None else (1e-2 if bf16 else 1e-4)
     args.grad_tol = args.grad_tol if args.grad_tol is not None else (5e-2 if bf16 else 1e-3)
+    inductor = parse_inductor(args.inductor)
+    import torch._inductor.config as inductor_config
+
+    for key, value in inductor.items():
+        if not hasattr(inductor_config, key):
+            p.error(f"--inductor {key}: torch {torch.__version__}'s Inductor has no such option")
+        setattr(inductor_config, key, value)
     apply_dynamo_settings()
+    args.out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
-    rows = []
+    errors = args.out / "errors.log"
+    errors.write_text("")
+
+    def log_error(where: str, exc: BaseException) -> None:
+        with errors.open("a") as fh:
+            fh.write(f"=== {where}\n{''.join(traceback.format_exception(exc))}\n")
+
+    config = {
+        "device": str(device),
+        "dtype": str(compute_dtype(device)),
+        "shapes": {n: asdict(grid[n]) for n in names},
+        "inductor": inductor,
+        **{k: v for k, v in vars(args).items() if k not in ("out", "inductor")},
+    }
+    rows: list[dict[str, Any]] = []
     for name in names:
         rows += sweep_shape(
-            name, grid[name], args, device, dtype, lambda line: console.print(line, markup=False)
+            name, grid[name], args, device, lambda line: console.print(line, markup=False), log_error
         )
-    result = BenchResult(
-        name="compile_sweep",
-        config={
-            "device": str(device),
-            "dtype": str(dtype),
-            "shapes": {n: asdict(grid[n]) for n in names},
-            **{k: v for k, v in vars(args).items() if k not in ("out",)},
-        },
-        rows=rows,
-        summary=summarize(rows),
-    )
-    save_result(result, args.out)
+        result = BenchResult(name="compile_sweep", config=config, rows=rows, summary=summarize(rows))
+        save_result(result, args.out)  # after every shape: a time limit keeps what ran
     show_result(result, console)
     return result
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The H200 runs behind bench/results/h200_compile_sweep (issue 20): the drafter step compiled against eager
+# over the grid of bench/compile_sweep.py, the recompiles each planned batch pays, MFU, and Inductor probes.
+# Needs .whl (pyzmq for python 3.12; see bench/h200_eval_regen_commands.sh). Each step has its own timeout
+# and log under ${OUT:-/tmp/out}; TORCH_LOGS=recompiles goes to the logs, so every recompile names its guard.
+# PART=diag: four sweeps side by side (compiles are CPU-bound, the GPU mostly idle; their step times are
+# not the record): the Qwen3-1.7B shape as is and with EXTRA (Inductor probes), the 8B and 27B shapes full.
+# PART=record: the grid one shape at a time, nothing beside it (the recorded figures).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_LOGS=${TORCH_LOGS-recompiles}
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .whl/pyzmq*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/extra
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+step() {  # step NAME SECONDS ARGS...: one sweep into $OUT/NAME, its console in $OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" python3 bench/compile_sweep.py --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+  echo "$name: rc $? in $((SECONDS - t0)) s"
+}
+if [ "${PART:-diag}" = diag ]; then
+  step base_1.7b 520 --shapes qwen3-1.7b &
+  step probe_1.7b 520 --shapes qwen3-1.7b --modes full ${EXTRA:---inductor split_reductions=False} &
+  step full_8b 520 --shapes qwen3-8b --modes full &
+  step full_27b 520 --shapes qwen3.6-27b --modes full &
+  wait
+else
+  for shape in ${SHAPES:-qwen3-1.7b qwen3-8b llama3.1-8b head-dim-64 qwen3.6-27b}; do
+    step "record_$shape" "${LIMIT:-280}" --shapes "$shape" ${EXTRA:-}
+  done
+fi
