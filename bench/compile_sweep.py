@@ -5,8 +5,8 @@ For every drafter shape of the grid and every compile mode, builds the drafter a
 the step under bf16 autocast, ``loss_sum`` backward), warms it up as a worker does (``train.warmup``'s
 synthetic batches), then feeds batches planned as a run plans them: sample lengths from a seeded
 long-tailed distribution, ``data.batching.plan_batches`` under the token budget, right-padded [B, S]
-rows, the loss mask on each sample's response part. Per batch it runs the same step eagerly and compiled
-from the same weights and records: the loss and every trainable gradient against eager (relative), the
+rows, the loss mask on each sample's response part. Per batch it runs the same step compiled and eagerly
+(on SDPA with the dense mask on CUDA: an independent attention kernel) from the same weights and records: the loss and every trainable gradient against eager (relative), the
 step time (first call, with any compile) and a second, steady call, MFU, and the graphs the batch compiled
 (a recompile a real run pays after its first step). Modes: ``attention`` (``train.compile=on``: the flex
 mask and kernel), ``full`` (``train.compile=full``: also whole layers and fused CE terms).
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import statistics
 import sys
 import time
@@ -192,7 +193,8 @@ def sweep_shape(
 ) -> list[dict[str, Any]]:
     cfg = drafter_config(shape, max_anchors=args.max_anchors, sliding_window=args.sliding_window)
     parts = frozen_parts(cfg, device)
-    eager = build(cfg, "off", parts, device)
+    # the reference: eager, and on SDPA with the dense mask (eager flex materialises every score: 100+ GiB)
+    eager = build(dataclasses.replace(cfg, attention_backend="sdpa"), "off", parts, device)
     batches = planned_batches(shape, args.draws, args.seed)
     rows = []
     for mode in args.modes:
