@@ -189,82 +189,89 @@ def timed(on: torch.device, fn, *args, **kwargs) -> tuple[Any, float]:
 
 
 def sweep_shape(
-    name: str, shape: Shape, args: argparse.Namespace, device, say, log_error
+    name: str, shape: Shape, mode: str, args: argparse.Namespace, device, say, log_error
 ) -> list[dict[str, Any]]:
+    """One shape in one mode: the warm-up, then every planned batch compiled (and against eager)."""
+    shape = dataclasses.replace(
+        shape, budget=args.budget or shape.budget, max_len=args.max_len or shape.max_len
+    )
     cfg = drafter_config(shape, max_anchors=args.max_anchors, sliding_window=args.sliding_window)
     parts = frozen_parts(cfg, device)
     # the reference: eager, and on SDPA with the dense mask (eager flex materialises every score: 100+ GiB)
     eager = build(dataclasses.replace(cfg, attention_backend="sdpa"), "off", parts, device)
     batches = planned_batches(shape, args.draws, args.seed)
-    rows = []
-    for mode in args.modes:
-        torch._dynamo.reset()
-        model = build(cfg, MODES[mode], parts, device)
-        before = graphs_compiled()
+    rows: list[dict[str, Any]] = []
+    torch._dynamo.reset()
+    model = build(cfg, MODES[mode], parts, device)
+    before = graphs_compiled()
+    try:
+        _, warm_s = timed(
+            device,
+            warm_up,
+            model,
+            drafter_config=asdict(cfg),
+            cache_dir=args.out / "warmup",
+            device=device,
+            seq_len=min(1024, cfg.max_position_embeddings),
+        )
+        say(f"{name} {mode}: warm-up {warm_s:.1f} s, {graphs_compiled() - before} graph(s)")
+        warm = {"warmup_s": round(warm_s, 2), "warmup_graphs": graphs_compiled() - before}
+    except compiler_errors() + (RuntimeError,) as exc:
+        log_error(f"{name} {mode} warm-up", exc)
+        rows.append({"shape": name, "mode": mode, "draw": -1, "error": _first_line(exc)})
+        say(f"{name} {mode} warm-up: {rows[-1]['error']}")
+        return rows
+    for i, lengths in enumerate(batches):
+        gen = torch.Generator().manual_seed(args.seed * 1000 + i)
+        inputs = make_inputs(cfg, lengths, gen, device)
+        row: dict[str, Any] = {
+            "shape": name,
+            "mode": mode,
+            "draw": i,
+            "batch": len(lengths),
+            "padded_len": max(lengths),
+            "tokens": sum(lengths),
+            "anchor_share": round(float(inputs[2].float().mean()), 3),
+            "block_size": cfg.block_size,
+            "layer_types": ",".join(sorted(set(cfg.layer_types))),
+            **(warm if i == 0 else {}),
+        }
+        checked = i % args.reference_every == 0
         try:
-            _, warm_s = timed(
-                device,
-                warm_up,
-                model,
-                drafter_config=asdict(cfg),
-                cache_dir=args.out / "warmup",
-                device=device,
-                seq_len=min(1024, cfg.max_position_embeddings),
-            )
-            say(f"{name} {mode}: warm-up {warm_s:.1f} s, {graphs_compiled() - before} graph(s)")
-            warm = {"warmup_s": round(warm_s, 2), "warmup_graphs": graphs_compiled() - before}
+            ref_loss, ref_grads = step(eager, inputs, seed=i) if checked else (None, None)
+            before = graphs_compiled()
+            (loss, grads), seconds = timed(device, step, model, inputs, seed=i)
+            new_graphs = graphs_compiled() - before if before >= 0 else None
+            _, steady = timed(device, step, model, inputs, seed=i)
         except compiler_errors() + (RuntimeError,) as exc:
-            log_error(f"{name} {mode} warm-up", exc)
-            rows.append({"shape": name, "mode": mode, "draw": -1, "error": _first_line(exc)})
-            say(f"{name} {mode} warm-up: {rows[-1]['error']}")
+            log_error(f"{name} {mode} draw {i} {lengths}", exc)
+            row.update(error=_first_line(exc))
+            rows.append(row)
+            say(f"{name} {mode} draw {i}: {row['error']}")
             continue
-        for i, lengths in enumerate(batches):
-            gen = torch.Generator().manual_seed(args.seed * 1000 + i)
-            inputs = make_inputs(cfg, lengths, gen, device)
-            row: dict[str, Any] = {
-                "shape": name,
-                "mode": mode,
-                "draw": i,
-                "batch": len(lengths),
-                "padded_len": max(lengths),
-                "tokens": sum(lengths),
-                "anchor_share": round(float(inputs[2].float().mean()), 3),
-                "block_size": cfg.block_size,
-                "layer_types": ",".join(sorted(set(cfg.layer_types))),
-                **(warm if i == 0 else {}),
-            }
-            try:
-                ref_loss, ref_grads = step(eager, inputs, seed=i)
-                before = graphs_compiled()
-                (loss, grads), seconds = timed(device, step, model, inputs, seed=i)
-                new_graphs = graphs_compiled() - before if before >= 0 else None
-                _, steady = timed(device, step, model, inputs, seed=i)
-            except compiler_errors() + (RuntimeError,) as exc:
-                log_error(f"{name} {mode} draw {i} {lengths}", exc)
-                row.update(error=_first_line(exc))
-                rows.append(row)
-                say(f"{name} {mode} draw {i}: {row['error']}")
-                continue
-            flops = count_flops(model, inputs)["train_step"]
+        flops = count_flops(model, inputs)["train_step"]
+        if checked:
             row.update(
                 loss_rel=relative(torch.tensor(loss), torch.tensor(ref_loss)),
                 grad_rel_max=max(relative(grads[n], ref_grads[n]) for n in ref_grads),
-                seconds=round(seconds, 4),
-                steady_seconds=round(steady, 4),
-                new_graphs=new_graphs,
-                mfu=round(flops / steady / (PEAK_TFLOPS * 1e12), 4) if device.type == "cuda" else None,
             )
             row["within_tolerance"] = (
                 row["loss_rel"] <= args.loss_tol and row["grad_rel_max"] <= args.grad_tol
             )
-            rows.append(row)
-            mfu = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
+        row.update(
+            seconds=round(seconds, 4),
+            steady_seconds=round(steady, 4),
+            new_graphs=new_graphs,
+            mfu=round(flops / steady / (PEAK_TFLOPS * 1e12), 4) if device.type == "cuda" else None,
+        )
+        rows.append(row)
+        mfu = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
+        ref = f", loss rel {row['loss_rel']:.2e}, grad rel {row['grad_rel_max']:.2e}" if checked else ""
+        if checked or new_graphs or i % 50 == 0:
             say(
-                f"{name} {mode} draw {i}: B {len(lengths)} x {max(lengths)}, loss rel {row['loss_rel']:.2e}, "
-                f"grad rel {row['grad_rel_max']:.2e}, {seconds:.3f} s then {steady:.3f} s{mfu}, "
-                f"{new_graphs} new graph(s)"
+                f"{name} {mode} draw {i}: B {len(lengths)} x {max(lengths)}{ref}, {seconds:.3f} s then "
+                f"{steady:.3f} s{mfu}, {new_graphs} new graph(s)"
             )
-        del model  # before the next mode builds its own
     return rows
 
 
@@ -276,9 +283,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per shape and mode: batches that compiled after warm-up, the steady step, MFU, and the share of the
     batches' time spent in those compiles (the issue's goal: under 2% of a run's first 500 steps)."""
     out: dict[str, Any] = {"rows_failed": sum("error" in r for r in rows)}
-    out["rows_outside_tolerance"] = sum(
-        not r.get("within_tolerance", False) for r in rows if "error" not in r
-    )
+    out["rows_outside_tolerance"] = sum(r.get("within_tolerance") is False for r in rows)
+    out["rows_checked"] = sum("within_tolerance" in r for r in rows)
     for key in sorted({(r["shape"], r["mode"]) for r in rows}):
         mine = [r for r in rows if (r["shape"], r["mode"]) == key and "error" not in r]
         tag = f"{key[0]}_{key[1]}"
@@ -315,6 +321,9 @@ def main(argv: list[str] | None = None) -> BenchResult:
     p.add_argument("--shapes", default=None, help=f"comma list of {', '.join(GRID)} (default: all)")
     p.add_argument("--modes", default="attention,full", help="comma list of attention, full")
     p.add_argument("--draws", type=int, default=6, help="planned batches per shape and mode, after warm-up")
+    p.add_argument("--reference-every", type=int, default=1, help="check against eager every Nth batch")
+    p.add_argument("--budget", type=int, default=None, help="tokens per batch (default: the shape's)")
+    p.add_argument("--max-len", type=int, default=None, help="longest sample (default: the shape's)")
     p.add_argument("--max-anchors", type=int, default=512)
     p.add_argument("--sliding-window", type=int, default=None, help="override the presets' window")
     p.add_argument("--seed", type=int, default=0)
@@ -361,12 +370,15 @@ def main(argv: list[str] | None = None) -> BenchResult:
         **{k: v for k, v in vars(args).items() if k not in ("out", "inductor")},
     }
     rows: list[dict[str, Any]] = []
+
+    def say(line: str) -> None:
+        console.print(line, markup=False)
+
     for name in names:
-        rows += sweep_shape(
-            name, grid[name], args, device, lambda line: console.print(line, markup=False), log_error
-        )
-        result = BenchResult(name="compile_sweep", config=config, rows=rows, summary=summarize(rows))
-        save_result(result, args.out)  # after every shape: a time limit keeps what ran
+        for mode in args.modes:  # saved after each: a time limit keeps what ran
+            rows += sweep_shape(name, grid[name], mode, args, device, say, log_error)
+            result = BenchResult(name="compile_sweep", config=config, rows=rows, summary=summarize(rows))
+            save_result(result, args.out)
     show_result(result, console)
     return result
 

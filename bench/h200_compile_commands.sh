@@ -27,8 +27,16 @@ if [ "${PART:-diag}" = diag ]; then
   step full_8b 520 --shapes qwen3-8b --modes full &
   step full_27b 520 --shapes qwen3.6-27b --modes full &
   wait
-else
+elif [ "$PART" = record ]; then
   for shape in ${SHAPES:-qwen3-1.7b qwen3-8b llama3.1-8b head-dim-64 qwen3.6-27b}; do
-    step "record_$shape" "${LIMIT:-280}" --shapes "$shape" ${EXTRA:-}
+    step "record_$shape" "${LIMIT:-280}" --shapes "$shape" --draws "${DRAWS:-5}" ${EXTRA:-}
+  done
+fi
+# PART=steps: 500 planned batches at the launch defaults (token budget 4096, samples up to 3072 tokens),
+# compiled full, checked against eager every 50th: the recompiles a run pays after its first step.
+if [ "${PART:-diag}" = steps ]; then
+  for shape in ${SHAPES:-qwen3-8b qwen3.6-27b}; do
+    step "steps_$shape" "${LIMIT:-280}" --shapes "$shape" --modes full --draws "${DRAWS:-500}" \
+      --reference-every 50 --budget 4096 --max-len 3072
   done
 fi

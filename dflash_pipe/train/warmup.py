@@ -33,11 +33,13 @@ def warm_up(
     cache_dir: Path,
     device: torch.device,
     seq_len: int,
-    batch_sizes: tuple[int, ...] = (2,),
+    batch_sizes: tuple[int, ...] = (2, 1),
     once: bool = False,
 ) -> dict[str, float]:
-    """Runs synthetic steps so every compiled variant exists before real batches arrive. ``once``: under
-    the cache's lock, so workers that start together compile once (``train.compile_warmup``)."""
+    """Runs synthetic steps so every compiled variant exists before real batches arrive: batches of 2 and
+    of 1 (dynamic shapes specialise on size 1, and a batch of one long sample that the next one does not
+    fit beside is common), each at two lengths. ``once``: under the cache's lock, so workers that start
+    together compile once (``train.compile_warmup``)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(
         json.dumps(
@@ -70,8 +72,7 @@ def _synthetic_steps(
 ) -> None:
     k = len(cfg["target_layer_ids"])
     dtype = compute_dtype(device)
-    # Batch 2 and two lengths: dynamic shapes specialise on size 1, so B=1 alone would leave the real
-    # (multi-sample) batches to compile on the first training step.
+    # Two lengths per batch size: the first compile of a dynamic graph may specialise on its one length.
     shapes = [(b, length) for b in batch_sizes for length in (seq_len, max(seq_len // 2, 8))]
     for b, length in shapes:
         ids = torch.randint(0, cfg["vocab_size"], (b, length), device=device)

@@ -268,7 +268,6 @@ def _build_replicas(
                 cache_dir=Path(cache),
                 device=dev,
                 seq_len=min(1024, drafter_cfg.max_position_embeddings),
-                batch_sizes=(2, 1) if threaded else (2,),
                 once=train_cfg.compile_warmup == "once",
             )
         models.append(model)
