@@ -7,7 +7,7 @@ synthetic batches), then feeds batches planned as a run plans them: sample lengt
 long-tailed distribution, ``data.batching.plan_batches`` under the token budget, right-padded [B, S]
 rows, the loss mask on each sample's response part. Per batch it runs the same step compiled and eagerly
 (on SDPA with the dense mask on CUDA: an independent attention kernel) from the same weights and records: the loss and every trainable gradient against eager (relative), the
-step time (first call, with any compile) and a second, steady call, MFU, and the graphs the batch compiled
+step time (with any compile, and again without it where it compiled), MFU, and the graphs the batch compiled
 (a recompile a real run pays after its first step). Modes: ``attention`` (``train.compile=on``: the flex
 mask and kernel), ``full`` (``train.compile=full``: also whole layers and fused CE terms).
 MFU counts every layer's attention over the full-attention pattern (``drafter_step.count_flops``), so on
@@ -46,6 +46,7 @@ from dflash_pipe.compute.compile import apply_dynamo_settings, backward_with_set
 from dflash_pipe.compute.precision import autocast, compute_dtype
 from dflash_pipe.data.batching import plan_batches
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
+from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.drafter.presets import PRESETS
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.warmup import warm_up
@@ -120,10 +121,13 @@ def frozen_parts(cfg: DrafterConfig, device: torch.device) -> tuple[nn.Embedding
     return embed, head
 
 
-def build(cfg: DrafterConfig, compile_mode: str, parts, device: torch.device) -> DFlashDrafter:
+def build(
+    cfg: DrafterConfig, compile_mode: str, parts, device: torch.device, checkpointing: str = "none"
+) -> DFlashDrafter:
     """The drafter as a worker builds it; seeded, so every mode starts from the same weights."""
     torch.manual_seed(0)
-    model, _ = make_drafter(cfg, TrainConfig(compile=compile_mode), *parts, device)
+    policy = CheckpointPolicy(checkpointing)  # type: ignore[arg-type]
+    model, _ = make_drafter(cfg, TrainConfig(compile=compile_mode), *parts, device, checkpointing=policy)
     return model
 
 
@@ -197,8 +201,9 @@ def sweep_shape(
     )
     cfg = drafter_config(shape, max_anchors=args.max_anchors, sliding_window=args.sliding_window)
     parts = frozen_parts(cfg, device)
-    # the reference: eager, and on SDPA with the dense mask (eager flex materialises every score: 100+ GiB)
-    eager = build(dataclasses.replace(cfg, attention_backend="sdpa"), "off", parts, device)
+    # the reference: eager, on SDPA with the dense mask (eager flex materialises every score: 100+ GiB),
+    # recomputing in backward (eager activations of a batch of many short samples passed 100 GiB at 8B)
+    eager = build(dataclasses.replace(cfg, attention_backend="sdpa"), "off", parts, device, "all")
     batches = planned_batches(shape, args.draws, args.seed)
     rows: list[dict[str, Any]] = []
     torch._dynamo.reset()
