@@ -39,6 +39,8 @@ from typing import Any  # noqa: E402
 
 from dflash_pipe.bench.result import BenchResult  # noqa: E402
 from dflash_pipe.bench.save import goal, save_result, show_result  # noqa: E402
+from dflash_pipe.fields import choices  # noqa: E402
+from dflash_pipe.train.config import TrainConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALING_GOAL = 0.95
@@ -494,7 +496,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int)
     p.add_argument("--draft-layers", type=int)
     p.add_argument("--max-anchors", type=int)
-    p.add_argument("--compile", choices=["auto", "on", "off", "full"])
+    p.add_argument("--compile", choices=choices(TrainConfig, "compile"))
     p.add_argument("--samples", type=int, help="Elastic: one epoch of the data's first N samples.")
     p.add_argument("--timeout", type=float, default=300.0, help="Elastic: seconds to wait for each event.")
     p.add_argument(

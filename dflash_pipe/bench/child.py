@@ -156,13 +156,16 @@ def build_drafter(spec: dict[str, Any], device: Any, *, compile_layers: bool = F
 
 def warm(model: Any, spec: dict[str, Any], device: Any) -> dict[str, float]:
     """The worker's warm-up, as ``train.compile_warmup`` says: once (one process compiles under the cache's
-    lock, the others then start warm) or each (every process compiles at once)."""
+    lock, the others then start warm) or each (every process compiles at once); with full, then checked."""
     from dflash_pipe.drafter import DrafterConfig
-    from dflash_pipe.train.warmup import warm_up
+    from dflash_pipe.train.compile_check import warm_up_checked
+    from dflash_pipe.train.config import TrainConfig
 
     cfg = DrafterConfig.from_dict(spec["drafter"])
-    return warm_up(
+    plan = TrainConfig.from_dict(spec["train"]).compile_plan(device.type)
+    return warm_up_checked(
         model,
+        full=plan == "full",
         drafter_config=spec["drafter"],
         cache_dir=Path(spec["cache_dir"]),
         device=device,

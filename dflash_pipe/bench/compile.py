@@ -165,7 +165,7 @@ def _drafter_spec(
         num_layers=layers,
         max_anchors=32 if device == "cpu" else 512,
     )
-    train = TrainConfig(compile="on" if device == "cuda" else "off")
+    train = TrainConfig()  # what a run compiles: full on CUDA, nothing on CPU (the layers, below)
     return {"drafter": cfg.to_dict(), "train": asdict(train), "target_path": str(path)}
 
 

@@ -10,6 +10,8 @@ import click
 from rich.console import Console
 
 from dflash_pipe.commands import check_machine, console
+from dflash_pipe.fields import choices
+from dflash_pipe.train.config import TrainConfig
 
 
 @click.group()
@@ -96,7 +98,7 @@ _OUT_OPTION = click.option(
 @click.option("--draft-layers", type=int, help="Drafter depth (as `launch`).")
 @click.option("--max-anchors", type=int, help="Sampled blocks per sequence (as `launch`).")
 @click.option(
-    "--compile", "compile_mode", type=click.Choice(["auto", "on", "off", "full"]), help="As `launch`."
+    "--compile", "compile_mode", type=click.Choice(choices(TrainConfig, "compile")), help="As `launch`."
 )
 @click.option("--seconds", type=float, default=3.0, show_default=True, help="Measured seconds per stage.")
 @click.option("--compare", is_flag=True, help="Also run offline (features via disk) and threaded drafters.")

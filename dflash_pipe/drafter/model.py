@@ -7,6 +7,7 @@ the module tree: frozen, never in `state_dict()` or `trainable_parameters()`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
@@ -185,9 +186,8 @@ class DFlashDrafter(nn.Module):
         """``compile_attention``: torch.compile the flex mask and kernel (None: on CUDA).
         ``compile_layers``: compile the decoder layers whole, so Inductor fuses the norms, RoPE and SwiGLU
         around the matmuls (None: on the SDPA path when attention is compiled). ``fused_ce``: compile the
-        LM head's softmax/CE terms into one kernel. Both together are ``train.compile=full``: faster steps,
-        but torch 2.11's Inductor failed on them at another shape, so they are opt-in (docs/performance.md
-        has both). Dynamo's limits are set by
+        LM head's softmax/CE terms into one kernel. Both together are ``train.compile=full``, the default on
+        CUDA (docs/performance.md has the shape sweep behind it). Dynamo's limits are set by
         ``compute.compile.apply_dynamo_settings`` in each thread that trains."""
         super().__init__()
         self.cfg = cfg
@@ -202,6 +202,7 @@ class DFlashDrafter(nn.Module):
         self.compile_attention = compile_attention  # None = compile on CUDA
         self.compile_layers = compile_layers
         self._layer_compile_failed = False
+        self._reference = False  # inside ``reference()``: eager, SDPA with the dense mask
         self.fused_ce = fused_ce
         self.checkpointing = checkpointing or CheckpointPolicy()
         self.ce_chunk = ce_chunk
@@ -228,15 +229,36 @@ class DFlashDrafter(nn.Module):
     def trainable_parameters(self) -> Iterator[nn.Parameter]:
         return (p for p in self.parameters() if p.requires_grad)
 
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Within: the same weights run eagerly, attention through SDPA with the dense mask (another kernel
+        than flex's). What the warm-up checks the compiled step against (``train.warmup.check_compiled``)."""
+        self._reference = True
+        try:
+            yield
+        finally:
+            self._reference = False
+
+    def compile_attention_only(self) -> None:
+        """The fallback of ``train.compile=full``: whole layers and the fused CE terms run eagerly again,
+        the flex attention and block mask stay compiled (``train.compile=attention``)."""
+        self.compile_layers, self.fused_ce = False, False
+
     def backend(self, device: torch.device) -> str:
+        if self._reference:
+            return "sdpa"
         if self.cfg.attention_backend != "auto":
             return self.cfg.attention_backend
         return "flex" if device.type == "cuda" and self.cfg.head_dim >= FLEX_MIN_HEAD_DIM else "sdpa"
 
     def _compiles_attention(self, device: torch.device) -> bool:
+        if self._reference:
+            return False
         return self.compile_attention if self.compile_attention is not None else device.type == "cuda"
 
     def _compiles_layers(self, device: torch.device) -> bool:
+        if self._reference:
+            return False
         if self.compile_layers is not None:
             return self.compile_layers
         return self._compiles_attention(device) and self.backend(device) == "sdpa"
@@ -353,7 +375,7 @@ class DFlashDrafter(nn.Module):
                 self.lm_head.weight,
                 chunk=self.ce_chunk,
                 num_anchors=num_anchors,
-                fused=self.fused_ce and hidden.is_cuda,
+                fused=self.fused_ce and hidden.is_cuda and not self._reference,
             )
             return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_total
 

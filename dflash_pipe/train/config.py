@@ -65,19 +65,29 @@ class TrainConfig:
         default=None, metadata=flag("--max-steps", "Stop after this many optimizer steps.", resume=True)
     )
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
-    compile: Literal["auto", "on", "off", "full"] = field(
+    compile: Literal["auto", "full", "attention", "off", "on"] = field(
         default="auto",
         metadata=flag(
             "--compile",
-            "torch.compile the drafter's flex attention (auto: on CUDA); full: also its layers and CE terms "
-            "(faster; see docs/performance.md before using it).",
+            "torch.compile the drafter. auto (default): full on CUDA, off on CPU; full: whole layers, the "
+            "flex attention and fused CE terms; attention: the flex attention and block mask only (the "
+            "fallback, about 25% slower); off: eager. 'on' is the old name of attention.",
             param="compile_mode",
         ),
     )
-    """torch.compile the drafter. on: the flex attention kernel and block mask (on the SDPA path: the layers);
-    auto = on for CUDA, off on CPU. full: also the decoder layers whole and the LM head's CE terms: faster
-    steps, but torch 2.11's Inductor failed on it at another shape (docs/performance.md has both): try it
-    with `dflash-pipe bench throughput --compile full` first."""
+    """torch.compile the drafter. full: each decoder layer whole (Inductor fuses the norms, RoPE and SwiGLU
+    around the matmuls, flex attention inside), the LM head's softmax/CE terms as one kernel; attention: the
+    flex kernel and block mask only (on the SDPA path: the layers); auto = full on CUDA, off on CPU; "on"
+    is the old name of attention (run dirs of earlier versions keep it). A run checks its compiled step
+    against an eager one at warm-up and falls back to attention if they disagree
+    (``train.warmup.check_compiled``); docs/performance.md has the sweep behind the default."""
+
+    def compile_plan(self, device_type: str) -> Literal["full", "attention", "off"]:
+        """What ``compile`` compiles on a device of this type, with ``auto`` and ``on`` resolved."""
+        if self.compile == "auto":
+            return "full" if device_type == "cuda" else "off"
+        return "attention" if self.compile == "on" else self.compile
+
     compile_warmup: Literal["once", "each"] = field(
         default="each",
         metadata=flag(

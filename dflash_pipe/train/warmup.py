@@ -70,16 +70,23 @@ def _synthetic_steps(
     seq_len: int,
     batch_sizes: tuple[int, ...],
 ) -> None:
-    k = len(cfg["target_layer_ids"])
-    dtype = compute_dtype(device)
     # Two lengths per batch size: the first compile of a dynamic graph may specialise on its one length.
     shapes = [(b, length) for b in batch_sizes for length in (seq_len, max(seq_len // 2, 8))]
     for b, length in shapes:
-        ids = torch.randint(0, cfg["vocab_size"], (b, length), device=device)
-        feats = torch.randn(b, length, k * cfg["hidden_size"], device=device, dtype=dtype)
-        mask = torch.ones(b, length, dtype=torch.bool, device=device)
+        batch = synthetic_batch(cfg, device, b, length)
         with autocast(device):
-            out = model(ids, feats, mask, generator=torch.Generator(device=device).manual_seed(0))
+            out = model(*batch, generator=torch.Generator(device=device).manual_seed(0))
         backward_with_settings(out.loss_sum)
     for p in model.parameters():
         p.grad = None
+
+
+def synthetic_batch(
+    cfg: dict[str, Any], device: torch.device, batch: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random token ids, features in the compute dtype and an all-True loss mask: [B, S] as ``unpack``
+    hands a real batch over (``cfg`` is ``DrafterConfig.to_dict()``, what WELCOME carries)."""
+    k = len(cfg["target_layer_ids"])
+    ids = torch.randint(0, cfg["vocab_size"], (batch, length), device=device)
+    feats = torch.randn(batch, length, k * cfg["hidden_size"], device=device, dtype=compute_dtype(device))
+    return ids, feats, torch.ones(batch, length, dtype=torch.bool, device=device)

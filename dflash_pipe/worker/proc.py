@@ -25,11 +25,11 @@ from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.run.checkpoint import load_checkpoint
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.batches import unpack
+from dflash_pipe.train.compile_check import warm_up_checked
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, RendezvousLostError
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.real_eval import RealEval
-from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.cuda_ipc import cuda_ipc_supported
 from dflash_pipe.wire.ring import SlotRing
@@ -229,10 +229,9 @@ def make_drafter(
 ) -> tuple[DFlashDrafter, bool]:
     """The drafter on ``device``, compiled as ``train.compile`` says; and whether anything is compiled.
 
-    ``full`` adds the whole layers and the fused CE terms (opt-in, TrainConfig.compile); ``compile_layers``
-    overrides the layers' choice (the compile bench compiles them on CPU)."""
-    full = train_cfg.compile == "full"
-    compile_on = full or train_cfg.compile == "on" or (train_cfg.compile == "auto" and device.type == "cuda")
+    ``compile_layers`` overrides the layers' choice (the compile bench compiles them on CPU)."""
+    plan = train_cfg.compile_plan(device.type)
+    full, compile_on = plan == "full", plan != "off"
     layers = compile_layers if compile_layers is not None else (True if full else None)
     model = DFlashDrafter(
         drafter_cfg,
@@ -262,8 +261,9 @@ def _build_replicas(
         model, compile_on = make_drafter(drafter_cfg, train_cfg, embed, head, dev, checkpointing=policy)
         if compile_on:
             cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", Path(welcome.run_dir) / "compile-cache")
-            warm = warm_up(
+            warm = warm_up_checked(  # full: then checked against eager, falling back to attention
                 model,
+                full=train_cfg.compile_plan(dev.type) == "full",
                 drafter_config=welcome.drafter,
                 cache_dir=Path(cache),
                 device=dev,

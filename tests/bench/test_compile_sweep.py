@@ -1,5 +1,6 @@
 """bench/compile_sweep.py in its CPU mode: every compiled step equals the eager one (loss and gradients),
-for all-full, block-10 and sliding+full drafters, and the draws after the first reuse the compiled graphs."""
+for all-full, block-10 and sliding+full drafters, built, warmed up and fed as a worker does, and the planned
+batches after the warm-up recompile little."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_cpu_sweep_compiled_equals_eager(tmp_path) -> None:
             mine = sorted(
                 (r for r in rows if (r["shape"], r["mode"]) == (shape, mode)), key=lambda r: r["draw"]
             )
-            assert mine[0]["new_graphs"] > 0  # compiled for real: not eager against eager
-            assert len({r["tokens"] for r in mine}) == 3  # three lengths ...
+            assert mine[0]["warmup_graphs"] > 0  # compiled for real: not eager against eager
+            assert len({(r["batch"], r["padded_len"]) for r in mine}) >= 2  # batches of other shapes ...
             assert result["summary"][f"{shape}_{mode}_recompiling_draws"] <= 2  # ... few recompiles
     assert result["provenance"]["versions"]["torch"]

@@ -1,0 +1,103 @@
+"""The warm-up's check of the compiled step against the eager SDPA one, and the fallback to attention."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_pipe.drafter import model as drafter_model
+from dflash_pipe.train.compile_check import check_compiled, warm_up_checked
+from dflash_pipe.train.config import TrainConfig
+from tests.drafter.conftest import tiny_config, tiny_drafter
+
+CPU = torch.device("cpu")
+
+
+def _full_drafter():
+    """A tiny drafter compiled as train.compile=full compiles it (the layers whole; on CPU: around SDPA)."""
+    model = tiny_drafter(tiny_config())
+    model.compile_attention, model.compile_layers, model.fused_ce = True, True, True
+    return model
+
+
+def _warm(model, tmp_path: Path) -> dict[str, float]:
+    cfg = model.cfg.to_dict()
+    return warm_up_checked(model, full=True, drafter_config=cfg, cache_dir=tmp_path, device=CPU, seq_len=16)
+
+
+def _wrong_kernel():
+    """Stands in for a miscompiled layer: the right values, one position off (a wrong index)."""
+
+    def compiled():
+        def run(layer, x, ctx, rope_q, rope_k, attend):
+            return drafter_model._run_layer(layer, x, ctx, rope_q, rope_k, attend).roll(1, dims=1)
+
+        return run
+
+    return compiled
+
+
+def test_a_correct_compile_passes_and_stays_full(tmp_path: Path) -> None:
+    model = _full_drafter()
+    check = check_compiled(model, model.cfg.to_dict(), CPU)
+    assert check.ok and check.error is None
+    assert check.loss_rel < 1e-4 and check.grad_rel < 1e-3  # fp32: the same math by another route
+    metrics = _warm(model, tmp_path)
+    assert metrics["compile_fallback"] == 0.0 and model.compile_layers is True
+
+
+def test_a_wrong_kernel_falls_back_to_attention(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(drafter_model, "_compiled_layer", _wrong_kernel())
+    model = _full_drafter()
+    check = check_compiled(model, model.cfg.to_dict(), CPU)
+    assert not check.ok and check.grad_rel > 5e-2, check
+    assert "disagrees with the eager one" in check.describe()
+    with pytest.warns(RuntimeWarning, match="trains on with train.compile=attention"):
+        metrics = _warm(model, tmp_path)
+    assert metrics["compile_fallback"] == 1.0 and metrics["compile_check_grad_rel"] > 5e-2
+    assert model.compile_layers is False and model.fused_ce is False
+    assert model.compile_attention is True  # the fallback keeps the attention compiled
+    assert check_compiled(model, model.cfg.to_dict(), CPU).ok  # the wrong kernel is out of the step
+
+
+def test_a_kernel_failing_at_run_time_falls_back(tmp_path: Path, monkeypatch) -> None:
+    def failing():
+        def run(*_args):
+            raise RuntimeError("shape '[1280, 128]' is invalid for input of size 256")
+
+        return run
+
+    monkeypatch.setattr(drafter_model, "_compiled_layer", failing)
+    model = _full_drafter()
+    with pytest.warns(RuntimeWarning, match=r"failed at run time \(RuntimeError: shape"):
+        metrics = _warm(model, tmp_path)
+    assert metrics["compile_fallback"] == 1.0 and math.isnan(metrics["compile_check_loss_rel"])
+    assert model.compile_layers is False
+
+
+def test_running_out_of_memory_is_not_a_fallback(tmp_path: Path, monkeypatch) -> None:
+    """Out of memory says nothing about the kernels: it reaches the worker (and the user) as it is."""
+
+    def oom():
+        def run(*_args):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        return run
+
+    monkeypatch.setattr(drafter_model, "_compiled_layer", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        _warm(_full_drafter(), tmp_path)
+
+
+def test_compile_plan_resolves_auto_and_the_old_name() -> None:
+    assert TrainConfig().compile == "auto"
+    assert TrainConfig().compile_plan("cuda") == "full"
+    assert TrainConfig().compile_plan("cpu") == "off"
+    assert TrainConfig(compile="on").compile_plan("cuda") == "attention"
+    assert TrainConfig(compile="attention").compile_plan("cpu") == "attention"
+    assert TrainConfig(compile="off").compile_plan("cuda") == "off"
+    with pytest.raises(ValueError, match="train.compile must be"):
+        TrainConfig(compile="fast")
