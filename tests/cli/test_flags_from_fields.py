@@ -56,7 +56,7 @@ def test_resume_overrides_come_from_the_fields() -> None:
     ("flags", "needle"),
     [
         (["--wire-dtype", "fp16"], "'fp16' is not one of 'bf16', 'fp8'"),
-        (["--compile", "maybe"], "'maybe' is not one of 'auto', 'on', 'off', 'full'"),
+        (["--compile", "maybe"], "'maybe' is not one of 'auto', 'full', 'attention', 'off', 'on'"),
         (["--drafter-mode", "fibers"], "'fibers' is not one of 'processes', 'threads'"),
     ],
 )
