@@ -8,8 +8,8 @@ long-tailed distribution, ``data.batching.plan_batches`` under the token budget,
 rows, the loss mask on each sample's response part. Per batch it runs the same step compiled and eagerly
 (on SDPA with the dense mask on CUDA: an independent attention kernel) from the same weights and records: the loss and every trainable gradient against eager (relative), the
 step time (with any compile, and again without it where it compiled), MFU, and the graphs the batch compiled
-(a recompile a real run pays after its first step). Modes: ``attention`` (``train.compile=on``: the flex
-mask and kernel), ``full`` (``train.compile=full``: also whole layers and fused CE terms).
+(a recompile a real run pays after its first step). Modes: ``attention`` (``train.compile=attention``: the
+flex mask and kernel), ``full`` (``train.compile=full``: also whole layers and fused CE terms).
 MFU counts every layer's attention over the full-attention pattern (``drafter_step.count_flops``), so on
 sliding-window layers it is an upper bound; attention is a small share of the step's FLOPs.
 
@@ -86,7 +86,7 @@ CPU_GRID: dict[str, Shape] = {
     "tiny-sliding": Shape(128, 4, 2, 64, 256, 512, "qwen3.6-27b", 512, 256),
 }
 """The grid's cases in miniature: all-full block 16, block 10, sliding + full layers (window 64)."""
-MODES = {"attention": "on", "full": "full"}
+MODES = {"attention": "attention", "full": "full"}
 """The sweep's mode names and the ``train.compile`` value each builds (eager: ``off``)."""
 
 

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile-parts",
         default="attention",
         choices=["attention", "pointwise", "layers"],
-        help="what torch.compile covers: attention only (train.compile=on), + norms/MLP, whole layers and the "
+        help="what torch.compile covers: attention only (train.compile=attention), + norms/MLP, whole layers and the "
         "CE terms (train.compile=full)",
     )
     p.add_argument(
