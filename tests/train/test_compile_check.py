@@ -101,3 +101,23 @@ def test_compile_plan_resolves_auto_and_the_old_name() -> None:
     assert TrainConfig(compile="off").compile_plan("cuda") == "off"
     with pytest.raises(ValueError, match="train.compile must be"):
         TrainConfig(compile="fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: flex attention and the fused CE terms")
+def test_the_default_full_compile_passes_its_check_on_cuda(tmp_path: Path) -> None:
+    """What a CUDA worker runs by default: make_drafter with train.compile=auto (= full), warm-up, check."""
+    from torch import nn
+
+    from dflash_pipe.worker.proc import make_drafter
+
+    cuda = torch.device("cuda")
+    cfg = tiny_config(hidden_size=128, intermediate_size=256, head_dim=32, num_attention_heads=4)
+    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=cuda, dtype=torch.bfloat16)
+    head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=cuda, dtype=torch.bfloat16)
+    model, compiled = make_drafter(cfg, TrainConfig(), embed, head, cuda)
+    assert compiled and model.compile_layers and model.fused_ce
+    metrics = warm_up_checked(
+        model, full=True, drafter_config=cfg.to_dict(), cache_dir=tmp_path, device=cuda, seq_len=128
+    )
+    assert metrics["compile_fallback"] == 0.0, metrics
+    assert metrics["compile_check_grad_rel"] < 5e-2 and model.compile_layers is True
