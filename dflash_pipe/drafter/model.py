@@ -278,7 +278,7 @@ class DFlashDrafter(nn.Module):
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 warnings.warn(
                     f"torch.compile of the drafter layers failed ({type(exc).__name__}: {first}); they run "
-                    "uncompiled from now on (slower steps, same results). Set train.compile=off to skip the "
+                    "uncompiled from now on (slower steps, same results). Set --compile attention to skip the "
                     "attempt, or report it with your torch version.",
                     RuntimeWarning,
                     stacklevel=2,
