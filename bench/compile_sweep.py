@@ -29,6 +29,7 @@ import ast
 import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -217,7 +218,7 @@ def sweep_shape(
             warm_up,
             model,
             drafter_config=asdict(cfg),
-            cache_dir=args.out / "warmup",
+            cache_dir=Path(tempfile.mkdtemp(prefix="compile-sweep-warmup-")),  # its markers only
             device=device,
             seq_len=min(1024, cfg.max_position_embeddings),
         )
