@@ -232,7 +232,7 @@ class DFlashDrafter(nn.Module):
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """Within: the same weights run eagerly, attention through SDPA with the dense mask (another kernel
-        than flex's). What the warm-up checks the compiled step against (``train.warmup.check_compiled``)."""
+        than flex's). What the warm-up checks the compiled step against (``train.compile_check``)."""
         self._reference = True
         try:
             yield
