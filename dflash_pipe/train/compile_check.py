@@ -99,7 +99,8 @@ def warm_up_checked(model: DFlashDrafter, *, full: bool, **warm_kwargs: Any) -> 
         raise
     except RuntimeError as exc:  # a compiled kernel failing while it runs, within the warm-up itself
         metrics, check = {}, CompileCheck(math.nan, math.nan, f"{type(exc).__name__}: {str(exc)[:200]}")
-    metrics.update(compile_check_loss_rel=check.loss_rel, compile_check_grad_rel=check.grad_rel)
+    if check.error is None:  # a failed step has no figures (and metrics.jsonl no NaN)
+        metrics.update(compile_check_loss_rel=check.loss_rel, compile_check_grad_rel=check.grad_rel)
     if check.ok:
         return {**metrics, "compile_fallback": 0.0}
     warnings.warn(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -74,7 +73,7 @@ def test_a_kernel_failing_at_run_time_falls_back(tmp_path: Path, monkeypatch) ->
     model = _full_drafter()
     with pytest.warns(RuntimeWarning, match=r"failed at run time \(RuntimeError: shape"):
         metrics = _warm(model, tmp_path)
-    assert metrics["compile_fallback"] == 1.0 and math.isnan(metrics["compile_check_loss_rel"])
+    assert metrics["compile_fallback"] == 1.0 and "compile_check_loss_rel" not in metrics
     assert model.compile_layers is False
 
 
