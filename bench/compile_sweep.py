@@ -10,13 +10,15 @@ rows, the loss mask on each sample's response part. Per batch it runs the same s
 step time (with any compile, and again without it where it compiled), MFU, and the graphs the batch compiled
 (a recompile a real run pays after its first step). Modes: ``attention`` (``train.compile=attention``: the
 flex mask and kernel), ``full`` (``train.compile=full``: also whole layers and fused CE terms).
-MFU counts every layer's attention over the full-attention pattern (``drafter_step.count_flops``), so on
-sliding-window layers it is an upper bound; attention is a small share of the step's FLOPs.
+MFU counts FLOPs as ``drafter_step.count_flops`` does: every linear layer, attention over the visible
+(query, key) pairs, a sliding layer's over its window. ``--recount FILE`` prints a recorded sweep's MFU again
+with today's count (the first H200 sweep counted sliding layers as full).
 
   PYTHONPATH=. python bench/compile_sweep.py --out DIR                        # the GPU grid (H200)
   PYTHONPATH=. python bench/compile_sweep.py --shapes qwen3-8b --draws 6 --out DIR
   PYTHONPATH=. python bench/compile_sweep.py --inductor split_reductions=False --out DIR   # a config probe
   PYTHONPATH=. python bench/compile_sweep.py --cpu --out DIR                  # tiny shapes (tests/bench)
+  PYTHONPATH=. python bench/compile_sweep.py --recount DIR/compile_sweep.json  # MFU recounted, no run
 Writes DIR/compile_sweep.json (provenance, config, rows, summary) after every shape, and the full
 traceback of every failing batch to DIR/errors.log. A failing compile is a row with its error, not a
 crash: the sweep exists to find such shapes.
@@ -34,6 +36,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -146,16 +149,53 @@ def make_inputs(
 ) -> tuple[torch.Tensor, ...]:
     """One batch as ``train.batches.unpack`` hands it over: right-padded [B, S], loss on each sample's
     response (from a random prompt share on), False on padding."""
+    ids, mask = ids_and_mask(cfg, lengths, gen)
+    b, s = ids.shape
+    # the features drawn where they are used (on the host they cost more than the step itself at 8B)
+    seeded = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    feats = torch.randn(b, s, cfg.feature_size, generator=seeded, device=device) * 0.5
+    return ids.to(device), feats.to(compute_dtype(device)), mask.to(device)
+
+
+def ids_and_mask(cfg: DrafterConfig, lengths: list[int], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """The batch's token ids and loss mask, drawn on the host from ``gen`` (what ``recount`` redraws)."""
     b, s = len(lengths), max(lengths)
     ids = torch.randint(0, cfg.vocab_size - 1, (b, s), generator=gen)
     mask = torch.zeros(b, s, dtype=torch.bool)
     for row, length in enumerate(lengths):
         prompt = int(length * float(torch.empty(1).uniform_(0.1, 0.7, generator=gen)))
         mask[row, prompt:length] = True
-    # the features drawn where they are used (on the host they cost more than the step itself at 8B)
-    seeded = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    feats = torch.randn(b, s, cfg.feature_size, generator=seeded, device=device) * 0.5
-    return ids.to(device), feats.to(compute_dtype(device)), mask.to(device)
+    return ids, mask
+
+
+def recount(path: Path, say) -> None:
+    """MFU of a recorded sweep's rows again, with today's FLOP count (``drafter_step.count_flops``, which
+    counts a sliding layer's attention over its window since the first H200 sweep): each row's batch is
+    redrawn from the recorded seed and config on the host, the step time is the recorded one."""
+    import json
+
+    recorded = json.loads(path.read_text())
+    config = recorded["config"]
+    for row in recorded["rows"]:
+        if "error" in row or not row.get("mfu"):
+            continue
+        grid = CPU_GRID if config.get("cpu") else GRID  # (the first sweeps' "shapes" holds the --shapes text)
+        shape = dataclasses.replace(
+            grid[row["shape"]],
+            **{k: config[a] for k, a in (("budget", "budget"), ("max_len", "max_len")) if config.get(a)},
+        )
+        cfg = drafter_config(
+            shape, max_anchors=config["max_anchors"], sliding_window=config["sliding_window"]
+        )
+        lengths = planned_batches(shape, config["draws"], config["seed"])[row["draw"]]
+        gen = torch.Generator().manual_seed(config["seed"] * 1000 + row["draw"])
+        ids, mask = ids_and_mask(cfg, lengths, gen)
+        flops = count_flops(SimpleNamespace(cfg=cfg), (ids, None, mask))["train_step"]
+        seconds = row.get("steady_seconds") or row["seconds"]
+        say(
+            f"{row['shape']} {row['mode']} draw {row['draw']}: MFU {row['mfu']:.1%} recorded, "
+            f"{flops / seconds / (PEAK_TFLOPS * 1e12):.1%} recounted"
+        )
 
 
 def step(
@@ -324,7 +364,8 @@ def parse_inductor(pairs: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> BenchResult:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="where compile_sweep.json goes (required unless --recount)")
+    p.add_argument("--recount", type=Path, help="print a recorded compile_sweep.json's MFU recounted; no run")
     p.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (fp32), what tests/bench runs")
     p.add_argument("--shapes", default=None, help=f"comma list of {', '.join(GRID)} (default: all)")
     p.add_argument("--modes", default="attention,full", help="comma list of attention, full")
@@ -339,6 +380,11 @@ def main(argv: list[str] | None = None) -> BenchResult:
     p.add_argument("--loss-tol", type=float, default=None, help="default: 1e-2 in bf16, 1e-4 in fp32")
     p.add_argument("--grad-tol", type=float, default=None, help="default: 5e-2 in bf16, 1e-3 in fp32")
     args = p.parse_args(argv)
+    if args.recount:
+        recount(args.recount, print)
+        raise SystemExit(0)
+    if args.out is None:
+        p.error("--out DIR is required (or --recount FILE)")
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     grid = CPU_GRID if args.cpu else GRID
     names = list(grid) if not args.shapes else [s.strip() for s in args.shapes.split(",")]
@@ -373,7 +419,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
     config = {
         "device": str(device),
         "dtype": str(compute_dtype(device)),
-        "shapes": {n: asdict(grid[n]) for n in names},
+        "grid": {n: asdict(grid[n]) for n in names},
         "inductor": inductor,
         **{k: v for k, v in vars(args).items() if k not in ("out", "inductor")},
     }

@@ -164,6 +164,11 @@ def count_flops(model, inputs) -> dict:
     q = anchors.shape[1] * cfg.block_size  # query rows per sequence
     k = s + q
     visible = int(dense_mask(anchors, valid, s, cfg.block_size).sum())  # (query, key) pairs, all sequences
+    windows = getattr(cfg, "layer_windows", (None,) * cfg.num_hidden_layers)  # a sliding layer sees less
+    seen = {
+        w: visible if w is None else int(dense_mask(anchors, valid, s, cfg.block_size, w).sum())
+        for w in set(windows)
+    }
     h, d, hq, hkv, inter = (
         cfg.hidden_size,
         cfg.head_dim,
@@ -172,13 +177,13 @@ def count_flops(model, inputs) -> dict:
         cfg.intermediate_size,
     )
     per_layer_proj = 2 * b * (q * h * hq * d + 2 * k * h * hkv * d + q * hq * d * h)
-    per_layer_attn = 2 * 2 * hq * d * visible  # QK^T and PV over visible pairs only
+    attention = sum(2 * 2 * hq * d * seen[w] for w in windows)  # QK^T and PV over visible pairs only
     per_layer_mlp = 2 * b * q * 3 * h * inter
     fc = 2 * b * s * cfg.feature_size * h
     scored = int(valid.sum()) * (cfg.block_size - 1)  # upper bound: every slot in range and loss-masked
     lm_head = 2 * scored * h * cfg.vocab_size
-    fwd = cfg.num_hidden_layers * (per_layer_proj + per_layer_attn + per_layer_mlp) + fc + lm_head
-    layers = cfg.num_hidden_layers * (per_layer_proj + per_layer_attn + per_layer_mlp)
+    layers = cfg.num_hidden_layers * (per_layer_proj + per_layer_mlp) + attention
+    fwd = layers + fc + lm_head
     return {
         "forward": fwd,
         "train_step": 3 * layers + 2 * fc + 2 * lm_head,
