@@ -3,9 +3,9 @@
 ``train.compile=full`` (the default on CUDA) hands whole decoder layers and the CE terms to Inductor. A
 compiler *failure* already falls back inside the drafter, but a wrong kernel, or one that fails only when it
 runs (torch 2.11 once raised a shape error from a split reduction at run time), would not. So after its
-warm-up each worker runs one synthetic batch through the compiled step and through
-``DFlashDrafter.reference()`` (eager, attention through SDPA with the dense mask: another kernel than flex's)
-and compares the loss and the whole gradient. On a disagreement or a run-time error it trains on with
+warm-up each worker runs one synthetic batch (of a shape the warm-up compiled) through the compiled step
+and through ``DFlashDrafter.reference()`` (eager, attention through SDPA with the dense mask: another
+kernel than flex's) and compares the loss and the whole gradient. On a disagreement or a run-time error it trains on with
 ``train.compile=attention``, warns, and reports ``compile_fallback`` with its warm-up metrics.
 """
 
@@ -21,14 +21,12 @@ import torch
 from dflash_pipe.compute.compile import backward_with_settings
 from dflash_pipe.compute.precision import autocast
 from dflash_pipe.drafter import DFlashDrafter
-from dflash_pipe.train.warmup import synthetic_batch, warm_up
+from dflash_pipe.train.warmup import synthetic_batch, warm_up, warmup_lengths
 
 LOSS_TOLERANCE = 1e-2
 GRAD_TOLERANCE = 5e-2
 """bf16 bounds, relative to the eager step. The H200 sweep (docs/performance.md) measured at most 2.3e-5 on
 the loss and 1.2e-2 on any one gradient between a correct compiled step and this reference."""
-CHECK_LENGTH = 256
-"""Tokens per sample of the check's batch: 2 samples, the second a quarter shorter (right padding)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +61,14 @@ def _loss_and_grads(
 
 
 def check_compiled(
-    model: DFlashDrafter, drafter_config: dict[str, Any], device: torch.device
+    model: DFlashDrafter, drafter_config: dict[str, Any], device: torch.device, length: int
 ) -> CompileCheck:
-    """One synthetic batch through the compiled step and through ``model.reference()``: the loss and the
-    whole gradient (all trainable tensors as one vector), each relative to the reference's."""
-    batch = synthetic_batch(drafter_config, device, 2, CHECK_LENGTH)
-    batch[2][1, CHECK_LENGTH * 3 // 4 :] = False  # padding in the second row, as a real batch has
+    """One synthetic batch of 2 samples of ``length`` tokens, the second a quarter shorter (right padding),
+    through the compiled step and through ``model.reference()``: the loss and the whole gradient (all
+    trainable tensors as one vector), each relative to the reference's. ``length``: one the warm-up ran,
+    so the check compiles nothing new (Inductor's size thresholds make a smaller batch another variant)."""
+    batch = synthetic_batch(drafter_config, device, 2, length)
+    batch[2][1, length * 3 // 4 :] = False
     try:
         loss, grads = _loss_and_grads(model, batch)
     except torch.OutOfMemoryError:
@@ -94,7 +94,8 @@ def warm_up_checked(model: DFlashDrafter, *, full: bool, **warm_kwargs: Any) -> 
         return warm_up(model, **warm_kwargs)
     try:
         metrics = warm_up(model, **warm_kwargs)
-        check = check_compiled(model, warm_kwargs["drafter_config"], warm_kwargs["device"])
+        length = warmup_lengths(warm_kwargs["seq_len"])[-1]  # the warm-up's shortest: the least memory
+        check = check_compiled(model, warm_kwargs["drafter_config"], warm_kwargs["device"], length)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:  # a compiled kernel failing while it runs, within the warm-up itself

@@ -70,8 +70,7 @@ def _synthetic_steps(
     seq_len: int,
     batch_sizes: tuple[int, ...],
 ) -> None:
-    # Two lengths per batch size: the first compile of a dynamic graph may specialise on its one length.
-    shapes = [(b, length) for b in batch_sizes for length in (seq_len, max(seq_len // 2, 8))]
+    shapes = [(b, length) for b in batch_sizes for length in warmup_lengths(seq_len)]
     for b, length in shapes:
         batch = synthetic_batch(cfg, device, b, length)
         with autocast(device):
@@ -79,6 +78,12 @@ def _synthetic_steps(
         backward_with_settings(out.loss_sum)
     for p in model.parameters():
         p.grad = None
+
+
+def warmup_lengths(seq_len: int) -> tuple[int, int]:
+    """The warm-up's two lengths per batch size: the first compile of a dynamic graph may specialise on its
+    one length, and Inductor's size thresholds (fusion, reductions) make variants on either side."""
+    return seq_len, max(seq_len // 2, 8)
 
 
 def synthetic_batch(

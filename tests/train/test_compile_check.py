@@ -10,6 +10,7 @@ import torch
 from dflash_pipe.drafter import model as drafter_model
 from dflash_pipe.train.compile_check import check_compiled, warm_up_checked
 from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.train.warmup import warm_up
 from tests.drafter.conftest import tiny_config, tiny_drafter
 
 CPU = torch.device("cpu")
@@ -40,18 +41,25 @@ def _wrong_kernel():
 
 
 def test_a_correct_compile_passes_and_stays_full(tmp_path: Path) -> None:
+    from torch._dynamo.utils import counters
+
     model = _full_drafter()
-    check = check_compiled(model, model.cfg.to_dict(), CPU)
+    cfg = model.cfg.to_dict()
+    warm_up(model, drafter_config=cfg, cache_dir=tmp_path, device=CPU, seq_len=16)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # compiled for real
+    check = check_compiled(model, cfg, CPU, 8)  # the warm-up's shorter length (16 // 2)
     assert check.ok and check.error is None
     assert check.loss_rel < 1e-4 and check.grad_rel < 1e-3  # fp32: the same math by another route
-    metrics = _warm(model, tmp_path)
-    assert metrics["compile_fallback"] == 0.0 and model.compile_layers is True
+    assert counters["stats"]["unique_graphs"] == graphs  # the check's batch is a shape the warm-up compiled
+    metrics = _warm(_full_drafter(), tmp_path)  # warm-up, check and verdict together
+    assert metrics["compile_fallback"] == 0.0 and metrics["compile_check_grad_rel"] < 1e-3
 
 
 def test_a_wrong_kernel_falls_back_to_attention(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(drafter_model, "_compiled_layer", _wrong_kernel())
     model = _full_drafter()
-    check = check_compiled(model, model.cfg.to_dict(), CPU)
+    check = check_compiled(model, model.cfg.to_dict(), CPU, 16)
     assert not check.ok and check.grad_rel > 5e-2, check
     assert "disagrees with the eager one" in check.describe()
     with pytest.warns(RuntimeWarning, match="trains on with train.compile=attention"):
@@ -59,7 +67,7 @@ def test_a_wrong_kernel_falls_back_to_attention(tmp_path: Path, monkeypatch) -> 
     assert metrics["compile_fallback"] == 1.0 and metrics["compile_check_grad_rel"] > 5e-2
     assert model.compile_layers is False and model.fused_ce is False
     assert model.compile_attention is True  # the fallback keeps the attention compiled
-    assert check_compiled(model, model.cfg.to_dict(), CPU).ok  # the wrong kernel is out of the step
+    assert check_compiled(model, model.cfg.to_dict(), CPU, 16).ok  # the wrong kernel is out of the step
 
 
 def test_a_kernel_failing_at_run_time_falls_back(tmp_path: Path, monkeypatch) -> None:
