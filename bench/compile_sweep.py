@@ -402,10 +402,14 @@ def main(argv: list[str] | None = None) -> BenchResult:
     inductor = parse_inductor(args.inductor)
     import torch._inductor.config as inductor_config
 
-    for key, value in inductor.items():
-        if not hasattr(inductor_config, key):
+    for key, value in inductor.items():  # dotted keys reach sections: triton.mix_order_reduction=False
+        *sections, leaf = key.split(".")
+        owner: Any = inductor_config
+        for section in sections:
+            owner = getattr(owner, section, None)
+        if owner is None or not hasattr(owner, leaf):
             p.error(f"--inductor {key}: torch {torch.__version__}'s Inductor has no such option")
-        setattr(inductor_config, key, value)
+        setattr(owner, leaf, value)
     apply_dynamo_settings()
     args.out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)

@@ -4,7 +4,8 @@
 # Needs .whl (pyzmq for python 3.12; see bench/h200_eval_regen_commands.sh). Each step has its own timeout
 # and log under ${OUT:-/tmp/out}; TORCH_LOGS=recompiles goes to the logs, so every recompile names its guard.
 # PART=diag: four sweeps side by side (compiles are CPU-bound, the GPU mostly idle; their step times are
-# not the record): the Qwen3-1.7B shape as is and with EXTRA (Inductor probes), the 8B and 27B shapes full.
+# not the record): the Qwen3-1.7B shape as is and with EXTRA (an Inductor probe; by default without mix-order
+# reductions, the pass whose size guards the warm-up logs show), the 8B and 27B shapes full.
 # PART=record: the grid one shape at a time, nothing beside it (the recorded figures).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -23,7 +24,7 @@ step() {  # step NAME SECONDS ARGS...: one sweep into $OUT/NAME, its console in 
 }
 if [ "${PART:-diag}" = diag ]; then
   step base_1.7b 520 --shapes qwen3-1.7b &
-  step probe_1.7b 520 --shapes qwen3-1.7b --modes full ${EXTRA:---inductor split_reductions=False} &
+  step probe_1.7b 520 --shapes qwen3-1.7b --modes full ${EXTRA:---inductor triton.mix_order_reduction=False} &
   step full_8b 520 --shapes qwen3-8b --modes full &
   step full_27b 520 --shapes qwen3.6-27b --modes full &
   wait
