@@ -20,7 +20,8 @@ import torch
 from dflash_pipe.compute.compile import apply_dynamo_settings, backward_with_settings
 from dflash_pipe.drafter.compile_guard import GUARD, CompileGuard
 from dflash_pipe.wire import messages as m
-from dflash_pipe.worker.loop import WorkerSession, forward_backward
+from dflash_pipe.worker.loop import WorkerSession
+from dflash_pipe.worker.step import forward_backward
 
 
 class ThreadedReplicas:

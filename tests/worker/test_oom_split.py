@@ -9,7 +9,7 @@ import torch
 
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.wire import messages as m
-from dflash_pipe.worker.loop import forward_backward
+from dflash_pipe.worker.step import forward_backward
 from tests.drafter.conftest import tiny_config, tiny_drafter
 
 CPU = torch.device("cpu")
