@@ -1,4 +1,5 @@
 """The drafter's training step compiled against eager, over the shapes a run meets (issue 20's sweep).
+(Past 400 lines on purpose: one experiment a device call runs whole, grid to recount, read top to bottom.)
 
 For every drafter shape of the grid and every compile mode, builds the drafter as a worker does
 (``worker.proc.make_drafter``: fp32 master weights, the frozen embedding and head in the compute dtype,
