@@ -164,6 +164,7 @@ def test_threads_match_processes(tmp_path: Path, monkeypatch):
 
     threaded_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     models = [make_drafter(compile_layers=True, mode="threaded") for _ in range(WIDTH)]
+    torch._dynamo.reset()  # nothing compiled by tests that ran before in this process
     before = GUARD.exclusive_runs
     thread_losses, thread_checksum = train(threaded_store.port, models, tmp_path, pick=None)
 
