@@ -6,9 +6,9 @@ waits. ``"once"`` takes a file lock plus a marker file, turning N cold compiles 
 ones: the least CPU, but the others wait for the whole compile and then still trace.
 `dflash-pipe bench compile --compile-warmup once,each` measures both (docs/performance.md has the figures).
 
-In threaded mode the worker warms each replica in turn before its threads start, with single-sample
-batches too: every variant compiled here is one the threads never have to compile (docs/architecture.md,
-"Threaded mode").
+In threaded mode the worker warms each replica in turn before its threads start: every variant compiled
+here is one the threads never have to compile (docs/architecture.md, "Threaded mode"). In either mode the
+warm-up runs single-sample batches too, so a run's first batch of one sample compiles nothing.
 """
 
 from __future__ import annotations
