@@ -115,6 +115,11 @@ def log_worker_metrics(core: ProducerCore, peer: Peer, msg: m.Metrics) -> None:
     values, bad = checked_metrics(msg.values)
     if bad:
         core.note(f"worker {peer.name} sent malformed metrics {bad}; ignored them")
+    if values.get("compile_fallback"):
+        core.note(
+            f"worker {peer.name}: its compiled step failed the check against eager (train.compile=full); it "
+            "trains with --compile attention, slower steps (its log says why)"
+        )
     if "time_to_first_step_s" in values:
         peer.first_step_s = float(values["time_to_first_step_s"])
         values = {f"time_to_first_step_s/{peer.name}": peer.first_step_s}

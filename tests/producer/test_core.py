@@ -155,3 +155,16 @@ def test_a_lost_workers_lease_goes_to_the_other_and_every_sample_is_trained_once
     result = summary(core, stop_reason="finished", wall_s=1.0, busy={})
     assert result.acked_tokens == sum(LENGTHS) and result.duplicates_redelivered == 1
     assert result.steps == step and core.peers[b"b"].steps == step
+
+
+def test_a_worker_that_fell_back_from_the_full_compile_is_named(tmp_path: Path) -> None:
+    """train.compile=full's warm-up check failed in one worker: the producer's notes say which, and the
+    metrics keep the figures."""
+    core, _, metrics = _core(tmp_path)
+    core.handle(b"a", _hello("a"))
+    core.handle(b"a", m.Metrics(step=0, values={"warmup_s": 3.0, "compile_fallback": 0.0}))
+    assert not any("compile" in note for note in core.messages)
+    core.handle(b"b", _hello("b"))
+    core.handle(b"b", m.Metrics(step=0, values={"warmup_s": 3.0, "compile_fallback": 1.0}))
+    assert any("worker b" in note and "--compile attention" in note for note in core.messages)
+    assert metrics.records[-1][0]["compile_fallback"] == 1.0
