@@ -291,7 +291,8 @@ def sweep_shape(
             before = graphs_compiled()
             (loss, grads), seconds = timed(device, step, model, inputs, seed=i)
             new_graphs = graphs_compiled() - before if before >= 0 else None
-            _, steady = timed(device, step, model, inputs, seed=i)
+            # again only where it compiled: the step without its compile
+            steady = timed(device, step, model, inputs, seed=i)[1] if new_graphs else seconds
         except compiler_errors() + (RuntimeError,) as exc:
             log_error(f"{name} {mode} draw {i} {lengths}", exc)
             row.update(error=_first_line(exc))
