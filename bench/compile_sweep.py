@@ -315,6 +315,8 @@ def sweep_shape(
             mfu=round(flops / steady / (PEAK_TFLOPS * 1e12), 4) if device.type == "cuda" else None,
         )
         rows.append(row)
+        if i % 10 == 9:  # a long run's rows survive its time limit
+            save(rows)
         mfu = f", MFU {row['mfu']:.1%}" if row["mfu"] else ""
         ref = f", loss rel {row['loss_rel']:.2e}, grad rel {row['grad_rel_max']:.2e}" if checked else ""
         if checked or new_graphs or i % 50 == 0:
