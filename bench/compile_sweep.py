@@ -54,6 +54,7 @@ from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.drafter.presets import PRESETS
 from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.warmup import warm_up
 from dflash_pipe.worker.proc import make_drafter
 
@@ -247,11 +248,17 @@ def sweep_shape(
     parts = frozen_parts(cfg, device)
     # the reference: eager, on SDPA with the dense mask (eager flex materialises every score: 100+ GiB),
     # recomputing in backward (eager activations of a batch of many short samples passed 100 GiB at 8B)
-    eager = build(dataclasses.replace(cfg, attention_backend="sdpa"), "off", parts, device, "all")
+    eager = (
+        build(dataclasses.replace(cfg, attention_backend="sdpa"), "off", parts, device, "all")
+        if args.reference_every
+        else None  # never checked: not built, its weights and gradients would crowd the compiled step
+    )
     batches = planned_batches(shape, args.draws, args.seed)
     rows: list[dict[str, Any]] = []
     torch._dynamo.reset()
     model = build(cfg, MODES[mode], parts, device)
+    if args.ce_chunk:
+        model.ce_chunk = args.ce_chunk
     before = graphs_compiled()
     try:
         _, warm_s = timed(
@@ -285,7 +292,7 @@ def sweep_shape(
             "layer_types": ",".join(sorted(set(cfg.layer_types))),
             **(warm if i == 0 else {}),
         }
-        checked = i % args.reference_every == 0
+        checked = bool(args.reference_every) and i % args.reference_every == 0
         try:
             ref_loss, ref_grads = step(eager, inputs, seed=i) if checked else (None, None)
             before = graphs_compiled()
@@ -324,7 +331,51 @@ def sweep_shape(
                 f"{name} {mode} draw {i}: B {len(lengths)} x {max(lengths)}{ref}, {seconds:.3f} s then "
                 f"{steady:.3f} s{mfu}, {new_graphs} new graph(s)"
             )
+    done = [r for r in rows if "error" not in r and r["draw"] >= 0]
+    if args.profile and done:
+        draw = done[-1]["draw"]  # compiled already: the profile shows the steady step
+        gen = torch.Generator().manual_seed(args.seed * 1000 + draw)
+        kernels = profile_step(model, make_inputs(cfg, batches[draw], gen, device), draw, device)
+        (args.out / f"profile_{name}_{mode}.txt").write_text(f"draw {draw} {batches[draw]}\n{kernels}\n")
+        say(f"{name} {mode}: kernel table of draw {draw} in profile_{name}_{mode}.txt")
+    if done:  # last: the update changes the weights every comparison above relied on
+        update_s = update_seconds(model, device)
+        for row in done:
+            steady = row["steady_seconds"]
+            row["update_seconds"] = round(update_s, 4)
+            row["mfu_with_update"] = row["mfu"] and round(row["mfu"] * steady / (steady + update_s), 4)
+        say(f"{name} {mode}: the weight update (clip + fused AdamW) {update_s * 1e3:.1f} ms a step")
     return rows
+
+
+def update_seconds(model: DFlashDrafter, device: torch.device) -> float:
+    """A worker's update after the step's backward (gradient clip, then AdamW), median of 3 after one."""
+    cfg = TrainConfig()
+    params = [p for p in model.trainable_parameters() if p.grad is not None]
+    optimizer = build_optimizer(params, cfg)
+
+    def update() -> None:
+        float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))  # the worker reads the norm
+        optimizer.step()
+
+    update()
+    times = [timed(device, update)[1] for _ in range(3)]
+    return statistics.median(times)
+
+
+def profile_step(model: DFlashDrafter, inputs: tuple[torch.Tensor, ...], seed: int, device) -> str:
+    """The kernels of two steady steps of one batch, by GPU time (where a shape's step time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step(model, inputs, seed)
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step(model, inputs, seed)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=90)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -344,8 +395,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"{tag}_steady_step_s"] = (
             round(statistics.median(r["steady_seconds"] for r in mine), 4) if mine else None
         )
-        mfus = [r["mfu"] for r in mine if r.get("mfu")]
-        out[f"{tag}_mfu_median"] = round(statistics.median(mfus), 4) if mfus else None
+        for field in ("mfu", "mfu_with_update"):
+            mfus = [r[field] for r in mine if r.get(field)]
+            out[f"{tag}_{field}_median"] = round(statistics.median(mfus), 4) if mfus else None
         extra = sum(r["seconds"] - r["steady_seconds"] for r in mine if r["new_graphs"])
         total = sum(r["seconds"] for r in mine)
         out[f"{tag}_recompile_share"] = round(extra / total, 4) if total else None
@@ -374,7 +426,15 @@ def main(argv: list[str] | None = None) -> BenchResult:
     p.add_argument("--shapes", default=None, help=f"comma list of {', '.join(GRID)} (default: all)")
     p.add_argument("--modes", default="attention,full", help="comma list of attention, full")
     p.add_argument("--draws", type=int, default=6, help="planned batches per shape and mode, after warm-up")
-    p.add_argument("--reference-every", type=int, default=1, help="check against eager every Nth batch")
+    p.add_argument(
+        "--reference-every", type=int, default=1, help="check against eager every Nth batch (0: never)"
+    )
+    p.add_argument(
+        "--ce-chunk", type=int, default=None, help="LM-head rows per CE chunk (default: the model's)"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="a kernel table of each shape and mode's last batch"
+    )
     p.add_argument("--budget", type=int, default=None, help="tokens per batch (default: the shape's)")
     p.add_argument("--max-len", type=int, default=None, help="longest sample (default: the shape's)")
     p.add_argument("--max-anchors", type=int, default=512)

@@ -7,6 +7,7 @@
 # not the record): the Qwen3-1.7B shape as is and with EXTRA (an Inductor probe; by default without mix-order
 # reductions, the pass whose size guards the warm-up logs show), the 8B and 27B shapes full.
 # PART=record: the grid one shape at a time, nothing beside it (the recorded figures).
+# PART=profile: the 27B step's kernel table, and the same with an Inductor probe (EXTRA).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,6 +29,10 @@ if [ "${PART:-diag}" = diag ]; then
   step full_8b 520 --shapes qwen3-8b --modes full &
   step full_27b 520 --shapes qwen3.6-27b --modes full &
   wait
+elif [ "$PART" = profile ]; then  # the 27B step: its kernels by GPU time, then a probe (EXTRA), alone
+  step profile_27b 235 --shapes qwen3.6-27b --modes full --draws 4 --reference-every 0 --profile
+  step probe_27b 235 --shapes qwen3.6-27b --modes full --draws 4 --reference-every 0 --profile \
+    ${EXTRA:---inductor triton.mix_order_reduction=False}
 elif [ "$PART" = record ]; then
   for shape in ${SHAPES:-qwen3-1.7b qwen3-8b llama3.1-8b head-dim-64 qwen3.6-27b}; do
     step "record_$shape" "${LIMIT:-280}" --shapes "$shape" --draws "${DRAWS:-5}" ${EXTRA:-}
@@ -36,8 +41,10 @@ fi
 # PART=steps: 500 planned batches at the launch defaults (token budget 4096, samples up to 3072 tokens),
 # compiled full, checked against eager every 50th: the recompiles a run pays after its first step.
 if [ "${PART:-diag}" = steps ]; then
-  for shape in ${SHAPES:-qwen3-8b qwen3.6-27b}; do
+  for shape in ${SHAPES:-qwen3-8b qwen3.6-27b}; do  # PARALLEL=1: the shapes side by side (recompiles only)
     step "steps_$shape" "${LIMIT:-280}" --shapes "$shape" --modes full --draws "${DRAWS:-500}" \
-      --reference-every 50 --budget 4096 --max-len 3072
+      --reference-every "${EVERY:-50}" --budget 4096 --max-len 3072 &
+    [ "${PARALLEL:-0}" = 1 ] || wait
   done
+  wait
 fi
