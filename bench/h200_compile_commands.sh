@@ -43,7 +43,7 @@ fi
 if [ "${PART:-diag}" = steps ]; then
   for shape in ${SHAPES:-qwen3-8b qwen3.6-27b}; do  # PARALLEL=1: the shapes side by side (recompiles only)
     step "steps_$shape" "${LIMIT:-280}" --shapes "$shape" --modes full --draws "${DRAWS:-500}" \
-      --reference-every "${EVERY:-50}" --budget 4096 --max-len 3072 &
+      --reference-every "${EVERY:-50}" --budget 4096 --max-len 3072 ${EXTRA:-} &
     [ "${PARALLEL:-0}" = 1 ] || wait
   done
   wait

@@ -42,6 +42,6 @@ else
     tests/target/test_placement.py tests/producer/test_target_thread.py tests/wire/test_cuda_ipc.py \
     tests/wire/test_wire_shm.py tests/train/test_compile_check.py tests/drafter/test_backends.py
   step sliding_drafter 120 python3 -m dflash_pipe launch --plain --device cuda --drafter-preset qwen3.6-27b \
-    --target-layer-ids 1,2,3,4 --max-steps 30 --eval-generate off --run-dir /tmp/sliding-run
+    --target-layer-ids 1,2,3,4 --responses dataset --max-steps 30 --eval-generate off --run-dir /tmp/sliding-run
 fi
 tar -czf "$OUT/results_part${PART:-1}.tgz" -C "$res" .

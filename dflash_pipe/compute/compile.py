@@ -1,5 +1,6 @@
 """The compile policy the target and the drafter both read: Dynamo's limits, Inductor's options, what
-counts as a compiler failure (callers fall back to eager), and the head-dim floor of flex kernels.
+counts as a compiler failure (callers fall back to eager), the head-dim floor of flex kernels and the
+flex tiles the drafter asks for where Inductor's defaults are slow.
 
 Dynamo's config is per thread since torch 2.12, so every thread that may compile (the producer's target
 threads, each drafter thread, autograd's backward threads) applies ``DYNAMO_SETTINGS`` itself.
@@ -24,6 +25,32 @@ apply to dynamic shapes anyway."""
 FLEX_MIN_HEAD_DIM = 16
 """Inductor's flex_attention kernels refuse smaller head dims ("NYI: embedding dimension ... at least 16");
 below it the automatic attention choice is SDPA (tiny test and demo-sized models)."""
+
+
+FLEX_SM90_WIDE_HEAD_TILES: dict[str, int] = {
+    "fwd_BLOCK_M": 128,
+    "fwd_BLOCK_N": 64,
+    "fwd_num_warps": 8,
+    "fwd_num_stages": 2,
+    "bwd_BLOCK_M1": 64,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 64,
+    "bwd_num_warps": 8,
+    "bwd_num_stages": 2,
+}
+"""The drafter's flex tiles for 128 < head_dim <= 256 on sm90 (H100/H200). Inductor's defaults there (64 x 64,
+4 warps in the backward) spill registers at head_dim 256: the backward ran at six times the forward in the
+Qwen3.6-27B drafter's step. Measured at that shape (``bench/flex_configs.py``, H200, torch 2.11): forward
+5.2 -> 3.6 ms, backward 28.6 -> 21.6 ms a layer; 128-key tiles in the backward need more shared memory than
+sm90 has."""
+
+
+def flex_kernel_options(head_dim: int, device: torch.device) -> dict[str, int] | None:
+    """``kernel_options`` for the drafter's flex_attention calls; None keeps Inductor's own choice."""
+    if device.type != "cuda" or not 128 < head_dim <= 256:
+        return None
+    return dict(FLEX_SM90_WIDE_HEAD_TILES) if torch.cuda.get_device_capability(device) == (9, 0) else None
 
 
 def compiler_errors() -> tuple[type[BaseException], ...]:

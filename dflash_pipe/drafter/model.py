@@ -16,7 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_pipe.compute.compile import FLEX_MIN_HEAD_DIM, INDUCTOR_OPTIONS, compiler_errors
+from dflash_pipe.compute.compile import (
+    FLEX_MIN_HEAD_DIM,
+    INDUCTOR_OPTIONS,
+    compiler_errors,
+    flex_kernel_options,
+)
 
 from .checkpointing import CheckpointPolicy
 from .compile_guard import needs_compile
@@ -163,7 +168,8 @@ def flex_attend(block_mask, *, compile: bool) -> Attend:
     fn = _compiled_flex_attention() if compile else flex_attention
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        tiles = flex_kernel_options(q.shape[-1], q.device) if compile else None
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=tiles)
 
     return attend
 
