@@ -277,7 +277,13 @@ def sweep_shape(
         rows.append({"shape": name, "mode": mode, "draw": -1, "error": _first_line(exc)})
         say(f"{name} {mode} warm-up: {rows[-1]['error']}")
         return rows
+    started = time.perf_counter()
     for i, lengths in enumerate(batches):
+        if i < args.first_draw:
+            continue
+        if args.seconds and time.perf_counter() - started > args.seconds:
+            say(f"{name} {mode}: --seconds {args.seconds:g} reached after draw {i - 1}")
+            break
         gen = torch.Generator().manual_seed(args.seed * 1000 + i)
         inputs = make_inputs(cfg, lengths, gen, device)
         row: dict[str, Any] = {
@@ -344,7 +350,7 @@ def sweep_shape(
             steady = row["steady_seconds"]
             row["update_seconds"] = round(update_s, 4)
             row["mfu_with_update"] = row["mfu"] and round(row["mfu"] * steady / (steady + update_s), 4)
-        say(f"{name} {mode}: the weight update (clip + fused AdamW) {update_s * 1e3:.1f} ms a step")
+        say(f"{name} {mode}: the weight update (clip + AdamW) {update_s * 1e3:.1f} ms a step")
     return rows
 
 
@@ -428,6 +434,12 @@ def main(argv: list[str] | None = None) -> BenchResult:
     p.add_argument("--draws", type=int, default=6, help="planned batches per shape and mode, after warm-up")
     p.add_argument(
         "--reference-every", type=int, default=1, help="check against eager every Nth batch (0: never)"
+    )
+    p.add_argument(
+        "--first-draw", type=int, default=0, help="start at this batch of the plan (a long run in parts)"
+    )
+    p.add_argument(
+        "--seconds", type=float, default=0, help="stop drawing after this long (then profile, update, save)"
     )
     p.add_argument(
         "--ce-chunk", type=int, default=None, help="LM-head rows per CE chunk (default: the model's)"

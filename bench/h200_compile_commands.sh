@@ -40,10 +40,14 @@ elif [ "$PART" = record ]; then
 fi
 # PART=steps: 500 planned batches at the launch defaults (token budget 4096, samples up to 3072 tokens),
 # compiled full, checked against eager every 50th: the recompiles a run pays after its first step.
+# Drawing stops WARMUP_S (default 200: a cold 27B warm-up plus start-up) before LIMIT, so the weight update
+# is timed and the JSON saved; FIRST=K resumes the same plan at batch K in a later call (a fresh process
+# pays its warm-up again, so a batch that compiles there counts even if an earlier one would have covered it).
 if [ "${PART:-diag}" = steps ]; then
   for shape in ${SHAPES:-qwen3-8b qwen3.6-27b}; do  # PARALLEL=1: the shapes side by side (recompiles only)
     step "steps_$shape" "${LIMIT:-280}" --shapes "$shape" --modes full --draws "${DRAWS:-500}" \
-      --reference-every "${EVERY:-50}" --budget 4096 --max-len 3072 ${EXTRA:-} &
+      --reference-every "${EVERY:-50}" --budget 4096 --max-len 3072 --first-draw "${FIRST:-0}" \
+      --seconds "$(( ${LIMIT:-280} - ${WARMUP_S:-200} ))" ${EXTRA:-} &
     [ "${PARALLEL:-0}" = 1 ] || wait
   done
   wait
