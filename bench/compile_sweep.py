@@ -445,6 +445,12 @@ def main(argv: list[str] | None = None) -> BenchResult:
         "--ce-chunk", type=int, default=None, help="LM-head rows per CE chunk (default: the model's)"
     )
     p.add_argument(
+        "--flex-tiles",
+        choices=("drafter", "inductor"),
+        default="drafter",
+        help="the drafter's flex tiles (compute.compile.flex_kernel_options) or Inductor's own (an A/B)",
+    )
+    p.add_argument(
         "--profile", action="store_true", help="a kernel table of each shape and mode's last batch"
     )
     p.add_argument("--budget", type=int, default=None, help="tokens per batch (default: the shape's)")
@@ -486,6 +492,10 @@ def main(argv: list[str] | None = None) -> BenchResult:
         if owner is None or not hasattr(owner, leaf):
             p.error(f"--inductor {key}: torch {torch.__version__}'s Inductor has no such option")
         setattr(owner, leaf, value)
+    if args.flex_tiles == "inductor":
+        import dflash_pipe.drafter.model as drafter_model
+
+        drafter_model.flex_kernel_options = lambda head_dim, device: None  # what the drafter asks for
     apply_dynamo_settings()
     args.out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)

@@ -8,6 +8,7 @@
 # reductions, the pass whose size guards the warm-up logs show), the 8B and 27B shapes full.
 # PART=record: the grid one shape at a time, nothing beside it (the recorded figures).
 # PART=profile: the 27B step's kernel table, and the same with an Inductor probe (EXTRA).
+# PART=ab: the 27B step on the same planned batches with the drafter's flex tiles, then Inductor's.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -33,6 +34,11 @@ elif [ "$PART" = profile ]; then  # the 27B step: its kernels by GPU time, then 
   step profile_27b 235 --shapes qwen3.6-27b --modes full --draws 4 --reference-every 0 --profile
   step probe_27b 235 --shapes qwen3.6-27b --modes full --draws 4 --reference-every 0 --profile \
     ${EXTRA:---inductor triton.mix_order_reduction=False}
+elif [ "$PART" = ab ]; then  # the 27B step on the same batches with the drafter's flex tiles and Inductor's
+  for tiles in drafter inductor; do
+    step "ab_27b_$tiles" 250 --shapes qwen3.6-27b --modes full --draws "${DRAWS:-6}" --reference-every 0 \
+      --profile --flex-tiles "$tiles" --seconds 40 ${EXTRA:-}
+  done
 elif [ "$PART" = record ]; then
   for shape in ${SHAPES:-qwen3-1.7b qwen3-8b llama3.1-8b head-dim-64 qwen3.6-27b}; do
     step "record_$shape" "${LIMIT:-280}" --shapes "$shape" --draws "${DRAWS:-5}" ${EXTRA:-}

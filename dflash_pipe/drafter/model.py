@@ -162,14 +162,16 @@ def sdpa_attend(mask: Tensor) -> Attend:
     return attend
 
 
-def flex_attend(block_mask, *, compile: bool) -> Attend:
+def flex_attend(block_mask, *, compile: bool, tiles: dict[str, int] | None = None) -> Attend:
+    """``tiles``: Triton ``kernel_options`` for the compiled kernel (``compute.compile.flex_kernel_options``),
+    decided here, outside any compiled layer, so Dynamo sees a constant."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = _compiled_flex_attention() if compile else flex_attention
+    options = tiles if compile else None
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        tiles = flex_kernel_options(q.shape[-1], q.device) if compile else None
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=tiles)
+        return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
 
     return attend
 
@@ -345,7 +347,8 @@ class DFlashDrafter(nn.Module):
             if backend == "flex":
                 compile = self._compiles_attention(device)
                 mask = flex_block_mask(anchors, valid, seq_len, bs, compile=compile, window=window)
-                out[window] = flex_attend(mask, compile=compile)
+                tiles = flex_kernel_options(self.cfg.head_dim, device)
+                out[window] = flex_attend(mask, compile=compile, tiles=tiles)
             else:
                 out[window] = sdpa_attend(dense_mask(anchors, valid, seq_len, bs, window))
         return out

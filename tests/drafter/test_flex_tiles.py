@@ -31,3 +31,45 @@ def test_tiles_fit_the_mask_tiles():
     assert blocks and all(128 % v == 0 for v in blocks.values())
     assert blocks["bwd_BLOCK_N1"] % blocks["bwd_BLOCK_M1"] == 0  # Inductor's backward requires these
     assert blocks["bwd_BLOCK_M2"] % blocks["bwd_BLOCK_N2"] == 0
+
+
+def test_the_drafter_passes_its_tiles_to_each_compiled_flex_call(monkeypatch):
+    """Decided once per step outside the compiled layers (Dynamo then sees a constant), for every layer
+    pattern; the uncompiled kernel gets none."""
+    import dflash_pipe.drafter.model as drafter_model
+
+    from .conftest import tiny_config, tiny_drafter
+
+    cfg = tiny_config(
+        block_size=4,
+        max_anchors=4,
+        num_hidden_layers=2,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=8,
+        attention_backend="flex",
+    )
+    model = tiny_drafter(cfg)
+    real_flex_attend = drafter_model.flex_attend  # before it is replaced below
+    asked, calls = [], []
+    monkeypatch.setattr(
+        drafter_model, "flex_kernel_options", lambda head_dim, device: asked.append(head_dim) or {"t": 1}
+    )
+    monkeypatch.setattr(model, "_compiles_attention", lambda device: True)
+    monkeypatch.setattr(drafter_model, "flex_block_mask", lambda *a, **k: "mask")
+    monkeypatch.setattr(drafter_model, "flex_attend", lambda mask, **kw: calls.append(kw))
+    anchors, valid = torch.zeros(1, 32, dtype=torch.long), torch.ones(1, 32, dtype=torch.bool)
+    model._attends("flex", anchors, valid, 128, torch.device("cpu"))
+    assert asked == [cfg.head_dim, cfg.head_dim]  # one per layer pattern: sliding, full
+    assert calls == [{"compile": True, "tiles": {"t": 1}}] * 2
+
+    seen = {}
+    monkeypatch.setattr(drafter_model, "_compiled_flex_attention", lambda: lambda *a, **kw: seen.update(kw))
+    real_flex_attend("mask", compile=True, tiles={"t": 1})(*[torch.zeros(1, 2, 4, 16)] * 3)
+    assert seen["kernel_options"] == {"t": 1}
+
+    import torch.nn.attention.flex_attention as flex_module
+
+    eager = {}
+    monkeypatch.setattr(flex_module, "flex_attention", lambda *a, **kw: eager.update(kw))
+    real_flex_attend("mask", compile=False, tiles={"t": 1})(*[torch.zeros(1, 2, 4, 16)] * 3)
+    assert "kernel_options" in eager and eager["kernel_options"] is None
