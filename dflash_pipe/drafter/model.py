@@ -102,8 +102,10 @@ class DFlashAttention(nn.Module):
             1, 2
         )
         v = self.v_proj(kv_in).view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_k)
+        # fp32 norm weights promote q, k to fp32 (v keeps the autocast dtype); a compiled flex that does not
+        # cast them back runs fp32 kernels (many times slower, not the tuned tiles): cast here, always.
+        q = apply_rope(q, *rope_q).to(v.dtype)
+        k = apply_rope(k, *rope_k).to(v.dtype)
         out = attend(q, k, v)  # [B, Hq, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim))
 
@@ -163,8 +165,7 @@ def sdpa_attend(mask: Tensor) -> Attend:
 
 
 def flex_attend(block_mask, *, compile: bool, tiles: dict[str, int] | None = None) -> Attend:
-    """``tiles``: Triton ``kernel_options`` for the compiled kernel (``compute.compile.flex_kernel_options``),
-    decided here, outside any compiled layer, so Dynamo sees a constant."""
+    """``tiles``: ``kernel_options`` of the compiled kernel, decided outside the compiled layers (a constant)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = _compiled_flex_attention() if compile else flex_attention

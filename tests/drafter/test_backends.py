@@ -129,3 +129,23 @@ def test_auto_backend_is_flex_on_cuda_only_from_head_dim_16() -> None:
     assert tiny_drafter(tiny_config(head_dim=8)).backend(cuda) == "sdpa"
     assert tiny_drafter(tiny_config(head_dim=16)).backend(cuda) == "flex"
     assert tiny_drafter(tiny_config(head_dim=16)).backend(torch.device("cpu")) == "sdpa"
+
+
+def test_attention_inputs_share_the_autocast_dtype(monkeypatch) -> None:
+    """fp32 master weights of q_norm/k_norm promote q and k to fp32 under bf16 autocast while v stays bf16;
+    a compiled flex kernel would then run in fp32. The layer casts q and k to v's dtype first."""
+    import dflash_pipe.drafter.model as drafter_model
+
+    cfg = tiny_config(block_size=4, max_anchors=4, attention_backend="sdpa")
+    model = tiny_drafter(cfg)
+    seen, real = [], drafter_model.sdpa_attend
+
+    def spy(mask):
+        attend = real(mask)
+        return lambda q, k, v: seen.append((q.dtype, k.dtype, v.dtype)) or attend(q, k, v)
+
+    monkeypatch.setattr(drafter_model, "sdpa_attend", spy)
+    ids, feats, loss_mask = _inputs(cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, feats, loss_mask)
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}
