@@ -2,7 +2,7 @@
 
 At the Qwen3.6-27B drafter shape (24 x 256 query heads, 4 KV heads) the profile of the compiled step showed
 flex_attention's backward at six times its forward (a fifth of the step): Inductor's default backward
-tiles for head_dim > 128 on sm90 are 64 x 64 with 4 warps, which spill at head_dim 256. This times the
+tiles for head_dim > 128 on sm90 are 64 x 64 with 4 warps, too few warps for head_dim 256. This times the
 drafter's own attention (its block masks from ``drafter.masks``, full and sliding, anchors drawn as
 training draws them) per candidate ``kernel_options``, checks each against the default config's output and
 gradients, and names the fastest. ``--autotune`` also runs Inductor's own max-autotune search over its

@@ -40,7 +40,7 @@ FLEX_SM90_WIDE_HEAD_TILES: dict[str, int] = {
     "bwd_num_stages": 2,
 }
 """The drafter's flex tiles for 128 < head_dim <= 256 on sm90 (H100/H200). Inductor's defaults there (64 x 64,
-4 warps in the backward) spill registers at head_dim 256: the backward ran at six times the forward in the
+4 warps in the backward) are slow at head_dim 256: the backward ran at six times the forward in the
 Qwen3.6-27B drafter's step. Measured at that shape (``bench/flex_configs.py``, H200, torch 2.11): forward
 5.2 -> 3.6 ms, backward 28.6 -> 21.6 ms a layer; 128-key tiles in the backward need more shared memory than
 sm90 has."""
