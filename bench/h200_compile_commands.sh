@@ -17,6 +17,22 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra .whl/pyzmq*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/extra
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# CACHE=save: Inductor's cache (graphs, Triton kernels) comes back as $OUT/inductor_cache.tgz.part-* (the
+# device returns files of 16 MiB at most); copy them into .inductor-cache/ here (git-ignored) and carry it, and
+# the next call's warm-ups are warm (a cold 27B warm-up is ~150 s of a 10-minute call). Warm-up times are then
+# warm ones; recompile counts and step times do not change. The device returns 8 files a call at most:
+# save on a call with few result files (PART=steps of one shape writes 3).
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+if ls .inductor-cache/inductor_cache.tgz.part-* >/dev/null 2>&1; then
+  cat .inductor-cache/inductor_cache.tgz.part-* | tar -xz -C "$TORCHINDUCTOR_CACHE_DIR" && echo "inductor cache: loaded"
+fi
+save_cache() {
+  [ "${CACHE:-}" = save ] || return 0
+  tar -cz -C "$TORCHINDUCTOR_CACHE_DIR" . | split -b 15M - "$OUT/inductor_cache.tgz.part-"
+  echo "inductor cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) in $(ls "$OUT"/inductor_cache.tgz.part-* | wc -l) part(s)"
+}
+trap save_cache EXIT
 step() {  # step NAME SECONDS ARGS...: one sweep into $OUT/NAME, its console in $OUT/NAME.log
   local name=$1 limit=$2
   shift 2
