@@ -257,6 +257,7 @@ def sweep_shape(
     rows: list[dict[str, Any]] = []
     torch._dynamo.reset()
     model = build(cfg, MODES[mode], parts, device)
+    model.tuned_flex_tiles = args.flex_tiles == "drafter"
     if args.ce_chunk:
         model.ce_chunk = args.ce_chunk
     before = graphs_compiled()
@@ -492,10 +493,6 @@ def main(argv: list[str] | None = None) -> BenchResult:
         if owner is None or not hasattr(owner, leaf):
             p.error(f"--inductor {key}: torch {torch.__version__}'s Inductor has no such option")
         setattr(owner, leaf, value)
-    if args.flex_tiles == "inductor":
-        import dflash_pipe.drafter.model as drafter_model
-
-        drafter_model.flex_kernel_options = lambda head_dim, device: None  # what the drafter asks for
     apply_dynamo_settings()
     args.out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)

@@ -212,6 +212,7 @@ class DFlashDrafter(nn.Module):
         self.compile_layers = compile_layers
         self._layer_compile_failed = False
         self._reference = False  # inside ``reference()``: eager, SDPA with the dense mask
+        self.tuned_flex_tiles = True  # compute.compile.flex_kernel_options; False: Inductor's own
         self.fused_ce = fused_ce
         self.checkpointing = checkpointing or CheckpointPolicy()
         self.ce_chunk = ce_chunk
@@ -249,9 +250,9 @@ class DFlashDrafter(nn.Module):
             self._reference = False
 
     def compile_attention_only(self) -> None:
-        """The fallback of ``train.compile=full``: whole layers and the fused CE terms run eagerly again,
-        the flex attention and block mask stay compiled (``train.compile=attention``)."""
-        self.compile_layers, self.fused_ce = False, False
+        """The fallback of ``train.compile=full``: layers and CE terms eager again, the flex attention and
+        block mask compiled with Inductor's own tiles (``train.compile=attention``)."""
+        self.compile_layers, self.fused_ce, self.tuned_flex_tiles = False, False, False
 
     def backend(self, device: torch.device) -> str:
         if self._reference:
@@ -348,7 +349,7 @@ class DFlashDrafter(nn.Module):
             if backend == "flex":
                 compile = self._compiles_attention(device)
                 mask = flex_block_mask(anchors, valid, seq_len, bs, compile=compile, window=window)
-                tiles = flex_kernel_options(self.cfg.head_dim, device)
+                tiles = flex_kernel_options(self.cfg.head_dim, device) if self.tuned_flex_tiles else None
                 out[window] = flex_attend(mask, compile=compile, tiles=tiles)
             else:
                 out[window] = sdpa_attend(dense_mask(anchors, valid, seq_len, bs, window))

@@ -61,6 +61,10 @@ def test_the_drafter_passes_its_tiles_to_each_compiled_flex_call(monkeypatch):
     model._attends("flex", anchors, valid, 128, torch.device("cpu"))
     assert asked == [cfg.head_dim, cfg.head_dim]  # one per layer pattern: sliding, full
     assert calls == [{"compile": True, "tiles": {"t": 1}}] * 2
+    model.tuned_flex_tiles = False  # what the compile check's fallback sets
+    calls.clear()
+    model._attends("flex", anchors, valid, 128, torch.device("cpu"))
+    assert calls == [{"compile": True, "tiles": None}] * 2
 
     seen = {}
     monkeypatch.setattr(drafter_model, "_compiled_flex_attention", lambda: lambda *a, **kw: seen.update(kw))

@@ -67,6 +67,7 @@ def test_a_wrong_kernel_falls_back_to_attention(tmp_path: Path, monkeypatch) -> 
     assert metrics["compile_fallback"] == 1.0 and metrics["compile_check_grad_rel"] > 5e-2
     assert model.compile_layers is False and model.fused_ce is False
     assert model.compile_attention is True  # the fallback keeps the attention compiled
+    assert model.tuned_flex_tiles is False  # ... with Inductor's own tiles
     assert check_compiled(model, model.cfg.to_dict(), CPU, 16).ok  # the wrong kernel is out of the step
 
 
