@@ -356,9 +356,14 @@ def sweep_shape(
 
 
 def update_seconds(model: DFlashDrafter, device: torch.device) -> float:
-    """A worker's update after the step's backward (gradient clip, then AdamW), median of 3 after one."""
+    """A worker's update after the step's backward (gradient clip, then AdamW), median of 3 after one.
+    Every trainable weight gets a gradient in a step; where a failed last batch's ``zero_grad`` left none,
+    zeros stand in (the update's time does not depend on the values)."""
     cfg = TrainConfig()
-    params = [p for p in model.trainable_parameters() if p.grad is not None]
+    params = list(model.trainable_parameters())
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     optimizer = build_optimizer(params, cfg)
 
     def update() -> None:

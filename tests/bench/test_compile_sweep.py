@@ -4,13 +4,16 @@ batches after the warm-up recompile little."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.bench.helpers import ROOT
+from tests.drafter.conftest import tiny_drafter
 
 pytestmark = pytest.mark.slow
 
@@ -72,3 +75,16 @@ def test_long_run_in_parts_profiled_with_update(tmp_path) -> None:
     assert all(r["update_seconds"] > 0 for r in rows)
     table = (tmp_path / "profile_tiny-sliding_full.txt").read_text()
     assert table.startswith("draw 3 ") and "aten::mm" in table
+
+
+def test_update_timed_after_a_failed_last_batch() -> None:
+    """A run whose last batch ran out of memory (its zero_grad left no gradients) still times the update
+    (an H200 run of the LLaMA-3.1-8B shape crashed there, losing its rows)."""
+    spec = importlib.util.spec_from_file_location("compile_sweep", ROOT / "bench" / "compile_sweep.py")
+    compile_sweep = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("compile_sweep", compile_sweep)  # its dataclasses look their module up
+    spec.loader.exec_module(compile_sweep)
+    model = tiny_drafter()
+    model.zero_grad(set_to_none=True)
+    assert compile_sweep.update_seconds(model, torch.device("cpu")) > 0
+    assert all(p.grad is not None for p in model.trainable_parameters())
