@@ -5,8 +5,8 @@
 # .whl (pyzmq, flash-linear-attention, fla-core for python 3.12:
 # pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl ...).
 # PART=1: the fla test, real-eval cost, regeneration speed (~6 min); PART=2: launch to the first trained
-# step, target vs dataset responses (~6 min); PART=3: the other CUDA tests and a compiled sliding-window
-# drafter (~8 min: the tests passed the first 86 they reached in 4 min beside another bench, then hit their limit).
+# step, target vs dataset responses (~6 min); PART=3: the other CUDA tests in two steps (~10 min); PART=4: a
+# compiled sliding-window drafter trained and saved (~6 min).
 # Each step has its own timeout and log under ${OUT:-/tmp/out}; results go to $OUT/results_partN.tgz.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -37,11 +37,14 @@ elif [ "$PART" = 2 ]; then
   step regen_launch 400 python3 bench/regenerate_speed.py --device cuda --shapes none \
     --launch-shapes qwen3-1.7b --launch-args "--target-gpus 0 --drafter-gpus 0 --eval-generate off" \
     --out "$res/h200_regenerate_speed/launch"
-else
-  step cuda_tests 330 "${pytest_cuda[@]}" tests/target/test_packing.py tests/target/test_features.py \
-    tests/target/test_placement.py tests/producer/test_target_thread.py tests/wire/test_cuda_ipc.py \
-    tests/wire/test_wire_shm.py tests/train/test_compile_check.py tests/drafter/test_backends.py
-  step sliding_drafter 180 python3 -m dflash_pipe launch --plain --device cuda --drafter-preset qwen3.6-27b \
+elif [ "$PART" = 3 ]; then  # alone: beside a sweep's compiles the first 87 took 330 s, the other 23 did not finish
+  step cuda_tests 300 "${pytest_cuda[@]}" tests/target/test_packing.py tests/target/test_features.py \
+    tests/target/test_placement.py tests/producer/test_target_thread.py tests/wire/test_cuda_ipc.py
+  step cuda_tests_compile 270 "${pytest_cuda[@]}" tests/wire/test_wire_shm.py tests/train/test_compile_check.py \
+    tests/drafter/test_backends.py
+else  # PART=4: the 27B preset's drafter (sliding + full layers) compiled whole, trained and saved on CUDA;
+  # it reached step 30 at 2:37 and had not exited at 3:00 (the end writes the last checkpoint, with AdamW state)
+  step sliding_drafter 330 python3 -m dflash_pipe launch --plain --device cuda --drafter-preset qwen3.6-27b \
     --target-layer-ids 1,2,3,4 --responses dataset --max-steps 30 --eval-generate off --run-dir /tmp/sliding-run
 fi
 tar -czf "$OUT/results_part${PART:-1}.tgz" -C "$res" .

@@ -38,8 +38,8 @@ def warm_up(
 ) -> dict[str, float]:
     """Runs synthetic steps so every compiled variant exists before real batches arrive: batches of 2 and
     of 1 (dynamic shapes specialise on size 1, and a batch of one long sample that the next one does not
-    fit beside is common), each at two lengths. ``once``: under the cache's lock, so workers that start
-    together compile once (``train.compile_warmup``)."""
+    fit beside is common), each at two lengths and two anchor counts (``warmup_batches``). ``once``: under
+    the cache's lock, so workers that start together compile once (``train.compile_warmup``)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(
         json.dumps(
@@ -70,14 +70,35 @@ def _synthetic_steps(
     seq_len: int,
     batch_sizes: tuple[int, ...],
 ) -> None:
-    shapes = [(b, length) for b in batch_sizes for length in warmup_lengths(seq_len)]
-    for b, length in shapes:
-        batch = synthetic_batch(cfg, device, b, length)
+    for batch in warmup_batches(cfg, device, seq_len, batch_sizes):
         with autocast(device):
             out = model(*batch, generator=torch.Generator(device=device).manual_seed(0))
         backward_with_settings(out.loss_sum)
     for p in model.parameters():
         p.grad = None
+
+
+def warmup_batches(
+    cfg: dict[str, Any], device: torch.device, seq_len: int, batch_sizes: tuple[int, ...]
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per batch size: both warm-up lengths with every position trainable (``max_anchors`` anchors), then
+    the shorter one with fewer anchors. A dynamic graph's first compile equates dimensions of equal size
+    (duck sizing): 512 anchors beside a 512-wide K/V projection (8 x 64) became one size, and the first real
+    batch with fewer anchors compiled again mid-run (an H200 run at head_dim 64). A second anchor count,
+    5/8 of the cap (320 for 512: no power of two, unlike the projections' widths), pays that compile here."""
+    batches = []
+    for b in batch_sizes:
+        for length in warmup_lengths(seq_len):
+            batches.append(synthetic_batch(cfg, device, b, length))
+        fewer = synthetic_batch(cfg, device, b, length)
+        fewer[2][:, : max(length - fewer_anchors(cfg["max_anchors"]) - 1, 0)] = False
+        batches.append(fewer)
+    return batches
+
+
+def fewer_anchors(max_anchors: int) -> int:
+    """The warm-up's second anchor count (``training_eligible`` counts n positions in n + 1 trained ones)."""
+    return max(1, max_anchors * 5 // 8)
 
 
 def warmup_lengths(seq_len: int) -> tuple[int, int]:

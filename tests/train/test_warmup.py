@@ -12,8 +12,9 @@ import torch
 from filelock import FileLock
 
 from dflash_pipe.bench.compile import together_summary
+from dflash_pipe.drafter.masks import sample_anchors, training_eligible
 from dflash_pipe.train.config import TrainConfig
-from dflash_pipe.train.warmup import warm_up
+from dflash_pipe.train.warmup import fewer_anchors, warm_up, warmup_batches, warmup_lengths
 from tests.drafter.conftest import tiny_config, tiny_drafter
 
 
@@ -92,3 +93,22 @@ def test_compile_warmup_flag_and_bench_modes(tmp_path: Path):
     assert resumed.train.compile_warmup == "once"  # a start-up choice: it may change on --resume
     with pytest.raises(ValueError, match="once and/or each"):
         run_compile_bench(target_model=None, device="cpu", warmups=("twice",), work_dir=tmp_path)
+
+
+@pytest.mark.parametrize("max_anchors", [512, 32])
+def test_warm_up_meets_two_anchor_counts_per_batch_size(max_anchors: int):
+    """Per batch size, the warm-up's batches give the drafter two anchor counts (the cap, and 5/8 of it),
+    so a graph whose first compile tied the anchor count to an equal-sized dimension compiles its general
+    variant here, not at the first real batch with fewer anchors."""
+    cfg = dataclasses.replace(tiny_config(), max_anchors=max_anchors).to_dict()
+    seq_len = 4 * max_anchors
+    batches = warmup_batches(cfg, torch.device("cpu"), seq_len, (2, 1))
+    seen: dict[int, set[tuple[int, int]]] = {}
+    for ids, feats, mask in batches:
+        assert ids.shape == feats.shape[:2] == mask.shape
+        anchors, _ = sample_anchors(training_eligible(mask), max_anchors)
+        seen.setdefault(ids.shape[0], set()).add((ids.shape[1], anchors.shape[1]))
+    short = warmup_lengths(seq_len)[-1]
+    for b in (2, 1):
+        assert {n for _, n in seen[b]} == {max_anchors, fewer_anchors(max_anchors)}, seen
+        assert (short, fewer_anchors(max_anchors)) in seen[b]
