@@ -12,9 +12,12 @@ import torch
 from filelock import FileLock
 
 from dflash_pipe.bench.compile import together_summary
+from dflash_pipe.compute.compile import backward_with_settings
+from dflash_pipe.compute.precision import autocast
+from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.drafter.masks import sample_anchors, training_eligible
 from dflash_pipe.train.config import TrainConfig
-from dflash_pipe.train.warmup import fewer_anchors, warm_up, warmup_batches, warmup_lengths
+from dflash_pipe.train.warmup import fewer_anchors, synthetic_batch, warm_up, warmup_batches, warmup_lengths
 from tests.drafter.conftest import tiny_config, tiny_drafter
 
 
@@ -112,3 +115,32 @@ def test_warm_up_meets_two_anchor_counts_per_batch_size(max_anchors: int):
     for b in (2, 1):
         assert {n for _, n in seen[b]} == {max_anchors, fewer_anchors(max_anchors)}, seen
         assert (short, fewer_anchors(max_anchors)) in seen[b]
+
+
+@pytest.mark.slow
+def test_a_batch_with_fewer_anchors_compiles_nothing_after_the_warm_up(tmp_path: Path):
+    """Whole layers compiled (CPU, SDPA). At the anchor cap the block tokens (16 anchors x 4) number 64, the
+    hidden size: the first compile made them one size (duck sizing) and specialised both to the weights'
+    64, so with a warm-up at the cap only, the first real batch with fewer anchors compiled again."""
+    cfg = dataclasses.replace(
+        tiny_config(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        layer_types=("full_attention",),
+        head_dim=16,
+        block_size=4,
+        max_anchors=16,
+        attention_backend="sdpa",
+    )
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(cfg.vocab_size, 64), torch.nn.Linear(64, cfg.vocab_size, bias=False)
+    model = DFlashDrafter(cfg, embed, head, compile_attention=False, compile_layers=True)
+    cpu = torch.device("cpu")
+    warm_up(model, drafter_config=cfg.to_dict(), cache_dir=tmp_path, device=cpu, seq_len=64, batch_sizes=(2,))
+    ids, feats, mask = synthetic_batch(cfg.to_dict(), cpu, 2, 32)  # the warm-up's shorter length
+    mask[:, :20] = False  # 11 anchors
+    with torch.compiler.set_stance("fail_on_recompile"), autocast(cpu):
+        out = model(ids, feats, mask, generator=torch.Generator().manual_seed(0))
+        backward_with_settings(out.loss_sum)
+    assert all(p.grad is not None for p in model.trainable_parameters())
