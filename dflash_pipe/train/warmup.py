@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,20 +81,19 @@ def _synthetic_steps(
 
 def warmup_batches(
     cfg: dict[str, Any], device: torch.device, seq_len: int, batch_sizes: tuple[int, ...]
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per batch size: both warm-up lengths with every position trainable (``max_anchors`` anchors), then
     the shorter one with fewer anchors. A dynamic graph's first compile equates dimensions of equal size
     (duck sizing): 512 anchors beside a 512-wide K/V projection (8 x 64) became one size, and the first real
     batch with fewer anchors compiled again mid-run (an H200 run at head_dim 64). A second anchor count,
     5/8 of the cap (320 for 512: no power of two, unlike the projections' widths), pays that compile here."""
-    batches = []
-    for b in batch_sizes:
+    short = warmup_lengths(seq_len)[-1]
+    for b in batch_sizes:  # one batch at a time on the device (the features are the big part)
         for length in warmup_lengths(seq_len):
-            batches.append(synthetic_batch(cfg, device, b, length))
-        fewer = synthetic_batch(cfg, device, b, length)
-        fewer[2][:, : max(length - fewer_anchors(cfg["max_anchors"]) - 1, 0)] = False
-        batches.append(fewer)
-    return batches
+            yield synthetic_batch(cfg, device, b, length)
+        ids, feats, loss_mask = synthetic_batch(cfg, device, b, short)
+        loss_mask[:, : max(short - fewer_anchors(cfg["max_anchors"]) - 1, 0)] = False
+        yield ids, feats, loss_mask
 
 
 def fewer_anchors(max_anchors: int) -> int:
