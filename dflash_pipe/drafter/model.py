@@ -165,7 +165,7 @@ def sdpa_attend(mask: Tensor) -> Attend:
 
 
 def flex_attend(block_mask, *, compile: bool, tiles: dict[str, int] | None = None) -> Attend:
-    """``tiles``: ``kernel_options`` of the compiled kernel, decided outside the compiled layers (a constant)."""
+    """``tiles``: the compiled kernel's ``kernel_options``, chosen outside the compiled layers (a constant)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = _compiled_flex_attention() if compile else flex_attention

@@ -106,9 +106,9 @@ def warm_up_checked(model: DFlashDrafter, *, full: bool, **warm_kwargs: Any) -> 
         return {**metrics, "compile_fallback": 0.0}
     warnings.warn(
         f"train.compile=full: {check.describe()} on torch {torch.__version__}; this worker trains on with "
-        "train.compile=attention (flex attention compiled with Inductor's own tiles, the layers eager: slower steps, right "
-        "results). Please report it with the shapes in config.json; set --compile attention to skip the "
-        "attempt.",
+        "train.compile=attention (flex attention compiled with Inductor's own tiles, the layers eager: "
+        "slower steps, right results). Please report it with the shapes in config.json; set --compile "
+        "attention to skip the attempt.",
         RuntimeWarning,
         stacklevel=2,
     )

@@ -91,9 +91,11 @@ def warmup_batches(
     for b in batch_sizes:  # one batch at a time on the device (the features are the big part)
         for length in warmup_lengths(seq_len):
             yield synthetic_batch(cfg, device, b, length)
-        ids, feats, loss_mask = synthetic_batch(cfg, device, b, short)
-        loss_mask[:, : max(short - fewer_anchors(cfg["max_anchors"]) - 1, 0)] = False
-        yield ids, feats, loss_mask
+        untrained = short - fewer_anchors(cfg["max_anchors"]) - 1
+        if untrained > 0:  # else the short batch above had no more anchors than this one: nothing new
+            ids, feats, loss_mask = synthetic_batch(cfg, device, b, short)
+            loss_mask[:, :untrained] = False
+            yield ids, feats, loss_mask
 
 
 def fewer_anchors(max_anchors: int) -> int:
