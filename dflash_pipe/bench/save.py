@@ -195,7 +195,7 @@ def show_result(result: BenchResult, console: Console) -> None:
         table.add_column(col, justify="right" if numeric else "left")
     for row in result.rows:
         table.add_row(*(format_value(row.get(col)) for col in columns))
-    console.print(table)
+    print_whole(console, table)
     for key, value in result.summary.items():
         if key in ("goals", "notes"):
             continue
@@ -207,6 +207,26 @@ def show_result(result: BenchResult, console: Console) -> None:
         console.print(
             f"goal {g['name']}: {format_value(g['value'])} (goal {g['op']} {g['bound']}): {verdict}"
         )
+
+
+def print_whole(console: Console, table: Table) -> None:
+    """Print `table` at its natural width where the output is not a terminal.
+
+    A bench's console usually goes to a log (a device call, CI); there rich assumes 80 columns and squeezes a
+    wide table into columns of ellipses, losing every figure. A terminal keeps its own width.
+    """
+    if console.is_terminal:
+        console.print(table)
+        return
+    unbounded = console.options.update(width=1_000_000, max_width=1_000_000)
+    width, console.width = (
+        console.width,
+        max(console.width, console.measure(table, options=unbounded).maximum),
+    )
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 def format_value(value: Any) -> str:

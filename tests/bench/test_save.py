@@ -90,3 +90,18 @@ def test_show_prints_rows_summary_and_verdicts():
         assert figure in text, figure
     assert "goal pipeline efficiency: 0.957 (goal >= 0.95): met" in text
     assert "goal ratio: 1.30 (goal <= 1.2): not met" in text
+
+
+def test_a_wide_table_in_a_log_keeps_every_figure():
+    """Not a terminal, 80 columns: rich would squeeze 18 columns into ellipses; the log keeps them whole."""
+    columns = [f"figure_{i}" for i in range(18)]
+    result = BenchResult(
+        name="wide", config={}, rows=[{c: f"value-{i}" for i, c in enumerate(columns)}], summary={}
+    )
+    console = Console(record=True, width=80, force_terminal=False)
+    show_result(result, console)
+    text = console.export_text()
+    for i, column in enumerate(columns):
+        assert column in text and f"value-{i}" in text, column
+    assert "…" not in text
+    assert console.width == 80
