@@ -219,10 +219,9 @@ def print_whole(console: Console, table: Table) -> None:
         console.print(table)
         return
     unbounded = console.options.update(width=1_000_000, max_width=1_000_000)
-    width, console.width = (
-        console.width,
-        max(console.width, console.measure(table, options=unbounded).maximum),
-    )
+    natural = console.measure(table, options=unbounded).maximum
+    width = console.width
+    console.width = max(width, natural)
     try:
         console.print(table)
     finally:
