@@ -5,8 +5,9 @@
 # .whl (pyzmq, flash-linear-attention, fla-core for python 3.12:
 # pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl ...).
 # PART=1: the fla test, real-eval cost, regeneration speed (~6 min); PART=2: launch to the first trained
-# step, target vs dataset responses (~6 min); PART=3: the other CUDA tests in two steps (~10 min); PART=4: a
-# compiled sliding-window drafter trained and saved (~6 min).
+# step, target vs dataset responses (~6 min); PART=3: the other CUDA tests in two steps (~10 min); PART=3b:
+# the compile check's and the drafter backends' tests alone (~4 min); PART=4: a compiled sliding-window drafter
+# trained and saved (~6 min).
 # Each step has its own timeout and log under ${OUT:-/tmp/out}; results go to $OUT/results_partN.tgz.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -42,8 +43,11 @@ elif [ "$PART" = 3 ]; then  # alone: beside a sweep's compiles the first 87 took
     tests/target/test_placement.py tests/producer/test_target_thread.py tests/wire/test_cuda_ipc.py
   step cuda_tests_compile 270 "${pytest_cuda[@]}" tests/wire/test_wire_shm.py tests/train/test_compile_check.py \
     tests/drafter/test_backends.py
-else  # PART=4: the 27B preset's drafter (sliding + full layers) compiled whole, trained and saved on CUDA;
-  # it reached step 30 at 2:37 and had not exited at 3:00 (the end writes the last checkpoint, with AdamW state)
+elif [ "$PART" = 3b ]; then  # alone: 13 tests in 196 s on the H200 (the default full compile's check 81 s)
+  step compile_backends_tests 480 "${pytest_cuda[@]}" --durations=0 tests/train/test_compile_check.py \
+    tests/drafter/test_backends.py
+else  # PART=4: the 27B preset's drafter layout (sliding + full layers) compiled whole, trained and saved on
+  # CUDA: first step at 212 s (cold compile and its check), 30 steps, exit with the last checkpoint at ~300 s
   step sliding_drafter 330 python3 -m dflash_pipe launch --plain --device cuda --drafter-preset qwen3.6-27b \
     --target-layer-ids 1,2,3,4 --responses dataset --max-steps 30 --eval-generate off --run-dir /tmp/sliding-run
 fi
