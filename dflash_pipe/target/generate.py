@@ -7,8 +7,11 @@ rendering of the conversation so far *with the turns already regenerated* (plus 
 prompts of the round are decoded together (left padded, one KV cache), and each reply ends at the first
 end-of-turn token (the template's turn terminator and the model's EOS ids) or at the token limit.
 
-Decoding is a plain loop over the model's forward, not ``generate``: the cache is the one the model builds
-for itself (so hybrid and sliding-window targets get theirs), nothing of the checkpoint's
+Decoding runs on the slot engine (``target.decode``) when the target's family is one it serves: a static
+cache of ``batch_size`` slots, the decode step captured in a CUDA graph, a conversation's slot taking the
+next conversation as soon as its last turn ends, and turn k+1 prefilling only what follows turn k's cache.
+Other families decode in rounds with a plain loop over the model's own forward (its own cache: hybrid and
+sliding-window targets get theirs), announced by one log line. On both paths nothing of the checkpoint's
 ``generation_config`` (repetition penalties, default top-k) changes what is generated, and sampling draws
 from one ``torch.Generator`` per (conversation, turn) seeded from (seed, index, turn): a turn's tokens do
 not depend on which other conversations share its batch or on where a resumed run starts.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,17 +33,16 @@ from torch import nn
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.data.regenerated import Regenerated, TurnFailure
 from dflash_pipe.data.render import render_prompt
+from dflash_pipe.target.decode import EngineStats, GenerationStopped, SlotEngine, TurnRequest
 from dflash_pipe.target.packing import FLEX_ATTENTION
+
+log = logging.getLogger("dflash_pipe.target")
 
 STOP_CHECK_EVERY = 8
 """Decode steps between checks whether every row has ended (each check waits for the device)."""
 COMPACT_WHEN = 4
 """At a check, once 1/COMPACT_WHEN of the batch's rows have ended, they leave the batch (their cache rows
 too: ``Cache.reorder_cache``), so a round's long replies do not drag the finished rows along."""
-
-
-class GenerationStopped(Exception):
-    """``should_stop`` said stop: the call returns nothing (the conversations are generated again later)."""
 
 
 @dataclass(slots=True)
@@ -105,9 +108,11 @@ class TurnGenerator:
         device: torch.device | str,
         max_length: int,
         template_kwargs: dict[str, Any] | None = None,
+        engine: bool = True,
     ) -> None:
         """``max_length``: the longest sample trained (data.max_length); a turn is generated only while its
-        prompt leaves room under it, and no longer than that room."""
+        prompt leaves room under it, and no longer than that room. ``engine``: False always decodes on the
+        plain path (benches compare the two)."""
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
@@ -121,6 +126,40 @@ class TurnGenerator:
         params = inspect.signature(model.forward).parameters
         self._keep_one = "logits_to_keep" in params
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self._want_engine = engine
+        self._engine: SlotEngine | None = None
+        self._engine_checked = False
+        self.engine_stats = EngineStats()
+        """What the slot engine did in the last call (empty on the plain path)."""
+
+    def engine(self) -> SlotEngine | None:
+        """The slot engine for this target (built on first use), None when its family decodes on the plain
+        path (said once, in the log)."""
+        if self._engine_checked:
+            return self._engine
+        self._engine_checked = True
+        if not self._want_engine:
+            return None
+        from dflash_pipe.target.decode import DecodeStack, unsupported_reason
+
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            log.warning(
+                "regeneration: %s decodes on the plain path (HF forward per step, slower) because %s",
+                type(self.model).__name__,
+                reason,
+            )
+            return None
+        stack = DecodeStack(self.model, max_len=self.max_length)
+        self._engine = SlotEngine(
+            stack,
+            slots=self.settings.batch_size,
+            max_new=self.max_length,  # generate() may ask more than settings.max_new_tokens
+            end_ids=self.end_ids,
+            greedy=self.settings.greedy,
+            pick=self._pick,
+        )
+        return self._engine
 
     def regenerate(
         self, items: Sequence[tuple[int, list[dict[str, str]]]], should_stop: Callable[[], bool] | None = None
@@ -130,33 +169,44 @@ class TurnGenerator:
         that cannot be generated ends its conversation there (``Regenerated.failed``). ``should_stop`` is
         polled between decode steps: True raises ``GenerationStopped`` (a producer shutting down)."""
         states = [_Conversation(index, messages) for index, messages in items]
+        engine = self.engine()
+        if engine is not None:
+            self.engine_stats = engine.run([_TurnSession(self, s) for s in states], should_stop)
+            return [s.result() for s in states]
         while True:
             round_ = [s for s in states if s.advance()]
             if not round_:
                 break
-            prompts: list[list[int]] = []
-            asking: list[_Conversation] = []
-            for state in round_:
-                prompt = self._prompt(state)
-                if prompt is not None:
-                    prompts.append(prompt)
-                    asking.append(state)
+            asking = [(s, r) for s in round_ if (r := self._request(s)) is not None]
             if not asking:
                 continue
-            room = [min(self.settings.max_new_tokens, self.max_length - len(p)) for p in prompts]
-            seeds = None
-            if not self.settings.greedy:
-                seeds = [turn_seed(self.settings.seed, s.index, s.turn) for s in asking]
-            replies = self.generate(prompts, room, seeds, should_stop)
-            for state, reply, limit in zip(asking, replies, room, strict=True):
-                text = self.tokenizer.decode(reply.tokens, skip_special_tokens=False)
-                if not text.strip():
-                    state.fail("empty reply")
-                    continue
-                state.answer(text, len(reply.tokens) + int(reply.ended), truncated=not reply.ended)
-                if not reply.ended and limit < self.settings.max_new_tokens:
-                    state.stop_at_length()  # the sample is full: later turns would be cut off anyway
+            requests = [r for _, r in asking]
+            seeds = None if self.settings.greedy else [r.seed for r in requests]
+            replies = self._generate_plain(
+                [r.prompt for r in requests], [r.max_new for r in requests], seeds, should_stop
+            )
+            for (state, request), reply in zip(asking, replies, strict=True):
+                self._settle(state, reply, request.max_new)
         return [s.result() for s in states]
+
+    def _request(self, state: _Conversation) -> TurnRequest | None:
+        """The turn ``state`` is at, as the engine takes it (None: it cannot be generated; ``state`` says why)."""
+        prompt = self._prompt(state)
+        if prompt is None:
+            return None
+        room = min(self.settings.max_new_tokens, self.max_length - len(prompt))
+        seed = None if self.settings.greedy else turn_seed(self.settings.seed, state.index, state.turn)
+        return TurnRequest(prompt=prompt, max_new=room, seed=seed)
+
+    def _settle(self, state: _Conversation, reply: Reply, limit: int) -> None:
+        """Writes a decoded turn into its conversation."""
+        text = self.tokenizer.decode(reply.tokens, skip_special_tokens=False)
+        if not text.strip():
+            state.fail("empty reply")
+            return
+        state.answer(text, len(reply.tokens) + int(reply.ended), truncated=not reply.ended)
+        if not reply.ended and limit < self.settings.max_new_tokens:
+            state.stop_at_length()  # the sample is full: later turns would be cut off anyway
 
     def _prompt(self, state: _Conversation) -> list[int] | None:
         try:
@@ -170,8 +220,27 @@ class TurnGenerator:
             return None
         return ids
 
-    @torch.inference_mode()
     def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new: Sequence[int],
+        seeds: Sequence[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Reply]:
+        """One reply per prompt (single turns): on the slot engine when the family has one, else
+        ``_generate_plain``. ``seeds``: None decodes greedily, else one sampling seed per prompt."""
+        engine = self.engine()
+        if engine is None:
+            return self._generate_plain(prompts, max_new, seeds, should_stop)
+        sessions = [
+            _OneTurn(TurnRequest(list(p), int(n), None if seeds is None else int(seeds[i])))
+            for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))
+        ]
+        self.engine_stats = engine.run(sessions, should_stop)
+        return [s.reply for s in sessions]
+
+    @torch.inference_mode()
+    def _generate_plain(
         self,
         prompts: Sequence[Sequence[int]],
         max_new: Sequence[int],
@@ -297,6 +366,41 @@ def filtered_probs(logits: torch.Tensor, settings: RegenConfig) -> torch.Tensor:
         sorted_probs = sorted_probs.masked_fill(before >= settings.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return probs
+
+
+class _OneTurn:
+    """A single prompt as an engine session (``TurnGenerator.generate``)."""
+
+    def __init__(self, request: TurnRequest) -> None:
+        self._request: TurnRequest | None = request
+        self.reply = Reply(tokens=[], ended=False)
+
+    def next_request(self) -> TurnRequest | None:
+        request, self._request = self._request, None
+        return request
+
+    def take(self, tokens: list[int], ended: bool) -> None:
+        self.reply = Reply(tokens=tokens, ended=ended)
+
+
+class _TurnSession:
+    """A conversation as an engine session: its turns' prompts and what their replies become."""
+
+    def __init__(self, generator: TurnGenerator, state: _Conversation) -> None:
+        self.generator = generator
+        self.state = state
+        self._limit = 0
+
+    def next_request(self) -> TurnRequest | None:
+        while self.state.advance():
+            request = self.generator._request(self.state)
+            if request is not None:
+                self._limit = request.max_new
+                return request
+        return None
+
+    def take(self, tokens: list[int], ended: bool) -> None:
+        self.generator._settle(self.state, Reply(tokens=tokens, ended=ended), self._limit)
 
 
 class _Conversation:

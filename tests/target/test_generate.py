@@ -43,9 +43,9 @@ def model(tokenizer):
     return m.eval()
 
 
-def _generator(model, tokenizer, **settings) -> TurnGenerator:
+def _generator(model, tokenizer, engine: bool = True, **settings) -> TurnGenerator:
     cfg = RegenConfig(**{"max_new_tokens": 12, **settings})
-    return TurnGenerator(model, tokenizer, cfg, device="cpu", max_length=256)
+    return TurnGenerator(model, tokenizer, cfg, device="cpu", max_length=256, engine=engine)
 
 
 def _plain_turn(model, prompt: list[int], limit: int, end_ids: list[int], pick) -> list[int]:
@@ -83,8 +83,10 @@ def test_end_of_turn_comes_from_the_chat_template(tokenizer):
     assert tokenizer.eos_token_id in ids
 
 
-def test_greedy_batched_equals_a_plain_greedy_loop_per_conversation(model, tokenizer):
-    gen = _generator(model, tokenizer)
+@pytest.mark.parametrize("engine", [True, False], ids=["slot-engine", "plain"])
+def test_greedy_batched_equals_a_plain_greedy_loop_per_conversation(model, tokenizer, engine):
+    gen = _generator(model, tokenizer, engine=engine)
+    assert (gen.engine() is not None) == engine
     got = gen.regenerate(list(enumerate(CONVERSATIONS)))
     for conv, result in zip(CONVERSATIONS, got, strict=True):
         want = _plain_conversation(
@@ -128,9 +130,10 @@ def test_sampling_is_reproducible_and_independent_of_batching(model, tokenizer):
     assert [r.messages for r in batched] != [r.messages for r in other]
 
 
-def test_sampling_equals_a_plain_loop_with_the_same_turn_seeds(model, tokenizer):
+@pytest.mark.parametrize("engine", [True, False], ids=["slot-engine", "plain"])
+def test_sampling_equals_a_plain_loop_with_the_same_turn_seeds(model, tokenizer, engine):
     settings = RegenConfig(temperature=0.8, top_k=20, top_p=0.95, seed=3, max_new_tokens=10)
-    gen = TurnGenerator(model, tokenizer, settings, device="cpu", max_length=256)
+    gen = TurnGenerator(model, tokenizer, settings, device="cpu", max_length=256, engine=engine)
     got = gen.regenerate(list(enumerate(CONVERSATIONS)))
 
     def pick_for(index):
@@ -224,9 +227,9 @@ def test_an_empty_reply_is_a_counted_failure(tokenizer):
 
 @pytest.mark.parametrize("seeds", [None, [11, 12, 13, 14, 15]])
 def test_rows_ending_early_leave_the_batch_and_change_nothing(model, tokenizer, seeds):
-    """Rows with smaller limits end first and are compacted out of the batch (and its cache); each reply
-    must equal that prompt decoded alone."""
-    gen = _generator(model, tokenizer, **({"temperature": 0.9} if seeds else {}))
+    """The plain path: rows with smaller limits end first and are compacted out of the batch (and its
+    cache); each reply must equal that prompt decoded alone."""
+    gen = _generator(model, tokenizer, engine=False, **({"temperature": 0.9} if seeds else {}))
     prompts = [list(range(5 + i, 20 + 3 * i)) for i in range(5)]
     limits = [3, 40, 9, 17, 25]
     sizes: list[int] = []

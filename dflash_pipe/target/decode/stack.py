@@ -1,0 +1,239 @@
+"""The target's decoder run layer by layer over its own HF modules, against a static slot cache.
+
+Why not the model's ``forward``: its per-call Python (mask builders, cache objects, kwargs plumbing, the
+names that change between transformers releases) is exactly the host cost a decode step must not pay, and
+it cannot be captured in a CUDA graph. The modules themselves (projections, norms, MLP, embedding, LM head)
+are called as they are, so the weights and the arithmetic stay HF's; only attention and the cache are ours:
+keys and values live in ``SlotCache`` (one row per slot, written at each token's position), and a query
+attends to the positions of its own slot up to its own. ``tests/target/test_decode_engine.py`` checks the
+result against HF's own ``generate``, token for token.
+
+Families served here are dense full-attention decoders with rotary positions (Qwen3, Qwen2, Llama,
+Mistral without a sliding window) and their MoE variants (Qwen3-MoE, Qwen2-MoE: the MLP block is called as
+it is). ``unsupported_reason`` names why another model is not, and the caller falls back to HF's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_pipe.target.layers import find_decoder_layers
+
+DENSE_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+"""Families whose decode step is captured whole in a CUDA graph."""
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+"""Families served eagerly: HF's expert dispatch picks experts on the host (data-dependent shapes)."""
+POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn", None)
+"""RoPE types whose cos/sin depend on the position alone (so one table serves every step)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the slot engine cannot decode ``model`` exactly (None: it can)."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in DENSE_FAMILIES + MOE_FAMILIES:
+        return f"model type {family!r} is not one of {', '.join(DENSE_FAMILIES + MOE_FAMILIES)}"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "it uses a sliding window"
+    if family == "mistral" and getattr(config, "sliding_window", None):
+        return "it uses a sliding window"
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        return f"its layer types are {sorted(types)}, not full attention only"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type not in POSITION_ONLY_ROPE:
+        return f"its RoPE type {rope_type!r} depends on the sequence length"
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "norm", "rotary_emb"):
+        if not isinstance(getattr(inner, name, None), nn.Module):
+            return f"it has no model.{name}"
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return "it has no lm_head"
+    attn = find_decoder_layers(model)[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not isinstance(getattr(attn, name, None), nn.Linear):
+            return f"its attention has no {name} projection"
+    return None
+
+
+def graph_safe(model: nn.Module) -> bool:
+    """Whether a decode step over ``model`` can be captured in a CUDA graph (no host decisions inside)."""
+    return getattr(model.config, "model_type", None) in DENSE_FAMILIES
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SlotCache:
+    """Keys and values of every slot, ``[slots, kv_heads, max_len + 1, head_dim]`` per layer.
+
+    Column ``max_len`` is a trash column: idle slots and padded prefill positions write there, and no
+    query ever reads it (attention reads columns ``< max_len`` only)."""
+
+    def __init__(self, shape: StackShape, slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        self.slots = slots
+        self.max_len = max_len
+        self.trash = max_len
+        size = (slots, shape.kv_heads, max_len + 1, shape.head_dim)
+        self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.layers)]
+        self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class DecodeStack:
+    """Prefill and one-token decode steps of an HF decoder against a ``SlotCache``."""
+
+    def __init__(self, model: nn.Module, max_len: int) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"{type(model).__name__} cannot be decoded by the slot engine: {reason}")
+        self.model = model
+        inner: Any = model.model
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        self.layers = list(find_decoder_layers(model))
+        attn = self.layers[0].self_attn
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.shape = StackShape(
+            layers=len(self.layers),
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+        )
+        self.scaling = float(getattr(attn, "scaling", head_dim**-0.5))
+        self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        weight = self.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        positions = torch.arange(max_len + 1, device=self.device)[None]  # [1, L+1]; the last: trash column
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = inner.rotary_emb(probe, positions)  # HF's own cos/sin, per position
+        self.cos, self.sin = cos[0], sin[0]  # [L+1, D]
+        self.max_len = max_len
+
+    def new_cache(self, slots: int) -> SlotCache:
+        return SlotCache(self.shape, slots, self.max_len, self.dtype, self.device)
+
+    # --- shared pieces ----------------------------------------------------------------------------------
+
+    def _qkv(self, layer: nn.Module, x: torch.Tensor, positions: torch.Tensor):
+        """q ``[B, T, heads, D]``, k and v ``[B, T, kv_heads, D]``, rotated at ``positions`` ``[B, T]``."""
+        attn = layer.self_attn
+        b, t = x.shape[:2]
+        d = self.shape.head_dim
+        q = attn.q_proj(x).view(b, t, -1, d)
+        k = attn.k_proj(x).view(b, t, -1, d)
+        v = attn.v_proj(x).view(b, t, -1, d)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos = self.cos[positions][:, :, None]  # [B, T, 1, D]
+        sin = self.sin[positions][:, :, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _finish_layer(self, layer: nn.Module, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        h = h + layer.self_attn.o_proj(attended)
+        mlp_out = layer.mlp(layer.post_attention_layernorm(h))
+        if isinstance(mlp_out, tuple):  # MoE blocks of some releases return (hidden, router logits)
+            mlp_out = mlp_out[0]
+        return h + mlp_out
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    # --- decode: one token per slot ---------------------------------------------------------------------
+
+    def step(self, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """Feeds ``tokens`` ``[S]`` at ``positions`` ``[S]`` (the trash column for idle slots) and returns the
+        next-token logits ``[S, V]`` (fp32). Every live position must be ``< span``: attention reads the
+        first ``span`` columns of each slot. No host synchronisation: capturable in a CUDA graph."""
+        s = tokens.shape[0]
+        groups = self.shape.heads // self.shape.kv_heads
+        rows = torch.arange(s, device=tokens.device)
+        visible = torch.arange(span, device=tokens.device)[None] <= positions[:, None]  # [S, span]
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device)
+        bias = bias.masked_fill(~visible, float("-inf"))[:, None, None]  # [S, 1, 1, span]
+        h = self.embed(tokens)[:, None]  # [S, 1, H]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), positions[:, None])
+            cache.keys[i][rows, :, positions] = k[:, 0]
+            cache.values[i][rows, :, positions] = v[:, 0]
+            keys = cache.keys[i][:, :, :span]  # [S, kvh, span, D]
+            values = cache.values[i][:, :, :span]
+            q = q.view(s, self.shape.kv_heads, groups, self.shape.head_dim)  # [S, kvh, G, D]
+            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling + bias  # [S, kvh, G, span]
+            probs = torch.softmax(scores, dim=-1).to(values.dtype)
+            attended = torch.matmul(probs, values).reshape(s, 1, -1)  # [S, 1, heads*D]
+            h = self._finish_layer(layer, h, attended)
+        return self._logits(h[:, 0])
+
+    # --- prefill: new tokens of some slots, after what their cache already holds ------------------------
+
+    def prefill(
+        self, cache: SlotCache, slots: list[int], seqs: list[list[int]], starts: list[int]
+    ) -> torch.Tensor:
+        """Writes ``seqs[r]`` into slot ``slots[r]`` from position ``starts[r]`` on (the slot's cache keeps
+        positions ``< starts[r]``) and returns the logits after each one's last token ``[k, V]`` (fp32)."""
+        k_rows, n = len(seqs), max(len(s) for s in seqs)
+        dev = self.device
+        ids = torch.zeros((k_rows, n), dtype=torch.long)
+        for r, seq in enumerate(seqs):
+            ids[r, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        ids = ids.to(dev)
+        lengths = torch.as_tensor([len(s) for s in seqs], device=dev)
+        start = torch.as_tensor(starts, device=dev)
+        offsets = torch.arange(n, device=dev)[None]
+        positions = start[:, None] + offsets  # [k, n]
+        valid = offsets < lengths[:, None]
+        where = torch.where(valid, positions, cache.trash)  # padded tokens write to the trash column
+        slot_idx = torch.as_tensor(slots, device=dev)[:, None]
+        fresh = not any(starts)
+        span = max(s + len(q) for s, q in zip(starts, seqs, strict=True))
+        mask = None
+        if not fresh:
+            keys_at = torch.arange(span, device=dev)[None, None]  # [1, 1, span]
+            mask = (keys_at <= positions[:, :, None])[:, None]  # [k, 1, n, span]
+        groups = self.shape.heads // self.shape.kv_heads
+        h = self.embed(ids)  # [k, n, H]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), where)
+            cache.keys[i][slot_idx, :, where] = k
+            cache.values[i][slot_idx, :, where] = v
+            if fresh:  # nothing cached before: causal attention over the new tokens alone
+                keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            else:
+                keys = cache.keys[i][slot_idx[:, 0], :, :span]  # [k, kvh, span, D]
+                values = cache.values[i][slot_idx[:, 0], :, :span]
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+            attended = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=fresh, scale=self.scaling
+            )  # [k, heads, n, D]
+            h = self._finish_layer(layer, h, attended.transpose(1, 2).reshape(k_rows, n, -1))
+        last = h[torch.arange(k_rows, device=dev), lengths - 1]  # [k, H]
+        return self._logits(last)
