@@ -79,7 +79,11 @@ def generation_rows(
     model.eval().requires_grad_(False)
     work = random_prompts(prompts, prompt_tokens, model.config.vocab_size)
     gen = TurnGenerator(
-        model, tokenizer, RegenConfig(max_new_tokens=new_tokens), device=device, max_length=1 << 20
+        model,
+        tokenizer,
+        RegenConfig(max_new_tokens=new_tokens, batch_size=max(batch_sizes)),
+        device=device,
+        max_length=2 * prompt_tokens + new_tokens,
     )
     gen.generate([work[0]], [2])  # warm-up: kernels, allocator
     rows = []

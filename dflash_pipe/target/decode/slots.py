@@ -30,7 +30,9 @@ class SlotState:
         self.count = torch.zeros(slots, dtype=torch.long, device=device)  # [S] tokens of the turn so far
         self.limit = torch.ones(slots, dtype=torch.long, device=device)  # [S]
         self.done = torch.ones(slots, dtype=torch.bool, device=device)  # [S] idle or ended
-        self.history = torch.zeros((slots, max_new + 1), dtype=torch.long, device=device)  # column max_new: trash
+        self.history = torch.zeros(
+            (slots, max_new + 1), dtype=torch.long, device=device
+        )  # column max_new: trash
         self.end_ids = torch.as_tensor(end_ids, dtype=torch.long, device=device)
         self.rows = torch.arange(slots, device=device)
 

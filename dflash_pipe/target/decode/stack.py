@@ -104,7 +104,9 @@ class SlotCache:
 class DecodeStack:
     """Prefill and one-token decode steps of an HF decoder against a ``SlotCache``."""
 
-    def __init__(self, model: nn.Module, max_len: int) -> None:
+    def __init__(self, model: nn.Module, max_len: int, *, decode_attention: str = "matmul") -> None:
+        """``decode_attention``: "matmul" (two batched matmuls and a softmax over the slot's columns) or
+        "sdpa" (``scaled_dot_product_attention`` with a boolean mask); the bench compares them."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot be decoded by the slot engine: {reason}")
@@ -134,6 +136,9 @@ class DecodeStack:
         cos, sin = inner.rotary_emb(probe, positions)  # HF's own cos/sin, per position
         self.cos, self.sin = cos[0], sin[0]  # [L+1, D]
         self.max_len = max_len
+        if decode_attention not in ("matmul", "sdpa"):
+            raise ValueError(f"decode_attention must be 'matmul' or 'sdpa', got {decode_attention!r}")
+        self.decode_attention = decode_attention
 
     def new_cache(self, slots: int) -> SlotCache:
         return SlotCache(self.shape, slots, self.max_len, self.dtype, self.device)
@@ -168,16 +173,22 @@ class DecodeStack:
 
     # --- decode: one token per slot ---------------------------------------------------------------------
 
-    def step(self, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+    def step(
+        self, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor, span: int
+    ) -> torch.Tensor:
         """Feeds ``tokens`` ``[S]`` at ``positions`` ``[S]`` (the trash column for idle slots) and returns the
         next-token logits ``[S, V]`` (fp32). Every live position must be ``< span``: attention reads the
         first ``span`` columns of each slot. No host synchronisation: capturable in a CUDA graph."""
         s = tokens.shape[0]
-        groups = self.shape.heads // self.shape.kv_heads
         rows = torch.arange(s, device=tokens.device)
         visible = torch.arange(span, device=tokens.device)[None] <= positions[:, None]  # [S, span]
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device)
-        bias = bias.masked_fill(~visible, float("-inf"))[:, None, None]  # [S, 1, 1, span]
+        if self.decode_attention == "sdpa":
+            attend = self._attend_sdpa
+            mask = visible[:, None, None]  # [S, 1, 1, span]
+        else:
+            attend = self._attend_matmul
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device)
+            mask = bias.masked_fill(~visible, float("-inf"))[:, None, None]  # [S, 1, 1, span]
         h = self.embed(tokens)[:, None]  # [S, 1, H]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(h), positions[:, None])
@@ -185,12 +196,23 @@ class DecodeStack:
             cache.values[i][rows, :, positions] = v[:, 0]
             keys = cache.keys[i][:, :, :span]  # [S, kvh, span, D]
             values = cache.values[i][:, :, :span]
-            q = q.view(s, self.shape.kv_heads, groups, self.shape.head_dim)  # [S, kvh, G, D]
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling + bias  # [S, kvh, G, span]
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
-            attended = torch.matmul(probs, values).reshape(s, 1, -1)  # [S, 1, heads*D]
-            h = self._finish_layer(layer, h, attended)
+            h = self._finish_layer(layer, h, attend(q, keys, values, mask).reshape(s, 1, -1))
         return self._logits(h[:, 0])
+
+    def _attend_matmul(self, q, keys, values, bias):
+        """q ``[S, 1, heads, D]`` against ``[S, kvh, span, D]``: ``[S, heads, D]``."""
+        s = q.shape[0]
+        groups = self.shape.heads // self.shape.kv_heads
+        q = q.view(s, self.shape.kv_heads, groups, self.shape.head_dim)  # [S, kvh, G, D]
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling + bias  # [S, kvh, G, span]
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values)  # [S, kvh, G, D]
+
+    def _attend_sdpa(self, q, keys, values, mask):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+        )  # [S, heads, 1, D]
+        return out
 
     # --- prefill: new tokens of some slots, after what their cache already holds ------------------------
 
