@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,14 +23,14 @@ from dflash_pipe.target.decode.slots import SlotState, StepGraphs  # noqa: E402
 from dflash_pipe.target.decode.stack import DecodeStack  # noqa: E402
 
 
-def step_ms(stack: DecodeStack, batch: int, span: int, steps: int, graphs: bool) -> float:
+def step_ms(stack: DecodeStack, batch: int, span: int, steps: int, graphs: bool, compiled: bool) -> float:
     cache = stack.new_cache(batch)
     state = SlotState(batch, 4096, [0], cache.trash, stack.device)
     state.done.zero_()
     state.limit.fill_(1 << 30)
     state.positions.fill_(span - steps - 8)
     state.tokens.random_(10, 1000)
-    runner = StepGraphs(stack, cache, state, use_graphs=graphs, greedy=True)
+    runner = StepGraphs(stack, cache, state, use_graphs=graphs, greedy=True, compile_step=compiled)
     runner.run(span)  # capture
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -47,6 +48,9 @@ def main() -> None:
     p.add_argument("--batches", default="64,256")
     p.add_argument("--spans", default="256,768")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--variants", default="matmul,sdpa")
+    p.add_argument("--compiled", default="0,1", help="0: eager step captured, 1: compiled step captured")
+    p.add_argument("--kernels", type=int, default=1, help="1: the eager step's kernel table")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -56,15 +60,20 @@ def main() -> None:
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(qwen3_config(shape), dtype=torch.bfloat16).eval()
-        for variant in ("matmul", "sdpa"):
+        for variant in args.variants.split(","):
             stack = DecodeStack(model, max_len=1024, decode_attention=variant)
-            for batch in [int(b) for b in args.batches.split(",")]:
-                for span in [int(s) for s in args.spans.split(",")]:
-                    ms = step_ms(stack, batch, span, args.steps, graphs=True)
-                    rows.append(
-                        {"shape": shape, "attention": variant, "batch": batch, "span": span, "ms": ms}
-                    )
-                    print(json.dumps(rows[-1]), flush=True)
+            for compiled in [c == "1" for c in args.compiled.split(",")]:
+                for batch in [int(b) for b in args.batches.split(",")]:
+                    for span in [int(s) for s in args.spans.split(",")]:
+                        t0 = time.perf_counter()
+                        ms = step_ms(stack, batch, span, args.steps, graphs=True, compiled=compiled)
+                        rows.append(
+                            {"shape": shape, "attention": variant, "compiled": compiled, "batch": batch}
+                            | {"span": span, "ms": ms, "setup_s": time.perf_counter() - t0}
+                        )
+                        print(json.dumps(rows[-1]), flush=True)
+        if not args.kernels:
+            continue
         stack = DecodeStack(model, max_len=1024)
         from torch.profiler import ProfilerActivity, profile
 

@@ -104,9 +104,9 @@ class SlotCache:
 class DecodeStack:
     """Prefill and one-token decode steps of an HF decoder against a ``SlotCache``."""
 
-    def __init__(self, model: nn.Module, max_len: int, *, decode_attention: str = "matmul") -> None:
-        """``decode_attention``: "matmul" (two batched matmuls and a softmax over the slot's columns) or
-        "sdpa" (``scaled_dot_product_attention`` with a boolean mask); the bench compares them."""
+    def __init__(self, model: nn.Module, max_len: int, *, decode_attention: str = "sdpa") -> None:
+        """``decode_attention``: "sdpa" (``scaled_dot_product_attention`` with a boolean mask; 6-13% faster a
+        step on the H200, ``bench/engine_profile.py``) or "matmul" (two batched matmuls and a softmax)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot be decoded by the slot engine: {reason}")
