@@ -271,10 +271,18 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         console.print(f"decoding at the {shape} shape on {device} ...")
         rows += speed_rows(shape, device, args)
+        save_result(_result(rows, args, device), args.out)  # a run cut short keeps what it measured
     if shapes and args.turns_conversations:
         rows += multi_turn_rows(shapes[0], device, args)
+        save_result(_result(rows, args, device), args.out)
     if shapes and args.exact_prompts:
         rows.append(exact_row(args.exact_shape or shapes[0], device, args))
+    result = _result(rows, args, device)
+    save_result(result, args.out)
+    show_result(result, console)
+
+
+def _result(rows: list[dict[str, Any]], args: argparse.Namespace, device: str) -> BenchResult:
     summary = {}
     for row in rows:
         if row["path"].startswith("engine"):
@@ -293,15 +301,13 @@ def main(argv: list[str] | None = None) -> None:
         summary["multi_turn_prefill_ratio"] = round(
             four["prefill_per_generated"] / max(1e-9, one["prefill_per_generated"]), 3
         )
-    result = BenchResult(
+    return BenchResult(
         name="decode_speed",
-        config={k: v for k, v in vars(args).items() if k != "out"} | {"device": device},
+        config={k: str(v) for k, v in vars(args).items() if k != "out"} | {"device": device},
         rows=rows,
         summary=summary,
         chart={"x": "path", "y": "tokens_per_s", "group": "shape", "title": "generated tokens/s"},
     )
-    save_result(result, args.out)
-    show_result(result, console)
 
 
 if __name__ == "__main__":
