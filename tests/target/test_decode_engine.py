@@ -1,0 +1,257 @@
+"""The slot engine checked against HF's own ``generate``, per conversation and per family; its continuous
+batching and its reuse of a conversation's cache from one turn to the next."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+
+from dflash_pipe.data import demo_tokenizer
+from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.render import render_prompt
+from dflash_pipe.target.decode import (
+    DecodeStack,
+    GenerationStopped,
+    SlotEngine,
+    TurnRequest,
+    unsupported_reason,
+)
+from dflash_pipe.target.generate import TurnGenerator
+from tests.tiny_models import tiny_qwen3_config
+
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is a cat?"},
+        {"role": "assistant", "content": "DATASET ANSWER ONE"},
+        {"role": "user", "content": "And a dog?"},
+        {"role": "assistant", "content": "DATASET ANSWER TWO"},
+        {"role": "user", "content": "And a bird, then?"},
+        {"role": "assistant", "content": "DATASET ANSWER THREE"},
+    ],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "DATASET RED"}],
+    [
+        {"role": "user", "content": "Count to three, please, slowly and clearly."},
+        {"role": "assistant", "content": "DATASET 1 2 3"},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "DATASET 1 2 3 again"},
+    ],
+    [{"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": "DATASET SKY"}],
+    [
+        {"role": "user", "content": "Tell me a story."},
+        {"role": "assistant", "content": "DATASET STORY"},
+        {"role": "user", "content": "Shorter."},
+        {"role": "assistant", "content": "DATASET SHORT"},
+    ],
+]
+LIMIT = 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return demo_tokenizer()
+
+
+def _model(config, dtype=torch.float32):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return _model(tiny_qwen3_config(vocab_size=len(tokenizer), max_position_embeddings=512))
+
+
+def _hf_reply(model, prompt: list[int], limit: int, end_ids: list[int]) -> list[int]:
+    """The reference: HF ``generate``, greedy, one prompt alone."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=limit,
+            do_sample=False,
+            eos_token_id=end_ids,
+            pad_token_id=end_ids[0],
+        )[0, len(prompt) :].tolist()
+    return out[:-1] if out and out[-1] in end_ids else out
+
+
+def _hf_conversation(model, tokenizer, messages, end_ids):
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] != "assistant":
+            out.append(dict(m))
+            continue
+        prompt = tokenizer(render_prompt(tokenizer, out, {}), add_special_tokens=False)["input_ids"]
+        reply = tokenizer.decode(_hf_reply(model, prompt, LIMIT, end_ids))
+        if not reply.strip():
+            break
+        out.append({"role": "assistant", "content": reply})
+    return out
+
+
+def _generator(model, tokenizer, slots: int = 2, **settings) -> TurnGenerator:
+    cfg = RegenConfig(**{"max_new_tokens": LIMIT, "batch_size": slots, **settings})
+    return TurnGenerator(model, tokenizer, cfg, device="cpu", max_length=256)
+
+
+def test_greedy_regeneration_equals_hf_generate_per_conversation(model, tokenizer):
+    """Five conversations on two slots: every turn equals HF generate on the conversation alone."""
+    gen = _generator(model, tokenizer, slots=2)
+    assert gen.engine() is not None
+    got = gen.regenerate(list(enumerate(CONVERSATIONS)))
+    for conv, result in zip(CONVERSATIONS, got, strict=True):
+        assert result.messages == _hf_conversation(model, tokenizer, conv, gen.end_ids)
+    assert sum(r.turns for r in got) >= 8
+    stats = gen.engine_stats
+    assert stats.turns == sum(r.turns for r in got) + sum(r.failed is not None for r in got)
+
+
+def test_turn_k_plus_1_prefills_only_what_follows_turn_k(model, tokenizer):
+    gen = _generator(model, tokenizer, slots=1)
+    engine = gen.engine()
+    starts: list[list[int]] = []
+    prefill = engine.stack.prefill
+    engine.stack.prefill = lambda cache, slots, seqs, begin: (
+        starts.append(list(begin)) or prefill(cache, slots, seqs, begin)
+    )
+    (result,) = gen.regenerate([(0, CONVERSATIONS[0])])
+    assert result.turns == 3, result
+    stats = gen.engine_stats
+    prompts = [
+        tokenizer(render_prompt(tokenizer, result.messages[:i], {}), add_special_tokens=False)["input_ids"]
+        for i, m in enumerate(result.messages)
+        if m["role"] == "assistant"
+    ]
+    assert stats.prefilled + stats.reused == sum(len(p) for p in prompts)
+    # turns 2 and 3 start where the previous prompt and its reply end (the reply round-trips here)
+    assert starts[0] == [0] and all(s[0] > len(prompts[i]) for i, s in enumerate(starts[1:]))
+    assert stats.reused >= len(prompts[0]) + len(prompts[1])
+    assert stats.prefilled < sum(len(p) for p in prompts) / 2
+
+
+class _Prompt:
+    def __init__(self, request: TurnRequest) -> None:
+        self.request: TurnRequest | None = request
+        self.reply: list[int] | None = None
+
+    def next_request(self):
+        request, self.request = self.request, None
+        return request
+
+    def take(self, tokens, ended):
+        self.reply = tokens
+
+
+def _engine(model, slots: int, max_len: int = 128, **kw) -> SlotEngine:
+    stack = DecodeStack(model, max_len=max_len)
+    return SlotEngine(stack, slots=slots, max_new=64, end_ids=[-1], greedy=True, check_every=4, **kw)
+
+
+def test_a_slot_takes_the_next_prompt_while_the_others_still_decode(model):
+    """One long reply (40 tokens) and eight short ones (3) on two slots: the short ones run beside the long
+    one, so the whole run takes about the long reply's steps, not the sum of rounds."""
+    prompts = [list(range(5 + i, 15 + i)) for i in range(9)]
+    limits = [40] + [3] * 8
+    engine = _engine(model, slots=2)
+    sessions = [_Prompt(TurnRequest(p, n)) for p, n in zip(prompts, limits, strict=True)]
+    stats = engine.run(sessions)
+    assert stats.steps <= 44, stats
+    for session, prompt, limit in zip(sessions, prompts, limits, strict=True):
+        assert session.reply == _hf_reply(model, prompt, limit, [-1])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=80,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+        ),
+        Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=80,
+        ),
+        Qwen3MoeConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_hidden_layers=2,
+            vocab_size=80,
+        ),
+    ],
+    ids=["llama3-rope", "qwen2-bias", "qwen3-moe"],
+)
+def test_each_family_decodes_as_hf_generate(config):
+    model = _model(config)
+    if isinstance(config, Qwen2Config):  # biases of zero would hide a missing bias
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
+    assert unsupported_reason(model) is None
+    prompts = [list(range(3 + i, 3 + i + 7 + 5 * i)) for i in range(4)]
+    engine = _engine(model, slots=3)
+    sessions = [_Prompt(TurnRequest(p, 10)) for p in prompts]
+    engine.run(sessions)
+    for session, prompt in zip(sessions, prompts, strict=True):
+        assert session.reply == _hf_reply(model, prompt, 10, [-1])
+
+
+def test_a_family_the_engine_does_not_serve_falls_back_with_one_log_line(tokenizer, caplog):
+    config = tiny_qwen3_config(
+        vocab_size=len(tokenizer), max_position_embeddings=512, use_sliding_window=True, sliding_window=8
+    )
+    model = _model(config)
+    assert "sliding window" in unsupported_reason(model)
+    gen = _generator(model, tokenizer)
+    with caplog.at_level(logging.WARNING, logger="dflash_pipe.target"):
+        got = gen.regenerate(list(enumerate(CONVERSATIONS[:2])))
+        gen.regenerate(list(enumerate(CONVERSATIONS[:2])))
+    lines = [r for r in caplog.records if "plain path" in r.getMessage()]
+    assert len(lines) == 1 and "sliding window" in lines[0].getMessage()
+    assert gen.engine() is None and any(r.turns for r in got)
+
+
+def test_sampled_turns_do_not_depend_on_the_slot_count(model, tokenizer):
+    settings = {"temperature": 1.0, "top_p": 0.9, "seed": 5}
+    items = list(enumerate(CONVERSATIONS))
+    one = _generator(model, tokenizer, slots=1, **settings).regenerate(items)
+    four = _generator(model, tokenizer, slots=4, **settings).regenerate(items)
+    other = _generator(model, tokenizer, slots=4, **{**settings, "seed": 6}).regenerate(items)
+    assert [r.messages for r in one] == [r.messages for r in four]
+    assert [r.messages for r in one] != [r.messages for r in other]
+
+
+def test_should_stop_stops_the_engine(model, tokenizer):
+    gen = _generator(model, tokenizer)
+    with pytest.raises(GenerationStopped):
+        gen.regenerate(list(enumerate(CONVERSATIONS)), should_stop=lambda: True)
+
+
+def test_a_turn_that_does_not_fit_the_cache_is_a_clear_error(model):
+    engine = _engine(model, slots=1, max_len=16)
+    with pytest.raises(ValueError, match="does not fit the engine's 16 positions"):
+        engine.run([_Prompt(TurnRequest(list(range(5, 15)), 10))])
