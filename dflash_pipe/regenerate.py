@@ -14,7 +14,11 @@ from typing import Any
 
 from dflash_pipe.data import DataConfig
 from dflash_pipe.data.config import RegenConfig
-from dflash_pipe.data.regenerated import RegenStore, RegenTally, load_conversations, provenance
+from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, load_conversations, provenance
+
+CHUNK_SLOTS = 16
+"""Conversations handed to the generator per call, in slots' worth: a slot whose conversation ends takes
+the next one of the call at once (continuous batching), and each is written when it is done."""
 
 
 @dataclass(slots=True)
@@ -89,14 +93,17 @@ def regenerate_file(
         )
         t0 = time.perf_counter()
         with _bar(len(todo), progress) as advance:
-            for start in range(0, len(todo), settings.batch_size):
-                chunk = todo[start : start + settings.batch_size]
-                results = generator.regenerate([(i, source.conversations[i]) for i in chunk])
-                store.append(results)
-                for record in results:
-                    summary.tally.add(record)
+
+            def done(record: Regenerated) -> None:  # written as soon as its last turn is decoded
+                store.append([record])
+                summary.tally.add(record)
                 summary.seconds = time.perf_counter() - t0
-                advance(len(chunk), summary.tokens_per_s)
+                advance(1, summary.tokens_per_s)
+
+            chunk_size = settings.batch_size * CHUNK_SLOTS
+            for start in range(0, len(todo), chunk_size):
+                chunk = todo[start : start + chunk_size]
+                generator.regenerate([(i, source.conversations[i]) for i in chunk], on_done=done)
         return summary
     finally:
         store.close()

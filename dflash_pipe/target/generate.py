@@ -162,16 +162,22 @@ class TurnGenerator:
         return self._engine
 
     def regenerate(
-        self, items: Sequence[tuple[int, list[dict[str, str]]]], should_stop: Callable[[], bool] | None = None
+        self,
+        items: Sequence[tuple[int, list[dict[str, str]]]],
+        should_stop: Callable[[], bool] | None = None,
+        on_done: Callable[[Regenerated], None] | None = None,
     ) -> list[Regenerated]:
         """``items``: (index, messages) per conversation. Every assistant turn is replaced by the target's
-        reply, in rounds: round k decodes the k-th assistant turn of every conversation still going. A turn
-        that cannot be generated ends its conversation there (``Regenerated.failed``). ``should_stop`` is
-        polled between decode steps: True raises ``GenerationStopped`` (a producer shutting down)."""
+        reply (on the slot engine, each conversation as fast as its own turns go; on the plain path in
+        rounds: round k decodes the k-th assistant turn of every conversation still going). A turn that
+        cannot be generated ends its conversation there (``Regenerated.failed``). ``should_stop`` is polled
+        between decode steps: True raises ``GenerationStopped`` (a producer shutting down). ``on_done``
+        gets each conversation as soon as its last turn is decoded (the plain path: at the end)."""
         states = [_Conversation(index, messages) for index, messages in items]
         engine = self.engine()
         if engine is not None:
-            self.engine_stats = engine.run([_TurnSession(self, s) for s in states], should_stop)
+            sessions = [_TurnSession(self, s, on_done) for s in states]
+            self.engine_stats = engine.run(sessions, should_stop)
             return [s.result() for s in states]
         while True:
             round_ = [s for s in states if s.advance()]
@@ -187,7 +193,10 @@ class TurnGenerator:
             )
             for (state, request), reply in zip(asking, replies, strict=True):
                 self._settle(state, reply, request.max_new)
-        return [s.result() for s in states]
+        results = [s.result() for s in states]
+        for result in results if on_done is not None else ():
+            on_done(result)
+        return results
 
     def _request(self, state: _Conversation) -> TurnRequest | None:
         """The turn ``state`` is at, as the engine takes it (None: it cannot be generated; ``state`` says why)."""
@@ -386,9 +395,15 @@ class _OneTurn:
 class _TurnSession:
     """A conversation as an engine session: its turns' prompts and what their replies become."""
 
-    def __init__(self, generator: TurnGenerator, state: _Conversation) -> None:
+    def __init__(
+        self,
+        generator: TurnGenerator,
+        state: _Conversation,
+        on_done: Callable[[Regenerated], None] | None = None,
+    ) -> None:
         self.generator = generator
         self.state = state
+        self.on_done = on_done
         self._limit = 0
 
     def next_request(self) -> TurnRequest | None:
@@ -397,6 +412,8 @@ class _TurnSession:
             if request is not None:
                 self._limit = request.max_new
                 return request
+        if self.on_done is not None:
+            self.on_done(self.state.result())
         return None
 
     def take(self, tokens: list[int], ended: bool) -> None:
