@@ -9,8 +9,9 @@ One prompt at a time (batch 1), the way the reference `spec_generate` and the se
    at the end of the context), so whatever layer types the drafter has are drafted as they were trained;
 3. the target verifies the whole block in one forward on its cache; the longest prefix of draft tokens that
    equals the target's greedy choices is accepted, plus the target's own next token (the bonus);
-4. the target cache is cropped to the verified length, the accepted tokens' features join the context, and
-   it repeats until an end-of-turn token or ``max_new_tokens``.
+4. the target cache is rolled back to the verified length (HF's ``crop``; on the slot engine's stack, which
+   serves the dense families, the next block simply overwrites the rejected positions), the accepted
+   tokens' features join the context, and it repeats until an end-of-turn token or ``max_new_tokens``.
 
 The drafter recomputes its context keys each step instead of caching them (same result, more drafter work:
 the cost is counted in `SpecOutput`). Acceptance is counted as the DFlash reference counts it: tokens
@@ -122,6 +123,69 @@ def _crop(cache, length: int) -> None:
         )
 
 
+class _HFTarget:
+    """The target's own forward with its own KV cache, rolled back by ``crop`` (any family)."""
+
+    def __init__(self, target: nn.Module, layer_ids: Sequence[int]) -> None:
+        self.target, self.layer_ids = target, layer_ids
+        self.cache_arg = _cache_argument(target)
+        self.cache: Any = None
+
+    def prefill(self, ids: Tensor) -> tuple[int, Tensor]:
+        out = self.target(
+            input_ids=ids[None], use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
+        )
+        self.cache = _returned_cache(out)
+        return int(out.logits[0, -1].argmax()), context_features(out.hidden_states, self.layer_ids)[0]
+
+    def verify(self, block: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        out = self.target(
+            input_ids=block[None],
+            **{self.cache_arg: self.cache},
+            use_cache=True,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+        self.cache = _returned_cache(out)
+        return out.logits[0].argmax(-1), context_features(out.hidden_states, self.layer_ids)[0]
+
+    def keep(self, length: int) -> None:
+        _crop(self.cache, length)
+
+
+class _SlotTarget:
+    """The target on the slot engine's stack: one slot, written at each block's start, so rolling back
+    costs nothing (the rejected positions are overwritten by the next block and never read before)."""
+
+    def __init__(self, stack: Any, layer_ids: Sequence[int]) -> None:
+        self.stack, self.layer_ids = stack, list(layer_ids)
+        self.cache = stack.new_cache(1)
+
+    def prefill(self, ids: Tensor) -> tuple[int, Tensor]:
+        logits, features = self.stack.extend(self.cache, 0, ids.tolist(), 0, self.layer_ids)
+        return int(logits[-1].argmax()), features
+
+    def verify(self, block: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        logits, features = self.stack.extend(self.cache, 0, block.tolist(), start, self.layer_ids)
+        return logits.argmax(-1), features
+
+    def keep(self, length: int) -> None:
+        pass
+
+
+def _verifier(
+    target: nn.Module, layer_ids: Sequence[int], max_len: int, engine: bool
+) -> _HFTarget | _SlotTarget:
+    """The slot engine's stack where the target's family has one (docs/data.md lists them), else HF's
+    forward."""
+    if engine:
+        from dflash_pipe.target.decode import DecodeStack, unsupported_reason
+
+        if unsupported_reason(target) is None:
+            return _SlotTarget(DecodeStack(target, max_len=max_len), layer_ids)
+    return _HFTarget(target, layer_ids)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: nn.Module,
@@ -132,11 +196,13 @@ def speculative_generate(
     block_size: int,
     max_new_tokens: int,
     stop_ids: Sequence[int] = (),
+    engine: bool = True,
 ) -> SpecOutput:
     """Greedy DFlash speculative decoding of ``prompt`` [P] (int64) with an HF causal LM ``target``.
 
     ``propose`` drafts bs-1 tokens (``drafter_proposer``); ``layer_ids`` are the target layers whose outputs
     feed it. Stops after an end-of-turn token (``stop_ids``, kept in the output) or ``max_new_tokens``.
+    ``engine``: verify on the slot engine's stack where the family has one (False: always HF's forward).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -146,16 +212,12 @@ def speculative_generate(
         )
     device = next(target.parameters()).device
     stop = set(int(t) for t in stop_ids)
-    cache_arg = _cache_argument(target)
     ids = prompt.to(device, torch.long)
+    verifier = _verifier(target, layer_ids, ids.numel() + max_new_tokens + block_size, engine)
     _sync(device)
     t0 = time.perf_counter()
-    out = target(
-        input_ids=ids[None], use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
-    )
-    cache = _returned_cache(out)
-    features = context_features(out.hidden_states, layer_ids)[0]  # [P, k*H]
-    tokens = [int(out.logits[0, -1].argmax())]
+    first, features = verifier.prefill(ids)  # features [P, k*H]
+    tokens = [first]
     _sync(device)
     prefill_s = time.perf_counter() - t0
     counts = AcceptanceCounts.zeros(block_size)
@@ -166,11 +228,8 @@ def speculative_generate(
         context = torch.cat([ids, torch.tensor(tokens, device=device)])  # [n+1]
         draft = propose(context, features).to(device)  # [bs-1]
         drafter_forwards += 1
-        block = torch.cat([context[-1:], draft])[None]  # [1, bs] at positions n..n+bs-1
-        out = target(
-            input_ids=block, **{cache_arg: cache}, use_cache=True, output_hidden_states=True, return_dict=True
-        )
-        greedy = out.logits[0].argmax(-1)  # [bs]: the target's token after each block position
+        block = torch.cat([context[-1:], draft])  # [bs] at positions n..n+bs-1
+        greedy, block_features = verifier.verify(block, n)  # [bs]: the target's token after each position
         accepted = accepted_length(draft, greedy[:-1])
         produced = [int(t) for t in draft[:accepted]] + [int(greedy[accepted])]
         keep = len(produced)
@@ -181,9 +240,8 @@ def speculative_generate(
         keep = min(keep, max_new_tokens - len(tokens))
         tokens += produced[:keep]
         # the block positions n..n+keep-1 held verified tokens: their features join the context
-        features = torch.cat([features, context_features(out.hidden_states, layer_ids)[0, :keep]])
-        cache = _returned_cache(out)
-        _crop(cache, n + keep)
+        features = torch.cat([features, block_features[:keep]])
+        verifier.keep(n + keep)
         counts.anchors += 1
         counts.accepted_total += keep - 1
         counts.per_slot_accepted[1:keep] += 1

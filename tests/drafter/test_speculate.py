@@ -109,9 +109,11 @@ def test_oracle_drafter_reaches_tau_block_size(target) -> None:
     assert spec.tokens == greedy_generate(target, prompt, max_new_tokens=new).tokens
 
 
-def test_partial_acceptance_crops_the_cache_right(target) -> None:
+@pytest.mark.parametrize("engine", [True, False], ids=["slot-engine", "hf-forward"])
+def test_partial_acceptance_crops_the_cache_right(target, engine) -> None:
     """Drafts right up to a wrong token at a position that moves each step: every accepted length from 0 to
-    bs-2 occurs, each step crops the cache mid-block, and the output still equals greedy decoding."""
+    bs-2 occurs, each step rolls the cache back mid-block (HF: ``crop``; the slot engine: the next block
+    overwrites), and the output still equals greedy decoding."""
     prompt = prompts(1)[0]
     right = oracle(target, prompt, 60)
     calls = []
@@ -123,12 +125,15 @@ def test_partial_acceptance_crops_the_cache_right(target) -> None:
         calls.append(wrong)
         return draft
 
-    spec = speculative_generate(target, propose, prompt, layer_ids=LAYERS, block_size=BS, max_new_tokens=40)
+    spec = speculative_generate(
+        target, propose, prompt, layer_ids=LAYERS, block_size=BS, max_new_tokens=40, engine=engine
+    )
     assert spec.tokens == greedy_generate(target, prompt, max_new_tokens=40).tokens
     assert spec.per_step[:-1] == [w + 1 for w in calls[:-1]]  # `wrong` drafts accepted, plus the bonus
 
 
-def test_the_drafter_sees_the_features_of_every_verified_token(target) -> None:
+@pytest.mark.parametrize("engine", [True, False], ids=["slot-engine", "hf-forward"])
+def test_the_drafter_sees_the_features_of_every_verified_token(target, engine) -> None:
     """The features handed to the drafter (prefill, then each verified block, cropped) equal one plain HF
     forward over the same tokens: no rejected draft's features, none missing, none stale."""
     prompt = prompts(1)[0]
@@ -141,7 +146,9 @@ def test_the_drafter_sees_the_features_of_every_verified_token(target) -> None:
         draft[len(seen) % (BS - 1)] = 0 if draft[len(seen) % (BS - 1)] else 1  # reject part of each block
         return draft
 
-    speculative_generate(target, propose, prompt, layer_ids=LAYERS, block_size=BS, max_new_tokens=30)
+    speculative_generate(
+        target, propose, prompt, layer_ids=LAYERS, block_size=BS, max_new_tokens=30, engine=engine
+    )
     tokens, features = seen[-1]
     with torch.no_grad():
         full = target(input_ids=tokens[None], output_hidden_states=True).hidden_states

@@ -15,6 +15,7 @@ it is). ``unsupported_reason`` names why another model is not, and the caller fa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,6 +222,31 @@ class DecodeStack:
     ) -> torch.Tensor:
         """Writes ``seqs[r]`` into slot ``slots[r]`` from position ``starts[r]`` on (the slot's cache keeps
         positions ``< starts[r]``) and returns the logits after each one's last token ``[k, V]`` (fp32)."""
+        h, lengths, _ = self._rows(cache, slots, seqs, starts, ())
+        last = h[torch.arange(len(seqs), device=self.device), lengths - 1]  # [k, H]
+        return self._logits(last)
+
+    def extend(
+        self, cache: SlotCache, slot: int, tokens: list[int], start: int, feature_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot's ``tokens`` written from ``start`` on (a prompt, or a block to verify: whatever the
+        cache held past ``start`` is overwritten or never read again, so rolling back is choosing the next
+        ``start``). Returns the logits after every token ``[n, V]`` (fp32) and the outputs of the decoder
+        layers ``feature_layers`` concatenated ``[n, k*H]`` (HF's ``hidden_states[id + 1]``), or None."""
+        h, _, captured = self._rows(cache, [slot], [tokens], [start], feature_layers)
+        features = torch.cat([captured[i][0] for i in feature_layers], dim=-1) if feature_layers else None
+        return self._logits(h[0]), features
+
+    def _rows(
+        self,
+        cache: SlotCache,
+        slots: list[int],
+        seqs: list[list[int]],
+        starts: list[int],
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder over right-padded rows; the last layer's output ``[k, n, H]``, the rows' lengths
+        ``[k]`` and the outputs of ``feature_layers``."""
         k_rows, n = len(seqs), max(len(s) for s in seqs)
         dev = self.device
         ids = torch.zeros((k_rows, n), dtype=torch.long)
@@ -241,6 +267,7 @@ class DecodeStack:
             keys_at = torch.arange(span, device=dev)[None, None]  # [1, 1, span]
             mask = (keys_at <= positions[:, :, None])[:, None]  # [k, 1, n, span]
         groups = self.shape.heads // self.shape.kv_heads
+        captured: dict[int, torch.Tensor] = {}
         h = self.embed(ids)  # [k, n, H]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(h), where)
@@ -257,5 +284,6 @@ class DecodeStack:
                 q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=fresh, scale=self.scaling
             )  # [k, heads, n, D]
             h = self._finish_layer(layer, h, attended.transpose(1, 2).reshape(k_rows, n, -1))
-        last = h[torch.arange(k_rows, device=dev), lengths - 1]  # [k, H]
-        return self._logits(last)
+            if i in feature_layers:
+                captured[i] = h
+        return h, lengths, captured
