@@ -235,6 +235,12 @@ def test_a_family_the_engine_does_not_serve_falls_back_with_one_log_line(tokeniz
     assert gen.engine() is None and any(r.turns for r in got)
 
 
+def test_a_target_split_across_devices_is_left_to_the_plain_path(tokenizer):
+    model = _model(tiny_qwen3_config(vocab_size=len(tokenizer)))
+    model.model.layers[1].to("meta")  # any second device: the engine's cache lives on one
+    assert "split across 2 devices" in unsupported_reason(model)
+
+
 def test_sampled_turns_do_not_depend_on_the_slot_count(model, tokenizer):
     settings = {"temperature": 1.0, "top_p": 0.9, "seed": 5}
     items = list(enumerate(CONVERSATIONS))

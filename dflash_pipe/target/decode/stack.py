@@ -60,6 +60,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type not in POSITION_ONLY_ROPE:
         return f"its RoPE type {rope_type!r} depends on the sequence length"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"its layers are split across {len(devices)} devices"
     inner = getattr(model, "model", None)
     for name in ("embed_tokens", "norm", "rotary_emb"):
         if not isinstance(getattr(inner, name, None), nn.Module):
