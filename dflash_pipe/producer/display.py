@@ -137,7 +137,7 @@ def log_worker_metrics(core: ProducerCore, peer: Peer, msg: m.Metrics) -> None:
         values["wait/target_idle_share"] = core.waits.mean("target_idle")
         values["wait/workers_starved_share"] = core.waits.mean("workers_starved")
         if core.regen is not None:
-            values.update({f"regen/{k}": v for k, v in core.regen.status().items()})
+            values.update({f"regen/{k}": v for k, v in core.regen.status(core.target_threads).items()})
     if "simulated/tau" in values:
         state.tau = float(values["simulated/tau"])
     if "real/tau" in values:
@@ -194,5 +194,8 @@ def dashboard_state(core: ProducerCore, started: float) -> RunState:
         for p in core.peers.values()
     ]
     s.messages = list(core.messages)
-    s.regen = core.regen.status() if core.regen is not None else None
+    s.regen = None
+    if core.regen is not None:
+        s.regen = core.regen.status(core.target_threads)
+        s.regen["drafters_idle_share"] = core.waits.mean("workers_starved")
     return s

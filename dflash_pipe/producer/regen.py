@@ -101,6 +101,8 @@ class Regeneration:
         self.reused = len(store.done)
         self.rate = RateMeter()
         """Generated tokens per second."""
+        self.generate_s = 0.0
+        """Target-thread seconds spent generating (the jobs' own times, summed over replicas)."""
         self.train_samples: list[Sample | None] = [None] * num_train
         self.eval_samples: list[Sample] = []
         self.voids: set[int] = set()
@@ -156,6 +158,7 @@ class Regeneration:
         """Writes a job's conversations to the regenerated file and makes their samples plannable; returns
         the line the dashboard shows when some turn of the job could not be generated."""
         self.store.append(done.results)
+        self.generate_s += done.seconds
         for record in done.results:
             self.tally.add(record)
             self.rate.add(record.new_tokens)
@@ -267,14 +270,18 @@ class Regeneration:
 
     # --- reporting -------------------------------------------------------------------------------------
 
-    def status(self) -> dict[str, float]:
-        """For the dashboard and the metrics: conversations done of all, tokens/s, failed turns."""
+    def status(self, replicas: int = 1) -> dict[str, float]:
+        """For the dashboard and the metrics: conversations done of all, tokens/s, failed turns, and the
+        share of the ``replicas``' time since the first job spent generating (jobs finished so far)."""
+        elapsed = 0.0 if self.started is None else (self.finished or time.monotonic()) - self.started
+        share = min(1.0, self.generate_s / (elapsed * max(1, replicas))) if elapsed > 0 else 0.0
         return {
             "done": float(self._done),
             "total": float(self.num_train),
             "tokens_per_s": self.rate.rate() if self.rate.span() >= 1.0 else 0.0,
             "failed_turns": float(sum(self.tally.failed.values())),
             "dropped": float(len(self.voids)),
+            "target_share": share,
         }
 
     def summary(self) -> dict[str, Any]:

@@ -86,11 +86,17 @@ def sparkline(values: Sequence[float], width: int = 30) -> str:
 
 
 def regen_text(regen: Mapping[str, float]) -> str:
-    """``regen 120/3000 conv 1.2k tok/s 2 failed``: where the target's regeneration of the data stands."""
+    """``regen 120/3000 conv 1.2k tok/s (target 64% generating, drafters 3% idle) 2 failed``: where the
+    target's regeneration of the data stands, and whether it starves the drafters."""
     done, total = int(regen.get("done", 0)), int(regen.get("total", 0))
     text = f"regen {done}/{total} conv"
     if done < total:
         text += f" {format_rate(regen.get('tokens_per_s'))} tok/s"
+        if "target_share" in regen and "drafters_idle_share" in regen:
+            text += (
+                f" (target {regen['target_share']:.0%} generating, "
+                f"drafters {regen['drafters_idle_share']:.0%} idle)"
+            )
     failed = int(regen.get("failed_turns", 0))
     return text + (f" {failed} failed" if failed else "")
 

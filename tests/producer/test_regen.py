@@ -160,3 +160,14 @@ def test_no_trainable_sample_at_all_is_a_clear_error(tmp_path, tok):
         )
     why = regen.nothing_to_train()
     assert why is not None and "all 10 training conversations" in why and "10 empty reply" in why
+
+
+def test_status_gives_the_share_of_target_time_spent_generating(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    assert regen.status(2)["target_share"] == 0.0  # nothing started
+    job = regen.next_job()
+    regen.started -= 10.0  # the first job went out 10 s ago
+    regen.accept(GenerateDone(job=job, results=_answer(job.items), seconds=4.0, replica="cpu"))
+    share = regen.status(2)["target_share"]  # 4 s of 2 replicas x 10 s
+    assert 0.19 < share <= 0.2
+    assert regen.status(1)["target_share"] == pytest.approx(2 * share, rel=0.01)

@@ -17,6 +17,14 @@ def test_regen_text_shows_progress_rate_and_failures():
     assert regen_text({**GOING, "done": 3000.0, "failed_turns": 0.0}) == "regen 3000/3000 conv"
 
 
+def test_regen_text_shows_the_target_time_generating_and_the_drafters_idle():
+    shares = {**GOING, "target_share": 0.64, "drafters_idle_share": 0.031}
+    assert (
+        regen_text(shares)
+        == "regen 120/3000 conv 1.2k tok/s (target 64% generating, drafters 3% idle) 2 failed"
+    )
+
+
 def test_plain_and_live_modes_show_regeneration():
     dash = Dashboard("run", total_steps=None, live=False, console=Console(file=io.StringIO()))
     line = dash.plain_line(RunState(step=3, regen=GOING))

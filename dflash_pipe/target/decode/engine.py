@@ -115,6 +115,9 @@ class SlotEngine:
         self._slots = [_Slot() for _ in range(slots)]
         self._idle_generator = torch.Generator(device=stack.device)
         self._end_ids = set(end_ids)
+        self._rollback = getattr(stack, "rollback", True)
+        """False for stacks with recurrent state (hybrids): a slot's cache is reused only when the next
+        prompt extends all of it."""
         self.stats = EngineStats()
 
     @property
@@ -216,6 +219,8 @@ class SlotEngine:
                     f"engine's {self.cache.max_len} positions / {self.max_new} new tokens per slot"
                 )
             keep = min(_common_prefix(slot.cached, prompt), len(prompt) - 1)  # at least one token to run
+            if not self._rollback and keep < len(slot.cached):
+                keep = 0  # a recurrent state holds all of the cached tokens or none: start the slot over
             work.append((index, keep, prompt[keep:]))
             self.stats.reused += keep
             self.stats.prefilled += len(prompt) - keep
