@@ -92,6 +92,9 @@ class ProducerCore:
         self.plans: queue.Queue[PlannedBatch | GenerateJob | None] = queue.Queue()
         self.ready: queue.Queue[ReadyBatch | GenerateDone | TargetFailure] = queue.Queue()
         self.target_threads = 0
+        self.jobs_per_thread = 1
+        """Generation jobs handed to each target thread at once: 2 where the slot engine decodes (a thread
+        takes the second into its free slots while the first finishes), 1 on the plain path."""
         """Target threads taking from ``plans`` (set by the shell when it starts them)."""
         self.in_target = 0
         self.generating = 0
@@ -222,12 +225,13 @@ class ProducerCore:
         self._refill_generation()
 
     def _refill_generation(self) -> None:
-        """One regeneration job per target thread at most: each replica alternates between generating and
-        the feature batches queued meanwhile, so the workers train on the first replies while the rest
-        are generated."""
+        """``jobs_per_thread`` regeneration jobs per target thread at most. On the plain path a replica
+        alternates between a job and the feature batches queued meanwhile; on the slot engine it computes
+        those batches at each decode check and moves the second job's conversations into the slots the
+        first frees. Either way the workers train on the first replies while the rest are generated."""
         if self.regen is None or self.done_sent:
             return
-        while self.generating < self.target_threads:
+        while self.generating < self.jobs_per_thread * self.target_threads:
             job = self.regen.next_job()
             if job is None:
                 return

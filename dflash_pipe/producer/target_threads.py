@@ -26,6 +26,7 @@ import torch
 
 from dflash_pipe.compute.compile import apply_dynamo_settings
 from dflash_pipe.data import Sample
+from dflash_pipe.data.regenerated import Regenerated
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import PendingRun, RunContext
@@ -217,6 +218,9 @@ class TargetThread(threading.Thread):
         self._make_generator = make_generator
         self._generator: Any = None
         self._pending: InFlight | None = None
+        self._copier: FeatureCopier | None = None
+        self._stashed: list[PlannedBatch | GenerateJob | None] = []
+        """A plan taken during a generation that the run loop must see next (the closing ``None``)."""
         self.stopping = threading.Event()
         """Set by ``stop()``: no new batch starts (the one computing finishes) and a generation job in
         progress stops at its next decode step."""
@@ -232,42 +236,81 @@ class TargetThread(threading.Thread):
             if self.core.device.type == "cuda" and self.core.device.index is not None:
                 torch.cuda.set_device(self.core.device)  # streams and events of this thread live there
             apply_dynamo_settings()  # per thread: the compiled target layers and flex functions
-            copier = FeatureCopier(self.core, self.staging, self.wire_dtype, stopping=self.stopping)
+            self._copier = FeatureCopier(self.core, self.staging, self.wire_dtype, stopping=self.stopping)
             while not self.stopping.is_set() and (plan := self._next_plan()) is not None:
                 if isinstance(plan, GenerateJob):
                     self._generate(plan)
-                    continue
-                t0 = time.perf_counter()
-                launched = copier.launch(plan, [self.samples[i] for i in plan.sample_ids], flush=self._finish)
-                self._finish()  # the previous batch's copy drained while this one was queued
-                self._pending = launched
-                self.busy_s += time.perf_counter() - t0
+                else:
+                    self._compute(plan)
             self._finish()
         except TargetStopped:
             pass  # the producer is closing; nothing waits for this batch
         except BaseException as exc:  # reported by the main thread, never swallowed
             self.ready.put(TargetFailure(replica=self.replica, error=exc))
 
+    def _compute(self, plan: PlannedBatch) -> float:
+        """Launches a feature batch (the previous one's copy drains meanwhile); returns the seconds spent."""
+        t0 = time.perf_counter()
+        assert self._copier is not None
+        launched = self._copier.launch(plan, [self.samples[i] for i in plan.sample_ids], flush=self._finish)
+        self._finish()  # the previous batch's copy drained while this one was queued
+        self._pending = launched
+        seconds = time.perf_counter() - t0
+        self.busy_s += seconds
+        return seconds
+
     def _generate(self, job: GenerateJob) -> None:
-        """Hands over the pending batch first (its worker may wait for it), then regenerates the job."""
+        """Hands over the pending batch first (its worker may wait for it), then regenerates the job. On the
+        slot engine, the feature batches and the jobs queued meanwhile are taken at each of its checks:
+        batches are computed at once (the drafters never wait for a whole job), and a new job's
+        conversations take the slots the running ones free (``GenerateDone`` per job, once its last
+        conversation is done)."""
         self._finish()
         if self._generator is None:
             if self._make_generator is None:
                 raise RuntimeError("a GenerateJob reached a target thread that was given no make_generator")
             self._generator = self._make_generator(self.core)
+        jobs = _OpenJobs(self.ready, self.replica)
+        jobs.open(job)
+        features_s = 0.0
+
+        def between() -> list[tuple[int, list[dict[str, str]]]]:
+            nonlocal features_s
+            added: list[tuple[int, list[dict[str, str]]]] = []
+            while not self._stashed:
+                try:
+                    plan = self.plans.get_nowait()
+                except queue.Empty:
+                    break
+                if plan is None:  # closing: the run loop sees it once this generation is over
+                    self._stashed.append(plan)
+                elif isinstance(plan, GenerateJob):
+                    jobs.open(plan)
+                    added += plan.items
+                else:
+                    features_s += self._compute(plan)
+            return added
+
         t0 = time.perf_counter()
+        engine = getattr(self._generator, "engine", lambda: None)() is not None
         try:
-            results = self._generator.regenerate(job.items, should_stop=self.stopping.is_set)
+            self._generator.regenerate(
+                job.items,
+                should_stop=self.stopping.is_set,
+                on_done=jobs.done,
+                between=between if engine else None,
+            )
         except GenerationStopped:
-            return  # shutting down: the job's conversations are generated again on resume
-        seconds = time.perf_counter() - t0
+            return  # shutting down: the jobs' unfinished conversations are generated again on resume
+        seconds = time.perf_counter() - t0 - features_s
         self.busy_s += seconds
         self.generate_s += seconds
-        self.ready.put(GenerateDone(job=job, results=results, seconds=seconds, replica=self.replica))
 
     def _next_plan(self) -> PlannedBatch | GenerateJob | None:
         """The next plan without waiting while a batch is pending; with none queued, hand that batch over
         first (its consumers may be waiting for it), then wait."""
+        if self._stashed:
+            return self._stashed.pop()
         if self._pending is not None:
             try:
                 return self.plans.get_nowait()
@@ -282,3 +325,26 @@ class TargetThread(threading.Thread):
         self._pending = None
         self.rate.add(ready.tokens)
         self.ready.put(ready)
+
+
+class _OpenJobs:
+    """The generation jobs a replica works on at once, each answered when its last conversation is done."""
+
+    def __init__(self, ready: queue.Queue, replica: str) -> None:
+        self.ready, self.replica = ready, replica
+        self._jobs: dict[int, tuple[GenerateJob, dict[int, Regenerated | None], float]] = {}
+        self._owner: dict[int, int] = {}
+
+    def open(self, job: GenerateJob) -> None:
+        self._jobs[job.job_id] = (job, {index: None for index, _ in job.items}, time.perf_counter())
+        self._owner.update((index, job.job_id) for index, _ in job.items)
+
+    def done(self, record: Regenerated) -> None:
+        job_id = self._owner.pop(record.index)
+        job, results, t0 = self._jobs[job_id]
+        results[record.index] = record
+        if all(r is not None for r in results.values()):
+            del self._jobs[job_id]
+            done = [r for r in results.values() if r is not None]  # in the job's order
+            seconds = time.perf_counter() - t0
+            self.ready.put(GenerateDone(job=job, results=done, seconds=seconds, replica=self.replica))

@@ -166,18 +166,28 @@ class TurnGenerator:
         items: Sequence[tuple[int, list[dict[str, str]]]],
         should_stop: Callable[[], bool] | None = None,
         on_done: Callable[[Regenerated], None] | None = None,
+        between: Callable[[], Sequence[tuple[int, list[dict[str, str]]]]] | None = None,
     ) -> list[Regenerated]:
         """``items``: (index, messages) per conversation. Every assistant turn is replaced by the target's
         reply (on the slot engine, each conversation as fast as its own turns go; on the plain path in
         rounds: round k decodes the k-th assistant turn of every conversation still going). A turn that
         cannot be generated ends its conversation there (``Regenerated.failed``). ``should_stop`` is polled
         between decode steps: True raises ``GenerationStopped`` (a producer shutting down). ``on_done``
-        gets each conversation as soon as its last turn is decoded (the plain path: at the end)."""
+        gets each conversation as soon as its last turn is decoded (the plain path: at the end).
+        ``between`` (slot engine only; the plain path never calls it) runs at each of the engine's checks
+        and returns more conversations, generated in the same call as slots free up."""
         states = [_Conversation(index, messages) for index, messages in items]
         engine = self.engine()
         if engine is not None:
+
+            def more() -> list[_TurnSession]:
+                assert between is not None
+                added = [_Conversation(index, messages) for index, messages in between()]
+                states.extend(added)
+                return [_TurnSession(self, s, on_done) for s in added]
+
             sessions = [_TurnSession(self, s, on_done) for s in states]
-            self.engine_stats = engine.run(sessions, should_stop)
+            self.engine_stats = engine.run(sessions, should_stop, more if between is not None else None)
             return [s.result() for s in states]
         while True:
             round_ = [s for s in states if s.advance()]

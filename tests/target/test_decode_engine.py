@@ -261,3 +261,22 @@ def test_a_turn_that_does_not_fit_the_cache_is_a_clear_error(model):
     engine = _engine(model, slots=1, max_len=16)
     with pytest.raises(ValueError, match="does not fit the engine's 16 positions"):
         engine.run([_Prompt(TurnRequest(list(range(5, 15)), 10))])
+
+
+def test_conversations_added_between_checks_take_the_freed_slots(model, tokenizer):
+    """``between`` hands over more conversations mid-call (a producer's next job): they decode in the
+    same call, as slots free up, exactly as they decode alone; each is reported by ``on_done``."""
+    gen = _generator(model, tokenizer, slots=2)
+    later = list(enumerate(CONVERSATIONS))[2:]
+    calls = []
+
+    def between():
+        calls.append(len(calls))
+        return [later.pop(0)] if later and len(calls) % 2 else []
+
+    finished = []
+    got = gen.regenerate(list(enumerate(CONVERSATIONS))[:2], on_done=finished.append, between=between)
+    assert not later and len(calls) > 3
+    alone = _generator(model, tokenizer, slots=2).regenerate(list(enumerate(CONVERSATIONS)))
+    assert [r.messages for r in got] == [r.messages for r in alone]
+    assert sorted(r.index for r in finished) == list(range(len(CONVERSATIONS)))

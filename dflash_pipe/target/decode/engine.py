@@ -125,12 +125,20 @@ class SlotEngine:
         return self.steps.use_graphs
 
     @torch.inference_mode()
-    def run(self, sessions: Iterable[Session], should_stop: Callable[[], bool] | None = None) -> EngineStats:
+    def run(
+        self,
+        sessions: Iterable[Session],
+        should_stop: Callable[[], bool] | None = None,
+        between: Callable[[], Iterable[Session]] | None = None,
+    ) -> EngineStats:
         """Generates every turn of every session; returns what it did. ``should_stop`` is polled at each
-        check: True raises ``GenerationStopped`` (replies of unfinished turns are not delivered)."""
+        check: True raises ``GenerationStopped`` (replies of unfinished turns are not delivered).
+        ``between`` is called at each check too (the caller's other work: a producer computes the feature
+        batches queued meanwhile) and returns more sessions, which take slots as they free up; the run
+        ends when no session is left and ``between`` brings none."""
         stats = self.stats = EngineStats()
         t0 = time.perf_counter()
-        waiting: Iterator[Session] = iter(sessions)
+        waiting: deque[Session] = deque(sessions)
         pending: deque[int] = deque()  # slots whose next turn must be prefilled
         for slot in self._slots:  # a new run starts with empty slots
             slot.session, slot.request, slot.cached = None, None, []
@@ -139,7 +147,11 @@ class SlotEngine:
             if pending:
                 self._prefill(pending)
             if not any(s.request is not None for s in self._slots):
-                break
+                waiting.extend(between() if between is not None else ())
+                if not waiting:
+                    break
+                self._fill(waiting, pending, range(len(self._slots)))
+                continue
             span = self._span()
             for _ in range(self.check_every):
                 self.steps.run(span, self._sampler)
@@ -149,6 +161,8 @@ class SlotEngine:
                     slot.fed += self.check_every
             if should_stop is not None and should_stop():
                 raise GenerationStopped
+            if between is not None:
+                waiting.extend(between())
             self._collect(waiting, pending)
         stats.seconds = time.perf_counter() - t0
         stats.graphs = self.steps.captured
@@ -166,28 +180,32 @@ class SlotEngine:
         need = max(s.fed for s in self._slots if s.request is not None) + self.check_every
         return min(self.cache.max_len, math.ceil(need / SPAN_QUANTUM) * SPAN_QUANTUM)
 
-    def _fill(self, waiting: Iterator[Session], pending: deque[int], free: Iterable[int]) -> None:
-        """Gives each free slot the next conversation that has a turn to generate."""
-        for index in free:
+    def _fill(self, waiting: deque[Session], pending: deque[int], slots: Iterable[int]) -> None:
+        """Gives each idle slot of ``slots`` the next waiting conversation that has a turn to generate."""
+        for index in slots:
             slot = self._slots[index]
-            slot.session, slot.request, slot.cached = None, None, []
-            for session in waiting:
+            if slot.request is not None:
+                continue
+            slot.session, slot.cached = None, []
+            while waiting:
+                session = waiting.popleft()
                 request = session.next_request()
                 if request is not None:
                     slot.session, slot.request = session, request
                     pending.append(index)
                     break
 
-    def _collect(self, waiting: Iterator[Session], pending: deque[int]) -> None:
+    def _collect(self, waiting: deque[Session], pending: deque[int]) -> None:
         """Hands every ended turn to its session, queues the session's next turn in the same slot, and
         refills the slots whose conversation is over."""
         state = self.state
         done, count = torch.stack([state.done.long(), state.count]).tolist()  # waits for the device
         ended = [i for i, s in enumerate(self._slots) if s.request is not None and done[i]]
         if not ended:
+            if waiting:  # sessions that arrived while every slot was busy: any idle slot takes them
+                self._fill(waiting, pending, range(len(self._slots)))
             return
         rows = state.history[ended].tolist()
-        free = []
         for index, row in zip(ended, rows, strict=True):
             slot = self._slots[index]
             assert slot.session is not None and slot.request is not None
@@ -198,11 +216,9 @@ class SlotEngine:
             is_end = bool(tokens) and tokens[-1] in self._end_ids
             slot.session.take(tokens[:-1] if is_end else tokens, is_end)
             slot.request = slot.session.next_request()
-            if slot.request is None:
-                free.append(index)
-            else:
-                pending.append(index)
-        self._fill(waiting, pending, free)
+            if slot.request is not None:
+                pending.append(index)  # the same conversation's next turn, on its own cache
+        self._fill(waiting, pending, range(len(self._slots)))  # ended conversations' slots take new ones
 
     def _prefill(self, pending: deque[int]) -> None:
         """Runs the new prompt tokens of every pending slot (in packed calls) and starts their turns."""
