@@ -153,7 +153,19 @@ class RegenConfig:
             "--regen-batch", "Regeneration: conversations decoded together (default 32).", resume=True
         ),
     )
-    """Conversations generated together (one batched decode per turn round)."""
+    """Conversations generated together: the slots of the slot engine (a job's conversations), or the rows
+    of one batched decode per turn round on the plain path."""
+    decoder: Literal["auto", "plain"] = field(
+        default="auto",
+        metadata=flag(
+            "--regen-decoder",
+            "Regeneration: auto (the slot engine where the target's family has one, else the plain path) or "
+            "plain (the model's own forward per step, every family; slower).",
+            resume=True,
+        ),
+    )
+    """Which decoder writes the replies (docs/data.md). Not part of the provenance: both decode the same
+    tokens (the tests check each against HF ``generate``)."""
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -168,13 +180,14 @@ class RegenConfig:
             raise ValueError(f"regen.max_new_tokens must be >= 1, got {self.max_new_tokens}; use e.g. 1024")
         if self.batch_size < 1:
             raise ValueError(f"regen.batch_size must be >= 1, got {self.batch_size}; use e.g. 32")
+        check_choice(self, "decoder", "regen.decoder", "; auto uses the slot engine where it can")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def provenance(self) -> dict[str, Any]:
-        """The settings that decide what is generated (``batch_size`` does not: see ``seed``)."""
+        """The settings that decide what is generated (``batch_size`` and ``decoder`` do not: see ``seed``)."""
         out = asdict(self)
-        del out["batch_size"]
+        del out["batch_size"], out["decoder"]
         return out

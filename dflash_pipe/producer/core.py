@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash_pipe.data import plan_batches
@@ -92,10 +92,12 @@ class ProducerCore:
         self.plans: queue.Queue[PlannedBatch | GenerateJob | None] = queue.Queue()
         self.ready: queue.Queue[ReadyBatch | GenerateDone | TargetFailure] = queue.Queue()
         self.target_threads = 0
+        """Target threads taking from ``plans`` (set by the shell when it starts them)."""
         self.jobs_per_thread = 1
         """Generation jobs handed to each target thread at once: 2 where the slot engine decodes (a thread
         takes the second into its free slots while the first finishes), 1 on the plain path."""
-        """Target threads taking from ``plans`` (set by the shell when it starts them)."""
+        self.generate_seconds: Callable[[], float] = lambda: 0.0
+        """The target threads' seconds spent generating so far (set by the process that runs them)."""
         self.in_target = 0
         self.generating = 0
         """Regeneration jobs handed to the target threads and not back yet."""

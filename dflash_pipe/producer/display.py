@@ -137,7 +137,8 @@ def log_worker_metrics(core: ProducerCore, peer: Peer, msg: m.Metrics) -> None:
         values["wait/target_idle_share"] = core.waits.mean("target_idle")
         values["wait/workers_starved_share"] = core.waits.mean("workers_starved")
         if core.regen is not None:
-            values.update({f"regen/{k}": v for k, v in core.regen.status(core.target_threads).items()})
+            status = core.regen.status(core.target_threads, core.generate_seconds())
+            values.update({f"regen/{k}": v for k, v in status.items()})
     if "simulated/tau" in values:
         state.tau = float(values["simulated/tau"])
     if "real/tau" in values:
@@ -196,6 +197,6 @@ def dashboard_state(core: ProducerCore, started: float) -> RunState:
     s.messages = list(core.messages)
     s.regen = None
     if core.regen is not None:
-        s.regen = core.regen.status(core.target_threads)
+        s.regen = core.regen.status(core.target_threads, core.generate_seconds())
         s.regen["drafters_idle_share"] = core.waits.mean("workers_starved")
     return s

@@ -162,6 +162,7 @@ class ProducerProc:
             thread.start()
             self._threads.append(thread)
         self.core.target_threads = len(self._threads)
+        self.core.generate_seconds = lambda: sum(t.generate_s for t in self._threads)
         if regen is not None:
             served = all(unsupported_reason(core.model) is None for core in self._cores)
             self.core.jobs_per_thread = 2 if served else 1

@@ -101,6 +101,7 @@ class Regeneration:
         self.reused = len(store.done)
         self.rate = RateMeter()
         """Generated tokens per second."""
+        self._generators: dict[int, Any] = {}
         self.generate_s = 0.0
         """Target-thread seconds spent generating (the jobs' own times, summed over replicas)."""
         self.train_samples: list[Sample | None] = [None] * num_train
@@ -122,17 +123,22 @@ class Regeneration:
     # --- what the target threads generate --------------------------------------------------------------
 
     def make_generator(self, core: Any) -> Any:
-        """A ``TurnGenerator`` for one replica (its own tokenizer copy: the main thread renders meanwhile)."""
+        """The ``TurnGenerator`` of one replica (its own tokenizer copy: the main thread renders meanwhile),
+        made once: the held-out regeneration before serving and the replica's thread share it, so its slot
+        cache is allocated and its decode step compiled once."""
         from dflash_pipe.target.generate import TurnGenerator
 
-        return TurnGenerator(
-            core.model,
-            copy.deepcopy(self.tokenizer),
-            self.settings,
-            device=core.device,
-            max_length=self.data.max_length,
-            template_kwargs=self.data.chat_template_kwargs,
-        )
+        key = id(core)
+        if key not in self._generators:
+            self._generators[key] = TurnGenerator(
+                core.model,
+                copy.deepcopy(self.tokenizer),
+                self.settings,
+                device=core.device,
+                max_length=self.data.max_length,
+                template_kwargs=self.data.chat_template_kwargs,
+            )
+        return self._generators[key]
 
     def next_job(self) -> GenerateJob | None:
         """The next training conversations to regenerate, None when every one is done or handed out.
@@ -270,11 +276,13 @@ class Regeneration:
 
     # --- reporting -------------------------------------------------------------------------------------
 
-    def status(self, replicas: int = 1) -> dict[str, float]:
+    def status(self, replicas: int = 1, generate_s: float | None = None) -> dict[str, float]:
         """For the dashboard and the metrics: conversations done of all, tokens/s, failed turns, and the
-        share of the ``replicas``' time since the first job spent generating (jobs finished so far)."""
+        share of the ``replicas``' time since the first job spent generating: ``generate_s`` seconds (the
+        target threads' own count), else the finished jobs' seconds."""
         elapsed = 0.0 if self.started is None else (self.finished or time.monotonic()) - self.started
-        share = min(1.0, self.generate_s / (elapsed * max(1, replicas))) if elapsed > 0 else 0.0
+        spent = self.generate_s if generate_s is None else generate_s
+        share = min(1.0, spent / (elapsed * max(1, replicas))) if elapsed > 0 else 0.0
         return {
             "done": float(self._done),
             "total": float(self.num_train),

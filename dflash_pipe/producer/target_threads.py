@@ -272,10 +272,14 @@ class TargetThread(threading.Thread):
             self._generator = self._make_generator(self.core)
         jobs = _OpenJobs(self.ready, self.replica)
         jobs.open(job)
-        features_s = 0.0
+
+        mark = time.perf_counter()
 
         def between() -> list[tuple[int, list[dict[str, str]]]]:
-            nonlocal features_s
+            nonlocal features_s, mark
+            now = time.perf_counter()
+            self.generate_s += now - mark  # kept current: the dashboard reads it during the call
+            self.busy_s += now - mark
             added: list[tuple[int, list[dict[str, str]]]] = []
             while not self._stashed:
                 try:
@@ -288,10 +292,10 @@ class TargetThread(threading.Thread):
                     jobs.open(plan)
                     added += plan.items
                 else:
-                    features_s += self._compute(plan)
+                    self._compute(plan)
+            mark = time.perf_counter()
             return added
 
-        t0 = time.perf_counter()
         engine = getattr(self._generator, "engine", lambda: None)() is not None
         try:
             self._generator.regenerate(
@@ -302,7 +306,7 @@ class TargetThread(threading.Thread):
             )
         except GenerationStopped:
             return  # shutting down: the jobs' unfinished conversations are generated again on resume
-        seconds = time.perf_counter() - t0 - features_s
+        seconds = time.perf_counter() - mark
         self.busy_s += seconds
         self.generate_s += seconds
 

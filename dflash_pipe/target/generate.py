@@ -138,7 +138,7 @@ class TurnGenerator:
         if self._engine_checked:
             return self._engine
         self._engine_checked = True
-        if not self._want_engine:
+        if not self._want_engine or self.settings.decoder == "plain":
             return None
         from dflash_pipe.target.decode import DecodeStack, unsupported_reason
 

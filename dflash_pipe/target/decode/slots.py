@@ -122,7 +122,8 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the producer's other target threads keep working on their GPUs during a capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._model_step(span)
         for live, kept in zip((s.tokens, s.positions, s.count, s.done, s.history), saved, strict=True):
             live.copy_(kept)

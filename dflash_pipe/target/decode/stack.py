@@ -108,9 +108,11 @@ class SlotCache:
 class DecodeStack:
     """Prefill and one-token decode steps of an HF decoder against a ``SlotCache``."""
 
-    def __init__(self, model: nn.Module, max_len: int, *, decode_attention: str = "sdpa") -> None:
+    def __init__(self, model: nn.Module, max_len: int, *, decode_attention: str | None = None) -> None:
         """``decode_attention``: "sdpa" (``scaled_dot_product_attention`` with a boolean mask; 6-13% faster a
-        step on the H200, ``bench/engine_profile.py``) or "matmul" (two batched matmuls and a softmax)."""
+        step on the H200, ``bench/engine_profile.py``) or "matmul" (two batched matmuls and a softmax, which
+        repeat no keys: a third faster on CPU, where SDPA copies them per head). None: sdpa on CUDA, matmul
+        elsewhere."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot be decoded by the slot engine: {reason}")
@@ -140,6 +142,8 @@ class DecodeStack:
         cos, sin = inner.rotary_emb(probe, positions)  # HF's own cos/sin, per position
         self.cos, self.sin = cos[0], sin[0]  # [L+1, D]
         self.max_len = max_len
+        if decode_attention is None:
+            decode_attention = "sdpa" if self.device.type == "cuda" else "matmul"
         if decode_attention not in ("matmul", "sdpa"):
             raise ValueError(f"decode_attention must be 'matmul' or 'sdpa', got {decode_attention!r}")
         self.decode_attention = decode_attention
