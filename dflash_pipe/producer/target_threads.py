@@ -276,7 +276,7 @@ class TargetThread(threading.Thread):
         mark = time.perf_counter()
 
         def between() -> list[tuple[int, list[dict[str, str]]]]:
-            nonlocal features_s, mark
+            nonlocal mark
             now = time.perf_counter()
             self.generate_s += now - mark  # kept current: the dashboard reads it during the call
             self.busy_s += now - mark
