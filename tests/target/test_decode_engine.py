@@ -20,25 +20,16 @@ from dflash_pipe.target.decode import (
     unsupported_reason,
 )
 from dflash_pipe.target.generate import TurnGenerator
+from tests.target.conversations import CONVERSATIONS as BASE
 from tests.tiny_models import tiny_qwen3_config
 
 CONVERSATIONS = [
     [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "What is a cat?"},
-        {"role": "assistant", "content": "DATASET ANSWER ONE"},
-        {"role": "user", "content": "And a dog?"},
-        {"role": "assistant", "content": "DATASET ANSWER TWO"},
+        *BASE[0],
         {"role": "user", "content": "And a bird, then?"},
         {"role": "assistant", "content": "DATASET ANSWER THREE"},
     ],
-    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "DATASET RED"}],
-    [
-        {"role": "user", "content": "Count to three, please, slowly and clearly."},
-        {"role": "assistant", "content": "DATASET 1 2 3"},
-        {"role": "user", "content": "Again."},
-        {"role": "assistant", "content": "DATASET 1 2 3 again"},
-    ],
+    *BASE[1:],
     [{"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": "DATASET SKY"}],
     [
         {"role": "user", "content": "Tell me a story."},
@@ -47,6 +38,7 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "DATASET SHORT"},
     ],
 ]
+"""The shared three, the first with a third turn, and two more: five conversations for two slots."""
 LIMIT = 12
 
 
@@ -165,44 +157,29 @@ def test_a_slot_takes_the_next_prompt_while_the_others_still_decode(model):
         assert session.reply == _hf_reply(model, prompt, limit, [-1])
 
 
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=80,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "original_max_position_embeddings": 16,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+}
+
+
 @pytest.mark.parametrize(
     "config",
     [
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=2,
-            vocab_size=80,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "original_max_position_embeddings": 16,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-            },
-        ),
-        Qwen2Config(
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=2,
-            vocab_size=80,
-        ),
-        Qwen3MoeConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_hidden_layers=2,
-            vocab_size=80,
-        ),
+        LlamaConfig(**SMALL, rope_scaling=LLAMA3_ROPE),
+        Qwen2Config(**SMALL),
+        Qwen3MoeConfig(**SMALL, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8),
     ],
     ids=["llama3-rope", "qwen2-bias", "qwen3-moe"],
 )

@@ -10,24 +10,8 @@ from dflash_pipe.data import demo_tokenizer
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.data.render import render_prompt
 from dflash_pipe.target.generate import TurnGenerator, end_of_turn_ids, filtered_probs, turn_seed
+from tests.target.conversations import CONVERSATIONS
 from tests.tiny_models import tiny_qwen3_config
-
-CONVERSATIONS = [
-    [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "What is a cat?"},
-        {"role": "assistant", "content": "DATASET ANSWER ONE"},
-        {"role": "user", "content": "And a dog?"},
-        {"role": "assistant", "content": "DATASET ANSWER TWO"},
-    ],
-    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "DATASET RED"}],
-    [
-        {"role": "user", "content": "Count to three, please, slowly and clearly."},
-        {"role": "assistant", "content": "DATASET 1 2 3"},
-        {"role": "user", "content": "Again."},
-        {"role": "assistant", "content": "DATASET 1 2 3 again"},
-    ],
-]
 
 
 @pytest.fixture(scope="module")
