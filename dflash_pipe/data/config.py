@@ -155,16 +155,17 @@ class RegenConfig:
     )
     """Conversations generated together: the slots of the slot engine (a job's conversations), or the rows
     of one batched decode per turn round on the plain path."""
-    decoder: Literal["auto", "plain"] = field(
+    decoder: Literal["auto", "engine", "plain"] = field(
         default="auto",
         metadata=flag(
             "--regen-decoder",
-            "Regeneration: auto (the slot engine where the target's family has one, else the plain path) or "
-            "plain (the model's own forward per step, every family; slower).",
+            "Regeneration: auto (the slot engine for dense and MoE Qwen/Llama/Mistral targets, else the plain "
+            "path), engine (the slot engine for hybrid Qwen3.5/3.6 and Qwen3-Next targets too; checked on "
+            "CPU, not yet timed on a GPU) or plain (the model's own forward per step, every family; slower).",
             resume=True,
         ),
     )
-    """Which decoder writes the replies (docs/data.md). Not part of the provenance: both decode the same
+    """Which decoder writes the replies (docs/data.md). Not part of the provenance: each decodes the same
     tokens (the tests check each against HF ``generate``)."""
 
     def __post_init__(self) -> None:
