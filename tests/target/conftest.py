@@ -53,3 +53,13 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(params=["qwen3", "llama"])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls are much faster on one thread, and the CI box is shared by other test runs (use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -18,10 +18,13 @@ from dflash_pipe.target.decode.hybrid import HybridStack, hybrid_unsupported_rea
 from tests.target import families
 from tests.tiny_models import tiny_qwen3_config
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("fla") is not None,
-    reason="with fla installed transformers sends CPU tensors to fla's Triton kernels",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("fla") is not None,
+        reason="with fla installed transformers sends CPU tensors to fla's Triton kernels",
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 VOCAB = 128
 MAX_LEN = 160
@@ -39,15 +42,6 @@ PROMPTS = [
     list(range(20, 86)),  # longer than one 64-token chunk of the chunked delta rule
     [11, 40, 50, 11, 12, 13, 14, 99, 98, 97, 3],
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls are faster on one thread (two threads spin 10x slower on a busy box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(name: str) -> torch.nn.Module:

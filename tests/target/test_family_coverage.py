@@ -28,16 +28,10 @@ LENGTHS = [7, 10, 6]
 LAYER_IDS = tuple(range(LAYERS))
 """Every layer: each layer type of the hybrids, and the last one (HF's normed final output)."""
 TOLERANCE = 1e-5
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls are much faster on one thread, and the CI box is shared by other test runs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -185,16 +185,8 @@ class HybridStack:
         self.layers = list(find_decoder_layers(model))
         text = model.config.get_text_config()
         self.types: list[str] = list(text.layer_types)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.shape = StackShape(
-            layers=len(self.layers),
-            heads=text.num_attention_heads,
-            kv_heads=text.num_key_value_heads,
-            head_dim=head_dim,
-            hidden=text.hidden_size,
-            vocab=text.vocab_size,
-        )
-        self.scaling = head_dim**-0.5
+        self.shape = StackShape.of(text, len(self.layers))
+        self.scaling = self.shape.head_dim**-0.5
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.max_len = max_len
         positions = torch.arange(max_len + 1, device=self.device)[None]  # [1, L+1]; the last: trash column

@@ -42,6 +42,19 @@ class StackShape:
     hidden: int
     vocab: int
 
+    @classmethod
+    def of(cls, config: Any, layers: int) -> StackShape:
+        """The attention shape of an HF (text) config."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            layers=layers,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+        )
+
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the slot engine cannot decode ``model`` exactly (None: it can)."""
@@ -123,17 +136,8 @@ class DecodeStack:
         self.lm_head = model.lm_head
         self.layers = list(find_decoder_layers(model))
         attn = self.layers[0].self_attn
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.shape = StackShape(
-            layers=len(self.layers),
-            heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads,
-            head_dim=head_dim,
-            hidden=config.hidden_size,
-            vocab=config.vocab_size,
-        )
-        self.scaling = float(getattr(attn, "scaling", head_dim**-0.5))
+        self.shape = StackShape.of(model.config, len(self.layers))
+        self.scaling = float(getattr(attn, "scaling", self.shape.head_dim**-0.5))
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
