@@ -27,7 +27,7 @@ from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.target_threads import TargetThread, build_batch, load_replicas
 from dflash_pipe.run.record import bind_address, write_record
 from dflash_pipe.target import TargetCore
-from dflash_pipe.target.decode import unsupported_reason
+from dflash_pipe.target.decode.choose import engine_refusal
 from dflash_pipe.telemetry import Dashboard, make_logger
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.addresses import store_host
@@ -164,7 +164,8 @@ class ProducerProc:
         self.core.target_threads = len(self._threads)
         self.core.generate_seconds = lambda: sum(t.generate_s for t in self._threads)
         if regen is not None:
-            served = all(unsupported_reason(core.model) is None for core in self._cores)
+            decoder = regen.settings.decoder
+            served = all(engine_refusal(core.model, decoder) is None for core in self._cores)
             self.core.jobs_per_thread = 2 if served else 1
 
     def _build_eval_batches(self) -> list[m.Batch]:

@@ -140,25 +140,17 @@ class TurnGenerator:
         self._engine_checked = True
         if not self._want_engine or self.settings.decoder == "plain":
             return None
-        from dflash_pipe.target.decode import DecodeStack, unsupported_reason
-        from dflash_pipe.target.decode.hybrid import HybridStack, hybrid_unsupported_reason
+        from dflash_pipe.target.decode.choose import build_stack, engine_refusal
 
-        stack: Any = None
-        reason = unsupported_reason(self.model)
-        if reason is None:
-            stack = DecodeStack(self.model, max_len=self.max_length)
-        elif hybrid_unsupported_reason(self.model) is None:
-            if self.settings.decoder == "engine":
-                stack = HybridStack(self.model, max_len=self.max_length)
-            else:
-                reason = "hybrid targets take the slot engine only with --regen-decoder engine (not yet timed on a GPU)"
-        if stack is None:
+        reason = engine_refusal(self.model, self.settings.decoder)
+        if reason is not None:
             log.warning(
                 "regeneration: %s decodes on the plain path (HF forward per step, slower) because %s",
                 type(self.model).__name__,
                 reason,
             )
             return None
+        stack = build_stack(self.model, self.max_length)
         self._engine = SlotEngine(
             stack,
             slots=self.settings.batch_size,
