@@ -296,7 +296,7 @@ class TargetThread(threading.Thread):
             mark = time.perf_counter()
             return added
 
-        engine = getattr(self._generator, "engine", lambda: None)() is not None
+        engine = self._generator.engine() is not None
         try:
             self._generator.regenerate(
                 job.items,
