@@ -176,10 +176,10 @@ def compiled_layer_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) ->
     """``layer``'s forward through the shared compiled function (installed as its ``forward``)."""
     states = kwargs.get("hidden_states", args[0] if args else None)
     length = states.shape[-2] if isinstance(states, torch.Tensor) else 0
-    return _call_compiled(_compiled_layer(), length, states.device, layer, *args, **kwargs)
+    return call_compiled(_compiled_layer(), length, states.device, layer, *args, **kwargs)
 
 
-def _call_compiled(
+def call_compiled(
     fn_name: str | Callable, length: int, device: torch.device, /, *args: Any, **kwargs: Any
 ) -> Any:
     """Calls a compiled function (a flex function's name, or the compiled function itself); the first call
@@ -188,7 +188,7 @@ def _call_compiled(
     dynamic=True: T == 1, and one flex tile (T <= 128)."""
     size = "one" if length == 1 else "tile" if length <= 128 else "many"
     fn = _compiled(fn_name) if isinstance(fn_name, str) else fn_name
-    key = (fn_name if isinstance(fn_name, str) else "layer", str(device), size)
+    key = (fn_name if isinstance(fn_name, str) else getattr(fn_name, "__name__", "layer"), str(device), size)
     if key in _compiled_for:
         return fn(*args, **kwargs)
     with _COMPILE_LOCK:
@@ -214,7 +214,7 @@ def packed_block_mask(sample: torch.Tensor, *, compile: bool):
 
     n = sample.shape[0]
     if compile:
-        return _call_compiled(
+        return call_compiled(
             "create_block_mask", n, sample.device, mask_mod, None, None, n, n, device=sample.device
         )
     return create_block_mask(mask_mod, None, None, n, n, device=sample.device)
@@ -255,7 +255,7 @@ def packed_flex_attention(
     if torch.compiler.is_compiling():  # inside a compiled decoder layer: part of that graph
         out = flex_attention(query, key, value, **options)
     elif query.device.type == "cuda":
-        out = _call_compiled("flex_attention", query.shape[2], query.device, query, key, value, **options)
+        out = call_compiled("flex_attention", query.shape[2], query.device, query, key, value, **options)
     else:
         out = flex_attention(query, key, value, **options)  # [1, Hq, T, D]
     return out.transpose(1, 2).contiguous(), None

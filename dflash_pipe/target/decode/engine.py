@@ -21,7 +21,7 @@ import torch
 from dflash_pipe.target.decode.slots import SlotState, StepGraphs
 from dflash_pipe.target.decode.stack import DecodeStack, graph_safe
 
-SPAN_QUANTUM = 256
+SPAN_QUANTUM = 128
 """Attention spans are rounded up to a multiple of this (one captured graph per span)."""
 PREFILL_TOKENS = 16384
 """Padded tokens per prefill call at most (longer rows still go alone)."""

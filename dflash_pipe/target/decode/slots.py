@@ -74,26 +74,19 @@ class StepGraphs:
         *,
         use_graphs: bool,
         greedy: bool,
-        compile_step: bool | None = None,
     ) -> None:
-        """``compile_step`` (default: with graphs): the model's step goes through ``torch.compile`` first,
-        which fuses the norms, RoPE, residual adds and softmax of every layer (an eager step is ~800
-        kernels, a third of its time in elementwise ones); the compiled code is then captured like the
-        eager one. Compiled with dynamic sizes from the start: one compile serves every span and slot
-        count (a static first compile recompiled at the second span, ~45 s each at the 1.7B shape)."""
+        """The stack's own ``compile_layers`` decides whether its layers run compiled; either way the
+        whole step (every layer, the pick and the advance) is captured as one graph per span."""
         self.stack, self.cache, self.state = stack, cache, state
         self.use_graphs = use_graphs
         self.greedy = greedy
-        if compile_step is None:
-            compile_step = use_graphs
-        self._step = torch.compile(stack.step, fullgraph=True, dynamic=True) if compile_step else stack.step
         self.logits = torch.zeros((state.slots, stack.shape.vocab), dtype=torch.float32, device=stack.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     def _model_step(self, span: int) -> None:
         s = self.state
-        self.logits.copy_(self._step(self.cache, s.tokens, s.positions, span))
+        self.logits.copy_(self.stack.step(self.cache, s.tokens, s.positions, span))
         if self.greedy:
             s.advance(self.logits.argmax(dim=-1))
 

@@ -15,7 +15,8 @@ it is). ``unsupported_reason`` names why another model is not, and the caller fa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_pipe.target.decode.fuse import FusedLayer, fuse_layer
 from dflash_pipe.target.layers import find_decoder_layers
+from dflash_pipe.target.packing import call_compiled
 
 DENSE_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 """Families whose decode step is captured whole in a CUDA graph."""
@@ -99,6 +102,122 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass(frozen=True)
+class LayerMath:
+    """What a layer's arithmetic needs besides its modules: fixed per model, constants to the compiler."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    qk_norm: bool
+    decode_attention: str
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+# --- one decoder layer: module-level functions, so one compiled graph serves every layer ----------------
+
+
+def _project(m: LayerMath, layer: nn.Module, fused: FusedLayer, x: torch.Tensor, cos, sin):
+    """q ``[B, T, heads, D]``, k and v ``[B, T, kv_heads, D]``, rotated by ``cos``/``sin`` ``[B, T, 1, D]``."""
+    attn = layer.self_attn
+    b, t = x.shape[:2]
+    d = m.head_dim
+    if fused.qkv_weight is not None:
+        qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
+        q, k, v = qkv.split([m.heads * d, m.kv_heads * d, m.kv_heads * d], dim=-1)
+        q, k, v = q.reshape(b, t, -1, d), k.reshape(b, t, -1, d), v.reshape(b, t, -1, d)
+    else:
+        q = attn.q_proj(x).view(b, t, -1, d)
+        k = attn.k_proj(x).view(b, t, -1, d)
+        v = attn.v_proj(x).view(b, t, -1, d)
+    if m.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def _finish(layer: nn.Module, fused: FusedLayer, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The attention output projected and added, then the MLP block (HF's gated MLP on the fused weight)."""
+    h = h + layer.self_attn.o_proj(attended)
+    x = layer.post_attention_layernorm(h)
+    mlp = layer.mlp
+    if fused.gate_up_weight is not None:
+        gate, up = F.linear(x, fused.gate_up_weight).chunk(2, dim=-1)
+        return h + mlp.down_proj(mlp.act_fn(gate) * up)
+    out = mlp(x)
+    if isinstance(out, tuple):  # MoE blocks of some releases return (hidden, router logits)
+        out = out[0]
+    return h + out
+
+
+def layer_in(m: LayerMath, layer: nn.Module, fused: FusedLayer, h: torch.Tensor, cos, sin):
+    """A layer's input norm, q/k/v projections, q/k norms and RoPE (decode and prefill alike)."""
+    return _project(m, layer, fused, layer.input_layernorm(h), cos, sin)
+
+
+def decode_out(
+    m: LayerMath,
+    layer: nn.Module,
+    fused: FusedLayer,
+    h: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    span: int,
+) -> torch.Tensor:
+    """One query per slot ``[S, 1, heads, D]`` against the first ``span`` columns of the layer's cache
+    ``[S, kvh, L+1, D]``, then the rest of the layer."""
+    s = h.shape[0]
+    keys, values = keys[:, :, :span], values[:, :, :span]  # [S, kvh, span, D]
+    if m.decode_attention == "sdpa":
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, scale=m.scaling, enable_gqa=True
+        )  # [S, heads, 1, D]
+    else:  # two batched matmuls that repeat no keys
+        grouped = q.view(s, m.kv_heads, m.groups, m.head_dim)  # [S, kvh, G, D]
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * m.scaling + mask
+        attended = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [S, kvh, G, D]
+    return _finish(layer, fused, h, attended.reshape(s, 1, -1))
+
+
+def _prefill_attend(m: LayerMath, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
+    """Queries ``[k, n, heads, D]`` against ``[k, kvh, *, D]``: ``[k, n, heads * D]``."""
+    k_rows, n = q.shape[:2]
+    keys = keys.repeat_interleave(m.groups, dim=1)
+    values = values.repeat_interleave(m.groups, dim=1)
+    attended = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None, scale=m.scaling
+    )  # [k, heads, n, D]
+    return attended.transpose(1, 2).reshape(k_rows, n, -1)
+
+
+def prefill_out(m: LayerMath, layer: nn.Module, fused: FusedLayer, h, q, k, v) -> torch.Tensor:
+    """Fresh slots (nothing cached before): right-padded rows attend causally to their own new tokens
+    ``k``/``v`` ``[k, n, kvh, D]``; then the rest of the layer."""
+    return _finish(layer, fused, h, _prefill_attend(m, q, k.transpose(1, 2), v.transpose(1, 2), None))
+
+
+def extend_out(
+    m: LayerMath, layer: nn.Module, fused: FusedLayer, h, q, keys, values, mask: torch.Tensor
+) -> torch.Tensor:
+    """Rows after what their slots hold: they attend to their slots' first ``span`` columns ``[k, kvh,
+    span, D]`` through ``mask`` ``[k, 1, n, span]``; then the rest of the layer."""
+    return _finish(layer, fused, h, _prefill_attend(m, q, keys, values, mask))
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """``fn`` compiled once per process with dynamic sizes: every layer, slot count, span and prefill shape
+    reuses its graphs (the weights are inputs, not constants)."""
+    return torch.compile(fn, dynamic=True)
+
+
 class SlotCache:
     """Keys and values of every slot, ``[slots, kv_heads, max_len + 1, head_dim]`` per layer.
 
@@ -121,11 +240,23 @@ class SlotCache:
 class DecodeStack:
     """Prefill and one-token decode steps of an HF decoder against a ``SlotCache``."""
 
-    def __init__(self, model: nn.Module, max_len: int, *, decode_attention: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_len: int,
+        *,
+        decode_attention: str | None = None,
+        compile_layers: bool | None = None,
+        compile_prefill: bool | None = None,
+    ) -> None:
         """``decode_attention``: "sdpa" (``scaled_dot_product_attention`` with a boolean mask; 6-13% faster a
         step on the H200, ``bench/engine_profile.py``) or "matmul" (two batched matmuls and a softmax, which
         repeat no keys: a third faster on CPU, where SDPA copies them per head). None: sdpa on CUDA, matmul
-        elsewhere."""
+        elsewhere. ``compile_layers``: decode steps run every layer through one ``torch.compile``'d function
+        (Inductor fuses the norms, RoPE, residual adds and softmax: an eager step is ~800 kernels, a third of
+        its time in elementwise ones); one graph serves all layers, so it compiles in seconds, not the
+        minutes a whole-step graph took. Default: on CUDA for families ``graph_safe`` accepts.
+        ``compile_prefill``: the same for prefill calls (default: as ``compile_layers``)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot be decoded by the slot engine: {reason}")
@@ -135,10 +266,9 @@ class DecodeStack:
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self.layers = list(find_decoder_layers(model))
+        self.fused = [fuse_layer(layer) for layer in self.layers]
         attn = self.layers[0].self_attn
         self.shape = StackShape.of(model.config, len(self.layers))
-        self.scaling = float(getattr(attn, "scaling", self.shape.head_dim**-0.5))
-        self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         positions = torch.arange(max_len + 1, device=self.device)[None]  # [1, L+1]; the last: trash column
@@ -150,35 +280,35 @@ class DecodeStack:
             decode_attention = "sdpa" if self.device.type == "cuda" else "matmul"
         if decode_attention not in ("matmul", "sdpa"):
             raise ValueError(f"decode_attention must be 'matmul' or 'sdpa', got {decode_attention!r}")
-        self.decode_attention = decode_attention
+        self.math = LayerMath(
+            heads=self.shape.heads,
+            kv_heads=self.shape.kv_heads,
+            head_dim=self.shape.head_dim,
+            scaling=float(getattr(attn, "scaling", self.shape.head_dim**-0.5)),
+            qk_norm=hasattr(attn, "q_norm") and hasattr(attn, "k_norm"),
+            decode_attention=decode_attention,
+        )
+        if compile_layers is None:
+            compile_layers = self.device.type == "cuda" and graph_safe(model)
+        self.compile_layers = compile_layers
+        self.compile_prefill = compile_layers if compile_prefill is None else compile_prefill
+
+    @property
+    def decode_attention(self) -> str:
+        return self.math.decode_attention
 
     def new_cache(self, slots: int) -> SlotCache:
         return SlotCache(self.shape, slots, self.max_len, self.dtype, self.device)
 
-    # --- shared pieces ----------------------------------------------------------------------------------
+    def _layer_fn(self, fn: Callable, compiled: bool, size: int) -> Callable:
+        """``fn`` for this stack's layers: eager, or compiled (its first call per size class under the
+        process-wide compile lock: target replicas are threads, and compiling is not thread-safe)."""
+        if not compiled:
+            return functools.partial(fn, self.math)
+        return functools.partial(call_compiled, _compiled(fn), size, self.device, self.math)
 
-    def _qkv(self, layer: nn.Module, x: torch.Tensor, positions: torch.Tensor):
-        """q ``[B, T, heads, D]``, k and v ``[B, T, kv_heads, D]``, rotated at ``positions`` ``[B, T]``."""
-        attn = layer.self_attn
-        b, t = x.shape[:2]
-        d = self.shape.head_dim
-        q = attn.q_proj(x).view(b, t, -1, d)
-        k = attn.k_proj(x).view(b, t, -1, d)
-        v = attn.v_proj(x).view(b, t, -1, d)
-        if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos = self.cos[positions][:, :, None]  # [B, T, 1, D]
-        sin = self.sin[positions][:, :, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
-
-    def _finish_layer(self, layer: nn.Module, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        h = h + layer.self_attn.o_proj(attended)
-        mlp_out = layer.mlp(layer.post_attention_layernorm(h))
-        if isinstance(mlp_out, tuple):  # MoE blocks of some releases return (hidden, router logits)
-            mlp_out = mlp_out[0]
-        return h + mlp_out
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, D]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).float()
@@ -195,36 +325,22 @@ class DecodeStack:
         rows = torch.arange(s, device=tokens.device)
         visible = torch.arange(span, device=tokens.device)[None] <= positions[:, None]  # [S, span]
         if self.decode_attention == "sdpa":
-            attend = self._attend_sdpa
             mask = visible[:, None, None]  # [S, 1, 1, span]
         else:
-            attend = self._attend_matmul
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device)
             mask = bias.masked_fill(~visible, float("-inf"))[:, None, None]  # [S, 1, 1, span]
+        cos, sin = self._rope(positions[:, None])
+        first = self._layer_fn(layer_in, self.compile_layers, 1)
+        then = self._layer_fn(decode_out, self.compile_layers, 1)
         h = self.embed(tokens)[:, None]  # [S, 1, H]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), positions[:, None])
+        for i, (layer, fused) in enumerate(zip(self.layers, self.fused, strict=True)):
+            q, k, v = first(layer, fused, h, cos, sin)
+            # the cache is written between the compiled halves: a compiled graph that mutated its input
+            # might copy the whole cache back
             cache.keys[i][rows, :, positions] = k[:, 0]
             cache.values[i][rows, :, positions] = v[:, 0]
-            keys = cache.keys[i][:, :, :span]  # [S, kvh, span, D]
-            values = cache.values[i][:, :, :span]
-            h = self._finish_layer(layer, h, attend(q, keys, values, mask).reshape(s, 1, -1))
+            h = then(layer, fused, h, q, cache.keys[i], cache.values[i], mask, span)
         return self._logits(h[:, 0])
-
-    def _attend_matmul(self, q, keys, values, bias):
-        """q ``[S, 1, heads, D]`` against ``[S, kvh, span, D]``: ``[S, heads, D]``."""
-        s = q.shape[0]
-        groups = self.shape.heads // self.shape.kv_heads
-        q = q.view(s, self.shape.kv_heads, groups, self.shape.head_dim)  # [S, kvh, G, D]
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling + bias  # [S, kvh, G, span]
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values)  # [S, kvh, G, D]
-
-    def _attend_sdpa(self, q, keys, values, mask):
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
-        )  # [S, heads, 1, D]
-        return out
 
     # --- prefill: new tokens of some slots, after what their cache already holds ------------------------
 
@@ -271,30 +387,27 @@ class DecodeStack:
         valid = offsets < lengths[:, None]
         where = torch.where(valid, positions, cache.trash)  # padded tokens write to the trash column
         slot_idx = torch.as_tensor(slots, device=dev)[:, None]
-        fresh = not any(starts)
         span = max(s + len(q) for s, q in zip(starts, seqs, strict=True))
         mask = None
-        if not fresh:
+        if any(starts):
             keys_at = torch.arange(span, device=dev)[None, None]  # [1, 1, span]
             mask = (keys_at <= positions[:, :, None])[:, None]  # [k, 1, n, span]
-        groups = self.shape.heads // self.shape.kv_heads
+        cos, sin = self._rope(where)
+        first = self._layer_fn(layer_in, self.compile_prefill, n)
+        fresh = self._layer_fn(prefill_out, self.compile_prefill, n)
+        cached = self._layer_fn(extend_out, self.compile_prefill, n)
         captured: dict[int, torch.Tensor] = {}
         h = self.embed(ids)  # [k, n, H]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), where)
+        for i, (layer, fused) in enumerate(zip(self.layers, self.fused, strict=True)):
+            q, k, v = first(layer, fused, h, cos, sin)
             cache.keys[i][slot_idx, :, where] = k
             cache.values[i][slot_idx, :, where] = v
-            if fresh:  # nothing cached before: causal attention over the new tokens alone
-                keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            if mask is None:
+                h = fresh(layer, fused, h, q, k, v)
             else:
                 keys = cache.keys[i][slot_idx[:, 0], :, :span]  # [k, kvh, span, D]
                 values = cache.values[i][slot_idx[:, 0], :, :span]
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-            attended = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=fresh, scale=self.scaling
-            )  # [k, heads, n, D]
-            h = self._finish_layer(layer, h, attended.transpose(1, 2).reshape(k_rows, n, -1))
+                h = cached(layer, fused, h, q, keys, values, mask)
             if i in feature_layers:
                 captured[i] = h
         return h, lengths, captured

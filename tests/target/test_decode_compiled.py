@@ -1,0 +1,118 @@
+"""The slot stack's compiled layers (Inductor on CPU here) against its eager ones, one compiled graph for
+every layer and model instance, and the fused projections leaving HF's own forward as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_pipe.target.decode import DecodeStack
+from dflash_pipe.target.decode.fuse import fuse_layer
+from dflash_pipe.target.layers import find_decoder_layers
+from tests.tiny_models import tiny_qwen3_config
+
+MAX_LEN = 96
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    config = tiny_qwen3_config(vocab_size=128, max_position_embeddings=MAX_LEN)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def _decode(stack: DecodeStack, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list]:
+    """Prefills ``prompts`` (fresh), extends slot 0 by a few tokens (attention over its cached columns),
+    then greedy steps at two spans: every logits tensor on the way, and the tokens picked."""
+    cache = stack.new_cache(len(prompts) + 1)  # one idle slot writes to the trash column
+    slots = list(range(len(prompts)))
+    out = [stack.prefill(cache, slots, prompts, [0] * len(prompts))]
+    out.append(stack.prefill(cache, [0], [[5, 6, 7]], [len(prompts[0])]))
+    fed = [len(p) for p in prompts]
+    fed[0] += 3
+    tokens = torch.tensor([int(out[0][i].argmax()) for i in slots] + [0])
+    tokens[0] = out[1][0].argmax()
+    positions = torch.tensor([*fed, cache.trash])
+    picked = []
+    for step in range(steps):
+        span = 48 if step < steps // 2 else 64
+        logits = stack.step(cache, tokens, positions, span)
+        out.append(logits[: len(prompts)])
+        tokens = logits.argmax(dim=-1)
+        picked.append(tokens[: len(prompts)].tolist())
+        positions = torch.where(positions == cache.trash, positions, positions + 1)
+    return out, picked
+
+
+@torch.inference_mode()
+def test_compiled_layers_give_the_eager_logits_and_tokens():
+    model = _model()
+    prompts = [list(range(3, 3 + n)) for n in (17, 9, 30)]
+    eager = DecodeStack(model, MAX_LEN, compile_layers=False)
+    compiled = DecodeStack(model, MAX_LEN, compile_layers=True)
+    assert not eager.compile_layers and compiled.compile_layers and compiled.compile_prefill
+    want, want_tokens = _decode(eager, prompts, steps=6)
+    got, got_tokens = _decode(compiled, prompts, steps=6)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert got_tokens == want_tokens
+
+
+@torch.inference_mode()
+def test_one_compiled_graph_serves_every_layer_and_another_model_instance():
+    """The weights are inputs of the compiled functions, not constants: a second model (new modules, new
+    weights) decodes without compiling anything again. Layers share the graphs for the same reason."""
+    prompts = [list(range(3, 20)), list(range(40, 52))]
+    _decode(DecodeStack(_model(0), MAX_LEN, compile_layers=True), prompts, steps=4)
+    other = DecodeStack(_model(1), MAX_LEN, compile_layers=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got, _ = _decode(other, prompts, steps=4)
+    want, _ = _decode(DecodeStack(_model(1), MAX_LEN, compile_layers=False), prompts, steps=4)
+    torch.testing.assert_close(got[-1], want[-1], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_fused_projections_are_views_and_leave_hf_forward_unchanged():
+    model = _model()
+    ids = torch.tensor([list(range(3, 40))])
+    before = model(input_ids=ids).logits
+    layer = find_decoder_layers(model)[0]
+    fused = fuse_layer(layer)
+    assert fuse_layer(layer) is fused  # fused once, whichever stack asks
+    attn, mlp = layer.self_attn, layer.mlp
+    assert fused.qkv_weight is not None and fused.gate_up_weight is not None
+    storage = fused.qkv_weight.untyped_storage().data_ptr()
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.untyped_storage().data_ptr() == storage  # a view, not a second copy
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up_weight.untyped_storage().data_ptr()
+    rows = attn.q_proj.out_features
+    assert torch.equal(fused.qkv_weight[rows : rows + attn.k_proj.out_features], attn.k_proj.weight)
+    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fusion_keeps_biases_with_their_rows(bias):
+    """Qwen2 and Llama with ``attention_bias`` carry q/k/v biases: they are fused by the same rows."""
+    from transformers import Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    attn = find_decoder_layers(model)[0].self_attn
+    if not bias:
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.bias = None
+    x = torch.randn(3, 32)
+    want = [proj(x) for proj in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    fused = fuse_layer(find_decoder_layers(model)[0])
+    assert (fused.qkv_bias is not None) == bias
+    got = torch.nn.functional.linear(x, fused.qkv_weight, fused.qkv_bias)
+    torch.testing.assert_close(got, torch.cat(want, dim=-1), rtol=0, atol=0)
