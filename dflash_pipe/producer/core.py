@@ -22,7 +22,7 @@ from dflash_pipe.producer.payloads import payload_for
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
-from dflash_pipe.producer.target_threads import TargetFailure
+from dflash_pipe.producer.target_threads import EvalDone, EvalJob, TargetFailure
 from dflash_pipe.telemetry import MetricsLogger, RateMeter, RunState, TimeShares
 from dflash_pipe.wire import messages as m
 
@@ -89,8 +89,8 @@ class ProducerCore:
         self.target_rate = RateMeter()
         self.wire_rate = RateMeter()
         self.train_rate = RateMeter()
-        self.plans: queue.Queue[PlannedBatch | GenerateJob | None] = queue.Queue()
-        self.ready: queue.Queue[ReadyBatch | GenerateDone | TargetFailure] = queue.Queue()
+        self.plans: queue.Queue[PlannedBatch | GenerateJob | EvalJob | None] = queue.Queue()
+        self.ready: queue.Queue[ReadyBatch | GenerateDone | EvalDone | TargetFailure] = queue.Queue()
         self.target_threads = 0
         """Target threads taking from ``plans`` (set by the shell when it starts them)."""
         self.jobs_per_thread = 1
@@ -117,6 +117,11 @@ class ProducerCore:
         self.waits = TimeShares()
         """From the first ACK to DONE: idle target share, starved worker share, ready queue depth."""
         self.eval_batches: list[m.Batch] = []
+        self.eval_pending = self.regen is not None
+        """The held-out set is still being regenerated (or its BATCHes computed): workers welcomed
+        meanwhile are told so, and get its BATCHes once they exist (``_install_eval``)."""
+        self._eval_queued = False
+        self._waiting_note = False
         self.lost: list[str] = []
         """One line per worker that died or vanished (the run went on without it)."""
         self.sent_by_ref = {"shm": 0, "cuda_ipc": 0}
@@ -192,24 +197,28 @@ class ProducerCore:
     # --- routing -----------------------------------------------------------------------------------------
 
     def take_ready(self) -> None:
-        """Moves what the target threads finished into the scheduler (regenerated replies to ``regen``)."""
+        """Moves what the target threads finished into the scheduler (regenerated replies to ``regen``, the
+        eval set to the workers)."""
         while True:
             try:
                 item = self.ready.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(item, TargetFailure):
                 raise RunAborted(f"target replica {item.replica} failed: {item.error!r}") from item.error
+            if isinstance(item, EvalDone):
+                self._install_eval(item)
+                continue
             if isinstance(item, GenerateDone):
                 self.generating -= 1
                 note = self.regen.accept(item)  # type: ignore[union-attr]
                 if note:
                     self.note(note)
-                if why := self.regen.nothing_to_train():  # type: ignore[union-attr]
-                    raise RunAborted(why)
                 continue
             self.in_target -= 1
             self.scheduler.add_ready(item)
+        if self.regen is not None and (why := self.regen.nothing_to_train()):  # also a reused file's
+            raise RunAborted(why)
 
     def refill(self) -> None:
         """Keeps ``ready_batches`` computed plus two plans per target thread in computation, so no replica
@@ -225,6 +234,52 @@ class ProducerCore:
             self.plans.put(plan)
             self.in_target += 1
         self._refill_generation()
+        self._refill_eval()
+
+    def _refill_eval(self) -> None:
+        """Once every held-out conversation is regenerated, its samples go to a target thread to become the
+        eval BATCHes (an ``EvalJob``): the main thread never runs a forward itself."""
+        if not self.eval_pending or self._eval_queued or self.regen is None or not self.regen.eval_ready:
+            return
+        self._eval_queued = True
+        samples = self.regen.eval_samples()
+        if not samples:
+            self.eval_pending = False
+            if len(self.regen.eval_indexes):
+                self.note("warning: no held-out conversation has a regenerated turn to evaluate: no tau")
+            return
+        self.plans.put(EvalJob(samples=samples))
+
+    def _install_eval(self, done: EvalDone) -> None:
+        """The eval set exists: every worker welcomed while it was pending gets its BATCHes now (later ones
+        get them with their WELCOME)."""
+        self.eval_batches = done.batches
+        self.eval_pending = False
+        sent = 0
+        for peer in list(self.peers.values()):
+            if peer.left:
+                continue
+            for batch in done.batches:
+                if peer.left:
+                    break
+                self.out.send(peer.identity, batch)
+            sent += 1
+        started = self.regen.started if self.regen is not None else None
+        since = f", {time.monotonic() - started:.0f} s after the first generation job" if started else ""
+        self.note(
+            f"eval set ready: {sum(len(b.sample_ids) for b in done.batches)} held-out sample(s) in "
+            f"{len(done.batches)} batch(es), sent to {sent} worker(s){since}"
+        )
+
+    def finished(self) -> bool:
+        """Every epoch trained and, with regeneration, the eval set sent: DONE then comes after the held-out
+        BATCHes, so the workers' final evaluation has them."""
+        if not self.scheduler.finished():
+            return False
+        if self.eval_pending and not self._waiting_note:
+            self._waiting_note = True
+            self.note("all epochs trained; waiting for the held-out set before DONE (the final evaluation)")
+        return not self.eval_pending
 
     def _refill_generation(self) -> None:
         """``jobs_per_thread`` regeneration jobs per target thread at most. On the plain path a replica

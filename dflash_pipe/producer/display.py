@@ -139,6 +139,14 @@ def log_worker_metrics(core: ProducerCore, peer: Peer, msg: m.Metrics) -> None:
         if core.regen is not None:
             status = core.regen.status(core.target_threads, core.generate_seconds())
             values.update({f"regen/{k}": v for k, v in status.items()})
+    if values.get("eval/skipped"):
+        held = ""
+        if core.regen is not None:
+            status = core.regen.status()
+            held = (
+                f" ({status['eval_done']:.0f}/{status['eval_total']:.0f} held-out conversations regenerated)"
+            )
+        core.note(f"step {msg.step}: evaluation skipped: the held-out set is still being regenerated{held}")
     if "simulated/tau" in values:
         state.tau = float(values["simulated/tau"])
     if "real/tau" in values:

@@ -1,4 +1,5 @@
-"""The handshake: a worker's HELLO answered with WELCOME (and the eval batches) or REJECT naming why.
+"""The handshake: a worker's HELLO answered with WELCOME (and the eval batches, or word that they come
+later: the held-out set is still being regenerated) or REJECT naming why.
 
 A worker is admitted when it speaks this protocol version, supports frames, the run is not finishing and
 ``wire.payload_path`` can serve it; ``choose_offers`` says which same-host ring it is offered.
@@ -98,6 +99,7 @@ def welcome(core: ProducerCore, peer: Peer, eval_batches: int) -> m.Welcome:
         num_samples=len(core.ctx.train_samples),
         credits=wire.worker_credits,
         eval_batches=eval_batches,
+        eval_pending=core.eval_pending,
         ring=rings.shm.offer().to_dict() if peer.ring_offered and rings.shm is not None else {},
         cuda_ring=rings.cuda.offer().to_dict() if peer.cuda_offered and rings.cuda is not None else {},
     )

@@ -22,9 +22,8 @@ import torch
 from dflash_pipe.producer.core import ProducerCore, RunAborted, WorkerWatch
 from dflash_pipe.producer.display import ProducerSummary, dashboard_state, summary
 from dflash_pipe.producer.rings import make_rings
-from dflash_pipe.producer.scheduler import PlannedBatch
 from dflash_pipe.producer.setup import RunContext
-from dflash_pipe.producer.target_threads import TargetThread, build_batch, load_replicas
+from dflash_pipe.producer.target_threads import TargetThread, build_eval_batches, load_replicas
 from dflash_pipe.run.record import bind_address, write_record
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.decode.choose import engine_refusal
@@ -40,7 +39,6 @@ _MAX_MESSAGES_PER_TICK = 256
 """Inbound messages handled per loop turn: all that are waiting (up to this), not one, so many fast workers
 never leave their ACKs and READYs queued behind the producer's other work."""
 _SHOW_EVERY_S = 0.5
-_EVAL_BATCH_SAMPLES = 4
 TARGET_STOP_TIMEOUT_S = 120.0
 """How long closing waits for each target thread's current batch (a forward of a big target, or its compile)."""
 
@@ -169,27 +167,9 @@ class ProducerProc:
             self.core.jobs_per_thread = 2 if served else 1
 
     def _build_eval_batches(self) -> list[m.Batch]:
-        samples = self.ctx.eval_samples
-        out = []
-        for start in range(0, len(samples), _EVAL_BATCH_SAMPLES):
-            chunk = samples[start : start + _EVAL_BATCH_SAMPLES]
-            plan = PlannedBatch(batch_id=len(out), epoch=0, sample_ids=[s.sample_id for s in chunk])
-            out.append(
-                build_batch(self._cores[0], plan, chunk, for_eval=True, wire_dtype=self.cfg.wire.wire_dtype)
-            )
-        return out
-
-    def _regenerate_eval(self) -> None:
-        """The held-out conversations regenerated on the first replica before serving (the eval batches are
-        built once, from them)."""
-        regen = self.core.regen
-        assert regen is not None
-        todo = len(regen.source.conversations) - regen.num_train
-        if todo:
-            self.core.note(f"regenerating the {todo} held-out conversation(s) for the eval set")
-        self.ctx.eval_samples = regen.regenerate_eval(regen.make_generator(self._cores[0]))
-        if why := regen.nothing_to_train():  # a reused file that holds nothing trainable
-            raise RunAborted(why)
+        """The eval set of a run on dataset responses, before serving. With regeneration it is built once
+        its held-out conversations are regenerated, in a target thread (``ProducerCore._refill_eval``)."""
+        return build_eval_batches(self._cores[0], self.ctx.eval_samples, self.cfg.wire.wire_dtype)
 
     # --- serving -----------------------------------------------------------------------------------------
 
@@ -202,8 +182,6 @@ class ProducerProc:
         previous = _install_sigint(self._stop_requested)
         try:
             self.start_targets()
-            if self.core.regen is not None:
-                self._regenerate_eval()
             self.core.eval_batches = self._build_eval_batches() if self.ctx.eval_samples else []
             stop_reason = self._run(watch)
         finally:
@@ -238,7 +216,7 @@ class ProducerProc:
             drain(self._recv, core.handle, limit=_MAX_MESSAGES_PER_TICK)
             core.dispatch()
             core.observe_waits()
-            if core.scheduler.finished() and not core.done_sent:
+            if core.finished() and not core.done_sent:
                 core.send_done("all epochs trained")
             core.watch_peers()
             now = time.monotonic()

@@ -8,6 +8,10 @@ file, renders them into training samples and makes them plannable; epoch 0 (``ep
 what has arrived, and ``None`` while the rest is still being generated. Later epochs plan every sample, as a
 run on dataset responses does. Sample ids are conversation indexes: a conversation left with nothing to
 train (every turn failed, or too short once rendered) is a *void* id that no epoch plans.
+
+The held-out conversations (the file's tail) are generation jobs too, handed out right after the first
+training job: serving and training start at once, and the eval set exists a job or two later
+(``eval_ready``), instead of every worker waiting for it before its WELCOME.
 """
 
 from __future__ import annotations
@@ -105,27 +109,30 @@ class Regeneration:
         self.generate_s = 0.0
         """Target-thread seconds spent generating (the jobs' own times, summed over replicas)."""
         self.train_samples: list[Sample | None] = [None] * num_train
-        self.eval_samples: list[Sample] = []
         self.voids: set[int] = set()
         self._done = 0
         for index, record in store.done.items():
             if index < num_train:
                 self._place(record)
         self._todo = deque(i for i in range(num_train) if i not in store.done)
+        self.eval_indexes = range(num_train, len(source.conversations))
+        """The held-out conversations (the file's tail): the eval set, never trained."""
+        self._eval_todo = deque(i for i in self.eval_indexes if i not in store.done)
+        self._eval_left = len(self._eval_todo)
+        """Held-out conversations not back yet (handed out or not)."""
         self._window: deque[int] = deque()
         self._jobs = 0
         self._arrived: list[int] = []
         self.started: float | None = None
         """When the first generation was handed out (None: nothing to generate in this process)."""
         self.finished: float | None = None
-        """When the last training conversation's reply arrived."""
+        """When the last reply (training or held-out) arrived."""
 
     # --- what the target threads generate --------------------------------------------------------------
 
     def make_generator(self, core: Any) -> Any:
         """The ``TurnGenerator`` of one replica (its own tokenizer copy: the main thread renders meanwhile),
-        made once: the held-out regeneration before serving and the replica's thread share it, so its slot
-        cache is allocated and its decode step compiled once."""
+        made once, so its slot cache is allocated and its decode step compiled once."""
         from dflash_pipe.target.generate import TurnGenerator
 
         key = id(core)
@@ -141,11 +148,21 @@ class Regeneration:
         return self._generators[key]
 
     def next_job(self) -> GenerateJob | None:
-        """The next training conversations to regenerate, None when every one is done or handed out.
+        """The next conversations to regenerate, None when every one is done or handed out.
 
-        Jobs are cut from windows of ``SORT_WINDOW_JOBS`` jobs' worth of conversations (in file order),
-        sorted by length within the window: a job's prompts are left-padded to its longest, so similar
-        lengths waste less, while epoch 0 still moves through the file in order."""
+        The first job is training conversations (the first step waits for nothing else), the held-out
+        ones come next, in jobs of their own, then the rest of the training set. Training jobs are cut from
+        windows of ``SORT_WINDOW_JOBS`` jobs' worth of conversations (in file order), sorted by length within
+        the window: a job's prompts are left-padded to its longest, so similar lengths waste less, while
+        epoch 0 still moves through the file in order."""
+        if self._eval_todo and (self._jobs > 0 or not (self._todo or self._window)):
+            self.started = self.started or time.monotonic()
+            take = min(len(self._eval_todo), self.settings.batch_size)
+            items = [
+                (i, self.source.conversations[i]) for i in (self._eval_todo.popleft() for _ in range(take))
+            ]
+            self._jobs += 1
+            return GenerateJob(job_id=self._jobs, items=items)
         if not self._window:
             take = min(len(self._todo), SORT_WINDOW_JOBS * self.settings.batch_size)
             window = [self._todo.popleft() for _ in range(take)]
@@ -168,9 +185,11 @@ class Regeneration:
         for record in done.results:
             self.tally.add(record)
             self.rate.add(record.new_tokens)
-            if self._place(record) is not None:
+            if record.index >= self.num_train:
+                self._eval_left -= 1
+            elif self._place(record) is not None:
                 self._arrived.append(record.index)
-        if self.complete and self.finished is None:
+        if self.complete and self.eval_ready and self.finished is None:
             self.finished = time.monotonic()
         failed = [rec for rec in done.results if rec.failed is not None]
         if not failed:
@@ -211,27 +230,20 @@ class Regeneration:
     def done(self) -> int:
         return self._done
 
-    def regenerate_eval(self, generator: Any) -> list[Sample]:
-        """The held-out conversations (the file's tail), regenerated now, before serving: the eval batches
-        are built from them once, at the start."""
-        indexes = range(self.num_train, len(self.source.conversations))
-        todo = [i for i in indexes if i not in self.store.done]
-        if todo:
-            self.started = self.started or time.monotonic()
-        for start in range(0, len(todo), self.settings.batch_size):
-            chunk = todo[start : start + self.settings.batch_size]
-            results = generator.regenerate([(i, self.source.conversations[i]) for i in chunk])
-            self.store.append(results)
-            for record in results:
-                self.tally.add(record)
-                self.rate.add(record.new_tokens)
-        samples = []
-        for index in indexes:
-            sample = to_sample(self.store.done[index], index, self.tokenizer, self.data)
-            if sample is not None:
-                samples.append(sample)
-        self.eval_samples = samples
-        return samples
+    @property
+    def eval_ready(self) -> bool:
+        """Every held-out conversation regenerated (and written), or reused from the file."""
+        return self._eval_left == 0
+
+    def eval_samples(self) -> list[Sample]:
+        """The eval set: the held-out conversations as samples (those with something to evaluate), once
+        ``eval_ready``."""
+        if not self.eval_ready:
+            raise RuntimeError(
+                f"the eval set is not regenerated yet ({self._eval_left} conversation(s) left)"
+            )
+        samples = (to_sample(self.store.done[i], i, self.tokenizer, self.data) for i in self.eval_indexes)
+        return [s for s in samples if s is not None]
 
     # --- planning --------------------------------------------------------------------------------------
 
@@ -286,6 +298,8 @@ class Regeneration:
         return {
             "done": float(self._done),
             "total": float(self.num_train),
+            "eval_done": float(len(self.eval_indexes) - self._eval_left),
+            "eval_total": float(len(self.eval_indexes)),
             "tokens_per_s": self.rate.rate() if self.rate.span() >= 1.0 else 0.0,
             "failed_turns": float(sum(self.tally.failed.values())),
             "dropped": float(len(self.voids)),

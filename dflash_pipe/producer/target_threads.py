@@ -39,6 +39,8 @@ from dflash_pipe.wire.slots import PayloadSlot, PayloadStaging, slot_layout
 
 _STOP_POLL_S = 0.2
 """How often a target thread waiting for a free staging slot checks whether the producer closes."""
+EVAL_BATCH_SAMPLES = 4
+"""Held-out samples per eval BATCH."""
 
 
 class TargetStopped(Exception):
@@ -75,7 +77,7 @@ def pack(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, list[in
 
 
 def _message(
-    plan: PlannedBatch, lengths: list[int], tensors: dict[str, torch.Tensor], for_eval: bool
+    plan: PlannedBatch, lengths: list[int], tensors: dict[str, torch.Tensor], eval_set: int = 0
 ) -> m.Batch:
     return m.Batch(
         batch_id=plan.batch_id,
@@ -83,7 +85,8 @@ def _message(
         sample_ids=list(plan.sample_ids),
         lengths=lengths,
         tensors=tensors,
-        for_eval=for_eval,
+        for_eval=eval_set > 0,
+        eval_set=eval_set,
     )
 
 
@@ -92,17 +95,52 @@ def build_batch(
     plan: PlannedBatch,
     samples: Sequence[Sample],
     *,
-    for_eval: bool = False,
+    eval_set: int = 0,
     wire_dtype: str = "bf16",
 ) -> m.Batch:
     """One batch computed and copied synchronously into private memory (eval batches, kept for the whole
-    run: they must not hold a staging slot)."""
+    run: they must not hold a staging slot). ``eval_set``: the batches of the held-out set this one belongs
+    to (0: a training batch)."""
     ids, mask, lengths = pack(samples)
     wire = wire_features(core.features(ids, lengths), len(core.layer_ids), wire_dtype)
     tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), **{k: v.cpu() for k, v in wire.items()}}
-    if for_eval:
+    if eval_set:
         tensors["target_next"] = core.greedy_next(ids, lengths).cpu()
-    return _message(plan, lengths, tensors, for_eval)
+    return _message(plan, lengths, tensors, eval_set)
+
+
+def build_eval_batches(
+    core: TargetCore, samples: Sequence[Sample], wire_dtype: str = "bf16"
+) -> list[m.Batch]:
+    """The held-out samples as eval BATCHes of ``EVAL_BATCH_SAMPLES`` each (features and the target's
+    greedy next tokens), every one naming how many the set has."""
+    chunks = [samples[i : i + EVAL_BATCH_SAMPLES] for i in range(0, len(samples), EVAL_BATCH_SAMPLES)]
+    return [
+        build_batch(
+            core,
+            PlannedBatch(batch_id=n, epoch=0, sample_ids=[s.sample_id for s in chunk]),
+            chunk,
+            eval_set=len(chunks),
+            wire_dtype=wire_dtype,
+        )
+        for n, chunk in enumerate(chunks)
+    ]
+
+
+@dataclass(slots=True)
+class EvalJob:
+    """The held-out samples, once regenerated, for a target thread to turn into the eval BATCHes (its
+    replica computes them; the main thread must not run a forward on a replica a thread drives)."""
+
+    samples: list[Sample]
+
+
+@dataclass(slots=True)
+class EvalDone:
+    """The eval BATCHes of an ``EvalJob``, sent back through the ready queue."""
+
+    batches: list[m.Batch]
+    seconds: float
 
 
 @dataclass(slots=True)
@@ -164,7 +202,7 @@ class FeatureCopier:
             done = torch.cuda.Event()
             done.record(self.stream)
         tensors = {"input_ids": ids, "loss_mask": mask.to(torch.uint8), **host}
-        batch = _message(plan, lengths, tensors, for_eval=False)
+        batch = _message(plan, lengths, tensors)
         ready = ReadyBatch(plan=plan, payload=batch, tokens=sum(lengths), slot=slot)
         return InFlight(ready=ready, done=done, source=list(wire.values()) if done is not None else None)
 
@@ -191,8 +229,8 @@ class TargetThread(threading.Thread):
         self,
         core: TargetCore,
         samples: Sequence[Sample],
-        plans: queue.Queue[PlannedBatch | GenerateJob | None],
-        ready: queue.Queue[ReadyBatch | GenerateDone | TargetFailure],
+        plans: queue.Queue[PlannedBatch | GenerateJob | EvalJob | None],
+        ready: queue.Queue[ReadyBatch | GenerateDone | EvalDone | TargetFailure],
         rate: RateMeter,
         name: str,
         staging: PayloadStaging,
@@ -219,7 +257,7 @@ class TargetThread(threading.Thread):
         self._generator: Any = None
         self._pending: InFlight | None = None
         self._copier: FeatureCopier | None = None
-        self._stashed: list[PlannedBatch | GenerateJob | None] = []
+        self._stashed: list[PlannedBatch | GenerateJob | EvalJob | None] = []
         """A plan taken during a generation that the run loop must see next (the closing ``None``)."""
         self.stopping = threading.Event()
         """Set by ``stop()``: no new batch starts (the one computing finishes) and a generation job in
@@ -240,6 +278,8 @@ class TargetThread(threading.Thread):
             while not self.stopping.is_set() and (plan := self._next_plan()) is not None:
                 if isinstance(plan, GenerateJob):
                     self._generate(plan)
+                elif isinstance(plan, EvalJob):
+                    self._build_eval(plan)
                 else:
                     self._compute(plan)
             self._finish()
@@ -258,6 +298,14 @@ class TargetThread(threading.Thread):
         seconds = time.perf_counter() - t0
         self.busy_s += seconds
         return seconds
+
+    def _build_eval(self, job: EvalJob) -> None:
+        """The eval BATCHes of the held-out samples, in private memory (they live for the whole run)."""
+        t0 = time.perf_counter()
+        batches = build_eval_batches(self.core, job.samples, self.wire_dtype)
+        seconds = time.perf_counter() - t0
+        self.busy_s += seconds
+        self.ready.put(EvalDone(batches=batches, seconds=seconds))
 
     def _generate(self, job: GenerateJob) -> None:
         """Hands over the pending batch first (its worker may wait for it), then regenerates the job. On the
@@ -291,6 +339,8 @@ class TargetThread(threading.Thread):
                 elif isinstance(plan, GenerateJob):
                     jobs.open(plan)
                     added += plan.items
+                elif isinstance(plan, EvalJob):
+                    self._build_eval(plan)
                 else:
                     self._compute(plan)
             mark = time.perf_counter()
@@ -310,7 +360,7 @@ class TargetThread(threading.Thread):
         self.busy_s += seconds
         self.generate_s += seconds
 
-    def _next_plan(self) -> PlannedBatch | GenerateJob | None:
+    def _next_plan(self) -> PlannedBatch | GenerateJob | EvalJob | None:
         """The next plan without waiting while a batch is pending; with none queued, hand that batch over
         first (its consumers may be waiting for it), then wait."""
         if self._stashed:

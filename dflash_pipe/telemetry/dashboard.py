@@ -86,10 +86,14 @@ def sparkline(values: Sequence[float], width: int = 30) -> str:
 
 
 def regen_text(regen: Mapping[str, float]) -> str:
-    """``regen 120/3000 conv 1.2k tok/s (target 64% generating, drafters 3% idle) 2 failed``: where the
-    target's regeneration of the data stands, and whether it starves the drafters."""
+    """``regen 120/3000 conv held-out 8/16 1.2k tok/s (target 64% generating, drafters 3% idle) 2 failed``:
+    where the target's regeneration of the data stands (the held-out set shown until it is complete: no
+    evaluation before), and whether it starves the drafters."""
     done, total = int(regen.get("done", 0)), int(regen.get("total", 0))
     text = f"regen {done}/{total} conv"
+    eval_done, eval_total = int(regen.get("eval_done", 0)), int(regen.get("eval_total", 0))
+    if eval_done < eval_total:
+        text += f" held-out {eval_done}/{eval_total}"
     if done < total:
         text += f" {format_rate(regen.get('tokens_per_s'))} tok/s"
         if "target_share" in regen and "drafters_idle_share" in regen:

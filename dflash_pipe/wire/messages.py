@@ -30,7 +30,7 @@ import torch
 
 from dflash_pipe.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any change to the header layout, a kind's fields or their meaning."""
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
@@ -322,6 +322,7 @@ class Welcome(Message):
     num_samples: int = bounded(ge=1)  # training samples per epoch (the ledger's size)
     credits: int = bounded(ge=1)  # batches the worker may hold at once (its first READY)
     eval_batches: int = bounded(ge=0)  # held-out eval BATCHes sent right after WELCOME
+    eval_pending: bool = False  # the held-out set is still being regenerated: its BATCHes come later
     ring: dict[str, Any] = field(default_factory=dict)  # wire.shm.RingOffer for a same-host worker, or {}
     cuda_ring: dict[str, Any] = field(default_factory=dict)  # wire.cuda_ipc.CudaIpcOffer, or {}
 
@@ -361,8 +362,14 @@ class Batch(Message):
     lengths: list[int] = bounded(ge=0)
     tensors: dict[str, torch.Tensor]
     for_eval: bool = False  # held-out eval data (tensors also hold "target_next"); never leased or acked
+    eval_set: int = bounded(ge=0, default=0)  # for_eval: how many BATCHes the held-out set has
 
     def _check(self) -> None:
+        if self.for_eval != (self.eval_set > 0):
+            raise ProtocolError(
+                f"field 'Batch.eval_set': {self.eval_set} with for_eval={self.for_eval} (an eval BATCH names "
+                "the size of its held-out set, >= 1; a training BATCH has 0)"
+            )
         if len(self.sample_ids) != len(self.lengths):
             raise ProtocolError(
                 f"field 'Batch.lengths': {len(self.lengths)} lengths for {len(self.sample_ids)} sample_ids"

@@ -18,7 +18,7 @@ from dflash_pipe.drafter.acceptance import acceptance  # the function (the packa
 from dflash_pipe.drafter.evaluate import simulated_metrics
 from dflash_pipe.run.checkpoint import save_checkpoint
 from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.train.batches import DeviceBatch
+from dflash_pipe.train.batches import DeviceBatch, unpack
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, StepVote
 from dflash_pipe.train.handover import hand_over
@@ -96,6 +96,12 @@ class WorkerSession:
     """Who runs forward/backward: ``OneReplica`` (process mode, the default) or ``worker.threads``."""
     real_eval: RealEval | None = None
     """Real speculative decoding of the held-out prompts (``train.eval_generate``); None: simulated only."""
+    eval_pending: bool = False
+    """The producer is still regenerating the held-out set: its BATCHes come during training."""
+    target_path: str = ""
+    """The target checkpoint (the real evaluation loads it), for an eval set that arrives late."""
+    eval_incoming: list[DeviceBatch] = field(default_factory=list)
+    """Eval BATCHes of a late held-out set received so far (evaluated only once all have come)."""
 
     def __post_init__(self) -> None:
         if self.replicas is None:
@@ -253,7 +259,8 @@ def evaluate(s: WorkerSession, *, final: bool = False) -> dict[str, Any]:
     """Simulated acceptance length (teacher-forced, ``simulated/...``) on the producer's held-out samples,
     and, when ``train.eval_generate`` asks for this evaluation, the real one (``real/...``)."""
     if not s.eval_batches:
-        return {}
+        # Due before the held-out set exists: say so (the dashboard notes it) instead of a tau of nothing.
+        return {"eval/skipped": 1.0} if s.eval_pending else {}
     was_training = s.model.training
     s.model.eval()
     generator = torch.Generator(device=s.device).manual_seed(s.train.seed + 17)
@@ -285,7 +292,9 @@ def _collect(s: WorkerSession, pending: deque, *, wait: bool) -> str | None:
         msg = s.link.get(timeout_s=max(deadline - time.monotonic(), 0.0))
         if msg is None:
             return done
-        if isinstance(msg, m.Batch):
+        if isinstance(msg, m.Batch) and msg.for_eval:
+            take_eval_batch(s, msg)
+        elif isinstance(msg, m.Batch):
             pending.append(msg)
         elif isinstance(msg, m.Done):
             done = msg.reason or "producer finished"
@@ -294,6 +303,17 @@ def _collect(s: WorkerSession, pending: deque, *, wait: bool) -> str | None:
                 f"the producer reported: {getattr(msg, 'message', None) or msg.reason}"
             )
         deadline = time.monotonic()
+
+
+def take_eval_batch(s: WorkerSession, msg: m.Batch) -> None:
+    """A BATCH of the held-out set sent during training (it was regenerated after this worker's WELCOME);
+    the set is used once all its ``eval_set`` BATCHes have come, never a part of it."""
+    s.eval_incoming.append(unpack(msg.tensors, msg.lengths, s.device, feature_size=s.feature_size))
+    if len(s.eval_incoming) < msg.eval_set:
+        return
+    s.eval_batches, s.eval_incoming, s.eval_pending = s.eval_incoming, [], False
+    if s.train.eval_generate != "off":
+        s.real_eval = RealEval(s.target_path, s.eval_batches, s.train, s.device)
 
 
 def _id_pairs(batches: list[m.Batch]) -> torch.Tensor:

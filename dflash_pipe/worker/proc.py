@@ -177,6 +177,8 @@ def _serve(
             block_size=drafter_cfg.block_size,
             feature_size=drafter_cfg.feature_size,
             replicas=replicas,
+            eval_pending=welcome.eval_pending,
+            target_path=welcome.target_path,
         )
         if warm:
             link.send(m.Metrics(step=step, values=warm))

@@ -104,16 +104,39 @@ def test_a_reopened_run_reuses_what_was_written(tmp_path, tok):
     assert sorted(first) == [2, 3]  # 0 already trained this epoch, 1 void
 
 
-def test_the_eval_tail_is_regenerated_before_serving(tmp_path, tok):
+def test_the_held_out_tail_is_regenerated_right_after_the_first_training_job(tmp_path, tok):
     regen = _make(tmp_path, tok)
+    first, held_out, third = regen.next_job(), regen.next_job(), regen.next_job()
+    assert all(i < N - 2 for i, _ in first.items) and all(i < N - 2 for i, _ in third.items)
+    assert [i for i, _ in held_out.items] == [N - 2, N - 1]  # the eval tail, a job of its own
+    regen.accept(GenerateDone(job=first, results=_answer(first.items), seconds=0.1, replica="cpu"))
+    assert next(regen.epoch0(set())) is not None  # training is served before the eval set exists
+    assert not regen.eval_ready and regen.status()["eval_done"] == 0
+    with pytest.raises(RuntimeError, match="not regenerated yet"):
+        regen.eval_samples()
+    regen.accept(GenerateDone(job=held_out, results=_answer(held_out.items), seconds=0.1, replica="cpu"))
+    assert regen.eval_ready and regen.status()["eval_done"] == regen.status()["eval_total"] == 2
+    assert [s.sample_id for s in regen.eval_samples()] == [N - 2, N - 1]
+    assert regen.done == len(first.items)  # held-out replies are not training samples
+    regen.store.close()
+    again = _make(tmp_path, tok)  # resumed: the held-out replies in the file are reused, not redone
+    assert again.eval_ready and [s.sample_id for s in again.eval_samples()] == [N - 2, N - 1]
+    jobs = []
+    while (job := again.next_job()) is not None:
+        jobs += [i for i, _ in job.items]
+    assert sorted(jobs) == list(range(4, N - 2))  # only the training conversations not written
 
-    class Generator:
-        def regenerate(self, items):
-            return _answer(items)
 
-    samples = regen.regenerate_eval(Generator())
-    assert [s.sample_id for s in samples] == [N - 2, N - 1]
-    assert sorted(i for i in regen.store.done) == [N - 2, N - 1]
+def test_a_killed_run_regenerates_the_held_out_set_it_lost(tmp_path, tok):
+    regen = _make(tmp_path, tok)
+    first, held_out = regen.next_job(), regen.next_job()
+    regen.accept(GenerateDone(job=first, results=_answer(first.items), seconds=0.1, replica="cpu"))
+    regen.store.close()  # killed while the held-out job was in flight: none of it was written
+    again = _make(tmp_path, tok)
+    assert not again.eval_ready and again.done == len(first.items)
+    job = again.next_job()
+    assert all(i < N - 2 for i, _ in job.items)  # a training job first, then the held-out set again
+    assert [i for i, _ in again.next_job().items] == [i for i, _ in held_out.items]
 
 
 def test_void_ids_count_as_trained_for_the_resume_epoch():
@@ -132,20 +155,22 @@ def test_jobs_group_conversations_of_similar_length_within_a_window(tmp_path, to
     jobs = []
     while (job := regen.next_job()) is not None:
         jobs.append([i for i, _ in job.items])
-    # the 10 training conversations fit one window (8 jobs of 2): shortest first, each exactly once
-    assert jobs == [[9, 8], [7, 6], [5, 4], [3, 2], [1, 0]]
+    # the 10 training conversations fit one window (8 jobs of 2): shortest first, each exactly once;
+    assert jobs == [[9, 8], [10, 11], [7, 6], [5, 4], [3, 2], [1, 0]]  # the held-out pair second
 
 
 def test_a_job_with_failed_turns_returns_the_dashboard_note(tmp_path, tok):
     regen = _make(tmp_path, tok)
     job = regen.next_job()
     assert regen.accept(GenerateDone(job=job, results=_answer(job.items), seconds=0.1, replica="cpu")) is None
+    job = regen.next_job()  # the held-out pair
+    assert regen.accept(GenerateDone(job=job, results=_answer(job.items), seconds=0.1, replica="cpu")) is None
     job = regen.next_job()
     note = regen.accept(
         GenerateDone(job=job, results=_answer(job.items, empty={5}), seconds=0.1, replica="cpu")
     )
     assert note == (
-        "regeneration: 1 conversation(s) of job 2 stopped at a turn that could not be generated (first: "
+        "regeneration: 1 conversation(s) of job 3 stopped at a turn that could not be generated (first: "
         "conversation 5, turn 0: empty reply); their earlier turns are kept. So far: 1 empty reply"
     )
 
@@ -159,7 +184,8 @@ def test_no_trainable_sample_at_all_is_a_clear_error(tmp_path, tok):
             GenerateDone(job=job, results=_answer(job.items, empty=every), seconds=0.1, replica="cpu")
         )
     why = regen.nothing_to_train()
-    assert why is not None and "all 10 training conversations" in why and "10 empty reply" in why
+    # the failed turns count the held-out pair too (the tally is all this process generated)
+    assert why is not None and "all 10 training conversations" in why and "12 empty reply" in why
 
 
 def test_status_gives_the_share_of_target_time_spent_generating(tmp_path, tok):

@@ -99,13 +99,14 @@ def test_golden_frame_layout(batch_factory):
     assert len(frames) == 3
     header = header_of(frames)
     assert list(header) == ["v", "k", "f", "t"]
-    assert header["v"] == 4 and header["k"] == Kind.BATCH == 5
+    assert header["v"] == 5 and header["k"] == Kind.BATCH == 5
     assert header["f"] == {
         "batch_id": 7,
         "epoch": 2,
         "sample_ids": [100, 101],
         "lengths": [300, 300],
         "for_eval": False,
+        "eval_set": 0,
     }
     (n0, d0, s0, l0), (n1, d1, s1, l1), (n2, d2, s2, l2) = header["t"]
     assert (n0, d0, s0, l0) == ("input_ids", "int64", [600], 1)

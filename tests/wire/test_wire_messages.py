@@ -35,7 +35,7 @@ def test_registry_covers_every_kind_once(messages):
 
 def test_kind_bytes_are_pinned():
     # Golden: kind bytes are part of the protocol; changing one needs a PROTOCOL_VERSION bump.
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION == 5
     assert {k.name: k.value for k in Kind} == {
         "HELLO": 1, "WELCOME": 2, "REJECT": 3, "READY": 4, "BATCH": 5, "ACK": 7,
         "METRICS": 8, "CHECKPOINT": 9, "HEARTBEAT": 10, "ERROR": 11, "DONE": 12, "BYE": 13,
@@ -49,11 +49,12 @@ def test_field_names_are_pinned():
                   "protocol_version"],
         "WELCOME": [
             "run_id", "rendezvous", "run_dir", "target_path", "drafter", "train", "resume_from",
-            "heartbeat_s", "peer_timeout_s", "num_samples", "credits", "eval_batches", "ring", "cuda_ring",
+            "heartbeat_s", "peer_timeout_s", "num_samples", "credits", "eval_batches", "eval_pending", "ring",
+            "cuda_ring",
         ],
         "REJECT": ["reason"],
         "READY": ["credits", "shm", "cuda_ipc"],
-        "BATCH": ["batch_id", "epoch", "sample_ids", "lengths", "tensors", "for_eval"],
+        "BATCH": ["batch_id", "epoch", "sample_ids", "lengths", "tensors", "for_eval", "eval_set"],
         "ACK": ["batch_ids", "step"],
         "METRICS": ["step", "values"],
         "CHECKPOINT": ["step", "path"],
@@ -92,6 +93,14 @@ def test_normalization(messages):
             "sum(lengths) = 3",
         ),
         (lambda: Batch(batch_id=0, epoch=0, sample_ids=[], lengths=[], tensors={"x": 1}), "torch.Tensor"),
+        (
+            lambda: Batch(batch_id=0, epoch=0, sample_ids=[], lengths=[], tensors={}, for_eval=True),
+            "Batch.eval_set': 0 with for_eval=True",
+        ),
+        (
+            lambda: Batch(batch_id=0, epoch=0, sample_ids=[], lengths=[], tensors={}, eval_set=2),
+            "Batch.eval_set': 2 with for_eval=False",
+        ),
     ],
 )
 def test_bad_fields_raise_protocol_error_naming_the_field(build, needle):
