@@ -84,7 +84,9 @@ def test_fused_projections_are_views_and_leave_hf_forward_unchanged():
     storage = fused.qkv_weight.untyped_storage().data_ptr()
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
         assert proj.weight.untyped_storage().data_ptr() == storage  # a view, not a second copy
-    assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up_weight.untyped_storage().data_ptr()
+    assert (
+        mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up_weight.untyped_storage().data_ptr()
+    )
     rows = attn.q_proj.out_features
     assert torch.equal(fused.qkv_weight[rows : rows + attn.k_proj.out_features], attn.k_proj.weight)
     torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
@@ -116,3 +118,17 @@ def test_fusion_keeps_biases_with_their_rows(bias):
     assert (fused.qkv_bias is not None) == bias
     got = torch.nn.functional.linear(x, fused.qkv_weight, fused.qkv_bias)
     torch.testing.assert_close(got, torch.cat(want, dim=-1), rtol=0, atol=0)
+
+
+def test_the_triton_kernel_is_refused_where_it_would_not_be_exact_or_run():
+    """fp32 (Triton's dot rounds to tf32), odd head dims and CPUs keep SDPA/matmul; asked for by name there,
+    the error says what it needs and what to use instead."""
+    from dflash_pipe.target.decode import attention_kernel
+
+    assert not attention_kernel.supported(torch.float32, 128, torch.device("cuda"))
+    assert not attention_kernel.supported(torch.bfloat16, 80, torch.device("cuda"))
+    assert not attention_kernel.supported(torch.bfloat16, 128, torch.device("cpu"))
+    assert attention_kernel.supported(torch.bfloat16, 128, torch.device("cuda"))
+    assert DecodeStack(_model(), MAX_LEN).decode_attention == "matmul"  # the CPU default
+    with pytest.raises(ValueError, match="needs bf16/fp16 on CUDA.*use 'sdpa' or 'matmul'"):
+        DecodeStack(_model(), MAX_LEN, decode_attention="triton")

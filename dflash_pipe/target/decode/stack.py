@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_pipe.target.decode import attention_kernel
+from dflash_pipe.target.decode.attention_kernel import combine
 from dflash_pipe.target.decode.fuse import FusedLayer, fuse_layer
 from dflash_pipe.target.layers import find_decoder_layers
 from dflash_pipe.target.packing import call_compiled
@@ -186,6 +188,13 @@ def decode_out(
     return _finish(layer, fused, h, attended.reshape(s, 1, -1))
 
 
+def combine_out(
+    m: LayerMath, layer: nn.Module, fused: FusedLayer, h: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
+    """The Triton kernel's split outputs merged (``attention_kernel.combine``), then the rest of the layer."""
+    return _finish(layer, fused, h, combine(out, lse, m.groups, h.dtype)[:, None])
+
+
 def _prefill_attend(m: LayerMath, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
     """Queries ``[k, n, heads, D]`` against ``[k, kvh, *, D]``: ``[k, n, heads * D]``."""
     k_rows, n = q.shape[:2]
@@ -249,10 +258,11 @@ class DecodeStack:
         compile_layers: bool | None = None,
         compile_prefill: bool | None = None,
     ) -> None:
-        """``decode_attention``: "sdpa" (``scaled_dot_product_attention`` with a boolean mask; 6-13% faster a
-        step on the H200, ``bench/engine_profile.py``) or "matmul" (two batched matmuls and a softmax, which
-        repeat no keys: a third faster on CPU, where SDPA copies them per head). None: sdpa on CUDA, matmul
-        elsewhere. ``compile_layers``: decode steps run every layer through one ``torch.compile``'d function
+        """``decode_attention``: "triton" (``attention_kernel``: each slot's live columns only, bf16/fp16 on
+        CUDA), "sdpa" (``scaled_dot_product_attention`` with a boolean mask over the whole span) or "matmul"
+        (two batched matmuls and a softmax, which repeat no keys: a third faster than SDPA on CPU, where SDPA
+        copies them per head). None: triton where it is supported, else sdpa on CUDA, matmul elsewhere
+        (timings: ``bench/engine_profile.py``). ``compile_layers``: decode steps run every layer through one ``torch.compile``'d function
         (Inductor fuses the norms, RoPE, residual adds and softmax: an eager step is ~800 kernels, a third of
         its time in elementwise ones); one graph serves all layers, so it compiles in seconds, not the
         minutes a whole-step graph took. Default: on CUDA for families ``graph_safe`` accepts.
@@ -276,10 +286,19 @@ class DecodeStack:
         cos, sin = inner.rotary_emb(probe, positions)  # HF's own cos/sin, per position
         self.cos, self.sin = cos[0], sin[0]  # [L+1, D]
         self.max_len = max_len
+        head_dim = self.shape.head_dim
+        triton_ok = attention_kernel.supported(self.dtype, head_dim, self.device)
         if decode_attention is None:
-            decode_attention = "sdpa" if self.device.type == "cuda" else "matmul"
-        if decode_attention not in ("matmul", "sdpa"):
-            raise ValueError(f"decode_attention must be 'matmul' or 'sdpa', got {decode_attention!r}")
+            decode_attention = "triton" if triton_ok else "sdpa" if self.device.type == "cuda" else "matmul"
+        if decode_attention not in ("triton", "matmul", "sdpa"):
+            raise ValueError(
+                f"decode_attention must be 'triton', 'matmul' or 'sdpa', got {decode_attention!r}"
+            )
+        if decode_attention == "triton" and not triton_ok:
+            raise ValueError(
+                f"decode_attention='triton' needs bf16/fp16 on CUDA and a power-of-two head dim >= 16; this "
+                f"model is {self.dtype} on {self.device} with head dim {head_dim}: use 'sdpa' or 'matmul'"
+            )
         self.math = LayerMath(
             heads=self.shape.heads,
             kv_heads=self.shape.kv_heads,
@@ -323,15 +342,19 @@ class DecodeStack:
         first ``span`` columns of each slot. No host synchronisation: capturable in a CUDA graph."""
         s = tokens.shape[0]
         rows = torch.arange(s, device=tokens.device)
-        visible = torch.arange(span, device=tokens.device)[None] <= positions[:, None]  # [S, span]
-        if self.decode_attention == "sdpa":
-            mask = visible[:, None, None]  # [S, 1, 1, span]
+        lengths = mask = None
+        if self.decode_attention == "triton":
+            lengths = torch.where(positions >= self.max_len, 1, positions + 1)  # idle slots: column 0 only
         else:
-            bias = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device)
-            mask = bias.masked_fill(~visible, float("-inf"))[:, None, None]  # [S, 1, 1, span]
+            visible = torch.arange(span, device=tokens.device)[None] <= positions[:, None]  # [S, span]
+            mask = visible[:, None, None]  # [S, 1, 1, span]
+            if self.decode_attention == "matmul":
+                bias = torch.zeros(mask.shape, dtype=torch.float32, device=tokens.device)
+                mask = bias.masked_fill(~mask, float("-inf"))
         cos, sin = self._rope(positions[:, None])
         first = self._layer_fn(layer_in, self.compile_layers, 1)
         then = self._layer_fn(decode_out, self.compile_layers, 1)
+        merged = self._layer_fn(combine_out, self.compile_layers, 1)
         h = self.embed(tokens)[:, None]  # [S, 1, H]
         for i, (layer, fused) in enumerate(zip(self.layers, self.fused, strict=True)):
             q, k, v = first(layer, fused, h, cos, sin)
@@ -339,7 +362,13 @@ class DecodeStack:
             # might copy the whole cache back
             cache.keys[i][rows, :, positions] = k[:, 0]
             cache.values[i][rows, :, positions] = v[:, 0]
-            h = then(layer, fused, h, q, cache.keys[i], cache.values[i], mask, span)
+            if mask is None:
+                out, lse = attention_kernel.decode_attention(
+                    q[:, 0], cache.keys[i], cache.values[i], lengths, span, self.math.scaling
+                )
+                h = merged(layer, fused, h, out, lse)
+            else:
+                h = then(layer, fused, h, q, cache.keys[i], cache.values[i], mask, span)
         return self._logits(h[:, 0])
 
     # --- prefill: new tokens of some slots, after what their cache already holds ------------------------

@@ -1,0 +1,168 @@
+"""Decode attention that reads only each slot's live columns: a Triton kernel (CUDA only).
+
+A decode step at batch 64 and a 768-column span reads 5.6 GB of keys and values at the Qwen3-1.7B shape,
+more than the weights; SDPA and batched matmuls over a static span read every column up to the span for
+every slot, whether the slot holds 100 tokens or 700. This kernel reads columns ``< length`` of each slot
+only, once per KV head for all the query heads of its group (no repeated keys), split along the columns
+when too few (slot, head) programs would fill the GPU. The splits' partial outputs are combined by
+``combine`` (plain torch, fused into the compiled rest of the layer).
+
+Shapes are fixed per (slot count, span), so a step that calls it is captured in a CUDA graph like the
+others; the kernel is compiled by Triton on its first call (the engine's warm-up steps, before capture).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+BLOCK_N = 64
+"""Key columns per inner iteration."""
+MIN_PROGRAMS = 264
+"""Programs (slot x KV head x split) wanted at least: two per SM of an H100/H200."""
+
+
+def supported(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """bf16/fp16 on CUDA with a power-of-two head dim of 16 or more (fp32 stays on SDPA: Triton's dot would
+    round it to tf32, and fp32 is where decoding is checked token for token against HF)."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+    )
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        lengths_ptr,
+        out_ptr,
+        lse_ptr,
+        stride_qs,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_kn,
+        stride_vs,
+        stride_vh,
+        stride_vn,
+        scale,
+        chunk,
+        SPLITS: tl.constexpr,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        s = tl.program_id(0)
+        kh = tl.program_id(1)
+        sp = tl.program_id(2)
+        heads_kv = tl.num_programs(1)
+        n = tl.load(lengths_ptr + s)
+        start = sp * chunk
+        end = tl.minimum(start + chunk, n)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + s * stride_qs + (kh * G + g)[:, None] * stride_qh + d[None, :],
+            mask=(g < G)[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        k_base = k_ptr + s * stride_ks + kh * stride_kh
+        v_base = v_ptr + s * stride_vs + kh * stride_vh
+        for block in range(0, tl.cdiv(tl.maximum(end - start, 0), BLOCK)):  # this split's live columns
+            cols = start + block * BLOCK + tl.arange(0, BLOCK)
+            valid = cols < end
+            k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, BLOCK], fp32
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every block holds a live column
+            alpha = tl.exp(m_i - m_new)
+            p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        row = (s * heads_kv + kh) * SPLITS + sp  # out [S, kvh, SPLITS, G_PAD, D], lse [S, kvh, SPLITS, G_PAD]
+        tl.store(out_ptr + (row * G_PAD + g)[:, None] * D + d[None, :], out)
+        tl.store(lse_ptr + row * G_PAD + g, lse)
+
+    return decode_attention_kernel
+
+
+def splits_for(slots: int, kv_heads: int, span: int) -> int:
+    """Column splits per (slot, KV head): enough programs to fill the GPU, never an empty split by span."""
+    wanted = math.ceil(MIN_PROGRAMS / max(1, slots * kv_heads))
+    return max(1, min(wanted, math.ceil(span / BLOCK_N)))
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, span: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[S, heads, D]`` against each slot's first ``lengths[s]`` columns (``<= span``) of ``keys`` and
+    ``values`` ``[S, kvh, L+1, D]``. Returns the splits' outputs ``[S, kvh, splits, G', D]`` and log-sum-exps
+    ``[S, kvh, splits, G']`` (fp32; G' = the group size padded to 16) for ``combine``."""
+    slots, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    g_pad = max(16, triton_next_power_of_2(groups))
+    splits = splits_for(slots, kv_heads, span)
+    chunk = math.ceil(span / splits / BLOCK_N) * BLOCK_N
+    out = torch.empty((slots, kv_heads, splits, g_pad, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((slots, kv_heads, splits, g_pad), dtype=torch.float32, device=q.device)
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("decode_attention needs the head dim contiguous in q, keys and values")
+    _kernel()[(slots, kv_heads, splits)](
+        q,
+        keys,
+        values,
+        lengths,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        scale,
+        chunk,
+        SPLITS=splits,
+        G=groups,
+        G_PAD=g_pad,
+        D=dim,
+        BLOCK=BLOCK_N,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out, lse
+
+
+def combine(out: torch.Tensor, lse: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The splits of ``decode_attention`` merged by their log-sum-exps: ``[S, heads * D]`` in ``dtype``."""
+    weight = torch.exp(lse - lse.amax(dim=2, keepdim=True))  # [S, kvh, splits, G']
+    merged = (out * weight[..., None]).sum(dim=2) / weight.sum(dim=2)[..., None]  # [S, kvh, G', D]
+    return merged[:, :, :groups].reshape(out.shape[0], -1).to(dtype)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
