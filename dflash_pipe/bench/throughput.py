@@ -6,7 +6,10 @@ Stages (tokens/s of the run's real samples, batched by the run's own plans):
   transport alone  BATCH messages of the right size through the real wire to worker processes
   pipeline         a real `dflash-pipe launch` (producer + worker processes), bounded in steps
 With ``compare``: offline (features written to safetensors files, then read back for training, end to end)
-and the drafters as threads of one worker process (``layout.drafter_mode = "threads"``).
+and the drafters as threads of one worker process (``layout.drafter_mode = "threads"``). With ``responses =
+"target"``: the pipeline again, its target regenerating every assistant turn while the drafters train
+(``--responses target``), beside the run on the dataset's responses: trained tokens/s and launch to first
+step of each.
 
 Pipeline efficiency = pipeline / the slowest stage alone (goal >= 0.95). When the target and the drafters
 share devices (CPU, or the same GPUs), each stage alone had them to itself, so the best a pipeline can do is
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import time
 from collections.abc import Callable
@@ -43,14 +47,19 @@ from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.layout import LayoutConfig
 
 EFFICIENCY_GOAL = 0.95
+REGEN_RATE_GOAL = 0.5
+"""Issue 30: trained tokens/s with regeneration running, at least this share of the dataset-response run's."""
+REGEN_FIRST_STEP_GOAL = 1.2
+"""Issue 30: launch to first step with regeneration, at most this multiple of the dataset-response run's."""
+TARGET_RESPONSES = "pipeline (target responses)"
 STAGES = ("producer alone", "drafters alone", "transport alone")
 Progress = Callable[[str], None]
 
 
 def bench_run_config(cfg: RunConfig, work_dir: Path) -> RunConfig:
     """The user's run config, pointed at a scratch run dir: no eval (simulated or real), no checkpoint but
-    the final one, and the data's own responses (the stages measured here are the feature path; the
-    regeneration has its own bench, bench/regenerate_speed.py)."""
+    the final one, and the data's own responses (the stages measured here are the feature path; with
+    ``--responses target`` the pipeline runs once more regenerating, ``run_pipeline(responses=...)``)."""
     return dataclasses.replace(
         cfg,
         run_dir=work_dir / "prepare",
@@ -71,8 +80,10 @@ def run_throughput_bench(
     compare: bool = False,
     progress: Progress | None = None,
 ) -> BenchResult:
-    """Measures every stage for about ``seconds`` each (plus start-up), then the pipeline."""
+    """Measures every stage for about ``seconds`` each (plus start-up), then the pipeline (twice when
+    ``cfg.data.responses`` is "target": on the dataset's responses and regenerating the target's)."""
     say = progress or (lambda _text: None)
+    regenerate = cfg.data.responses == "target"
     cfg = bench_run_config(cfg, Path(work_dir))
     say("loading target config, tokenizer and data")
     work = prepare_work(cfg)
@@ -87,6 +98,11 @@ def run_throughput_bench(
     say(f"pipeline: dflash-pipe launch for about {seconds:g} s of training")
     pipeline, waits = run_pipeline(work, seconds, rates[slowest].tokens_per_s, mode=None)
     rates["pipeline"] = pipeline
+    if regenerate:
+        say("pipeline again, the target regenerating every assistant turn (--responses target)")
+        rates[TARGET_RESPONSES], _ = run_pipeline(
+            work, seconds, rates[slowest].tokens_per_s, mode=None, responses="target"
+        )
     if compare:
         say("offline: features to safetensors files, then training reads them back")
         rates["offline (disk)"] = offline(work, pipeline.tokens)
@@ -96,10 +112,12 @@ def run_throughput_bench(
 
 
 def run_pipeline(
-    work: BenchWork, seconds: float, bottleneck_rate: float, *, mode: str | None
+    work: BenchWork, seconds: float, bottleneck_rate: float, *, mode: str | None, responses: str = "dataset"
 ) -> tuple[StageRate, dict[str, float]]:
     """A real launch (producer here, worker processes) bounded to about ``seconds`` of training by
-    ``max_steps``, sized from the slowest stage's rate; its rate is acked tokens between first and last ACK."""
+    ``max_steps``, sized from the slowest stage's rate; its rate is acked tokens between first and last ACK.
+    ``responses`` "target": the same run with the target regenerating the data's replies as it trains (the
+    same steps, so the two rates and first steps compare)."""
     from rich.console import Console
 
     from dflash_pipe.launcher import launch
@@ -115,16 +133,20 @@ def run_pipeline(
     )
     epochs = math.ceil(steps * workers / len(work.plans)) + 1
     name = "pipeline" if mode is None else f"pipeline-{mode}"
+    name += "-target-responses" if responses == "target" else ""
     layout = work.cfg.layout if mode is None else dataclasses.replace(work.cfg.layout, drafter_mode=mode)
     cfg = dataclasses.replace(
         work.cfg,
         run_dir=work.work_dir.parent / name,
         layout=layout,
+        data=dataclasses.replace(work.cfg.data, responses=responses),
         train=dataclasses.replace(work.cfg.train, max_steps=steps, epochs=max(epochs, work.cfg.train.epochs)),
     )
     quiet = Console(file=io.StringIO())
+    launched = time.time()
     summary = launch(cfg, resume=False, console=quiet, live=False)
     stage = "pipeline" if mode is None else mode
+    stage = TARGET_RESPONSES if responses == "target" else stage
     # Sustained = min(trained, produced) in the window: the ready queue filled during start-up can feed
     # the workers faster than the target for a while, and must not count as pipeline throughput.
     sustained = min(summary.ack_window_tokens, summary.produced_window_tokens)
@@ -132,9 +154,31 @@ def run_pipeline(
         "steps": summary.steps,
         "trained_tokens": summary.ack_window_tokens,
         "produced_tokens": summary.produced_window_tokens,
+        "launch_to_first_step_s": first_step_s(cfg.run_dir, launched),
         "run_dir": str(cfg.run_dir),
     }
+    if summary.regen:
+        extra["generated_tokens"] = summary.regen["new_tokens"]
+        extra["conversations_generated"] = summary.regen["conversations_generated"]
+        extra["regen_seconds"] = round(summary.regen["seconds"], 3)
+        busy = summary.waits.get("target_busy_s", 0.0)
+        share = summary.waits.get("target_generate_s", 0.0) / busy if busy > 0 else None
+        extra["target_generating_share"] = None if share is None else round(share, 3)
+        extra["drafters_idle_share"] = round(summary.waits.get("workers_starved_share", 0.0), 3)
     return StageRate(stage, sustained, summary.ack_window_s, extra), summary.waits
+
+
+def first_step_s(run_dir: Path, launched: float) -> float | None:
+    """Seconds from ``launched`` (``time.time()`` before the launch) to the first trained step's metrics
+    record in the run's ``metrics.jsonl`` (the bench logs every step); None when no step was logged."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            return round(record["time"] - launched, 3)
+    return None
 
 
 def offline(work: BenchWork, tokens: int) -> StageRate:
@@ -201,8 +245,13 @@ def _result(
         "max_anchors": d.max_anchors,
         "feature_dtype": str(work.feature_dtype).removeprefix("torch."),
         "compile": work.cfg.train.compile,
+        "responses": "dataset and target" if TARGET_RESPONSES in rates else "dataset",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    if TARGET_RESPONSES in rates:
+        regen = work.cfg.regen
+        config["regen"] = {"max_new_tokens": regen.max_new_tokens, "batch_size": regen.batch_size}
+        config["regen"] |= {"decoder": regen.decoder, "temperature": regen.temperature}
     chart = {"x": "stage", "y": "tokens_per_s", "kind": "bar", "title": "tokens/s by stage (same data)"}
     return BenchResult(name="throughput", config=config, rows=rows, summary=summary, chart=chart)
 
@@ -266,8 +315,43 @@ def summarize(
         if other in rates and rates[other].tokens_per_s > 0:
             summary[f"pipeline_vs_{other.split()[0]}"] = round(pipeline / rates[other].tokens_per_s, 3)
     summary["goals"] = [goal(goal_name, goal_value, at_least=EFFICIENCY_GOAL)]
+    if TARGET_RESPONSES in rates:
+        summary["responses"], goals = responses_comparison(rates["pipeline"], rates[TARGET_RESPONSES])
+        summary["goals"] += goals
     summary["notes"] = notes + [
         "target idle share: the target had nothing to compute (ready queue full, waiting for credits); "
         "workers starved share: workers held credits the producer could not fill (waiting for batches)"
     ]
     return summary
+
+
+def responses_comparison(dataset: StageRate, target: StageRate) -> tuple[dict[str, Any], list[dict]]:
+    """The pipeline on the target's regenerated responses against the same run on the dataset's: trained
+    tokens/s and launch to first step of each, their ratios, and issue 30's goals on both ratios."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    first = {
+        r: rate.extra.get("launch_to_first_step_s") for r, rate in (("dataset", dataset), ("target", target))
+    }
+    out = {
+        "dataset": {
+            "tokens_per_s": round(dataset.tokens_per_s, 1),
+            "launch_to_first_step_s": first["dataset"],
+        },
+        "target": {
+            "tokens_per_s": round(target.tokens_per_s, 1),
+            "launch_to_first_step_s": first["target"],
+            "generated_tokens": target.extra.get("generated_tokens"),
+        },
+        "target_vs_dataset_tokens_per_s": ratio(target.tokens_per_s, dataset.tokens_per_s),
+        "target_vs_dataset_first_step": ratio(first["target"], first["dataset"]),
+    }
+    goals = [
+        goal("trained tokens/s, target vs dataset responses", out["target_vs_dataset_tokens_per_s"],
+             at_least=REGEN_RATE_GOAL),
+        goal("launch to first step, target vs dataset responses", out["target_vs_dataset_first_step"],
+             at_most=REGEN_FIRST_STEP_GOAL),
+    ]  # fmt: skip
+    return out, goals

@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 
 from dflash_pipe.commands import check_machine, console
+from dflash_pipe.data.config import DataConfig
 from dflash_pipe.fields import choices
 from dflash_pipe.train.config import TrainConfig
 
@@ -100,6 +101,17 @@ _OUT_OPTION = click.option(
 @click.option(
     "--compile", "compile_mode", type=click.Choice(choices(TrainConfig, "compile")), help="As `launch`."
 )
+@click.option(
+    "--responses",
+    type=click.Choice(choices(DataConfig, "responses")),
+    default="dataset",
+    show_default=True,
+    help="target: the pipeline runs again with the target regenerating every assistant turn as it trains "
+    "(launch --responses target), beside the run on the dataset's: trained tokens/s and launch to first step "
+    "of each.",
+)
+@click.option("--max-new-tokens", type=int, help="With --responses target: as `launch`.")
+@click.option("--regen-batch", type=int, help="With --responses target: as `launch`.")
 @click.option("--seconds", type=float, default=3.0, show_default=True, help="Measured seconds per stage.")
 @click.option("--compare", is_flag=True, help="Also run offline (features via disk) and threaded drafters.")
 @_OUT_OPTION
@@ -111,8 +123,10 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_w
     All on the same data; pipeline efficiency = pipeline / slowest stage alone (goal >= 0.95; when the
     target and the drafters share devices, the goal is checked against the time-sharing bound
     1 / (1/producer alone + 1/drafters alone)), and where time goes (target idle waiting for credits,
-    workers waiting for batches, queue depth). Examples:
+    workers waiting for batches, queue depth). With --responses target, the pipeline once more regenerating
+    the target's responses (goals: >= 0.5x the trained tokens/s, <= 1.2x the launch to first step). Examples:
       dflash-pipe bench throughput --seconds 3
+      dflash-pipe bench throughput --responses target --max-new-tokens 32
       dflash-pipe bench throughput --target-model /models/Qwen3-8B --data chat.jsonl \\
           --target-gpus 0 --drafter-gpus 0 --seconds 20 --compare --out bench-results/h200
     """

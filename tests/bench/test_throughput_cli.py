@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
 
+from dflash_pipe.data import demo_data_path
+from dflash_pipe.data.regenerated import REGEN_FILE
 from tests.bench.helpers import ON_EACH_DEVICE, read_result, run_bench
 
 pytestmark = pytest.mark.slow
@@ -48,3 +52,52 @@ def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path, device
     assert summary["shared_device_bound_tokens_per_s"] == pytest.approx(bound, rel=0.01)
     assert summary["pipeline_vs_shared_bound"] == pytest.approx(rates["pipeline"] / bound, rel=0.01)
     assert "goal pipeline vs shared-device bound" in done.stdout and "tokens_per_s" in done.stdout
+
+
+def test_throughput_with_target_responses_beside_dataset_responses(tmp_path: Path):
+    data = tmp_path / "chat.jsonl"
+    with open(demo_data_path()) as f:
+        data.write_text("".join(next(f) for _ in range(300)))
+    out = tmp_path / "res"
+    tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
+    regen = ["--responses", "target", "--max-new-tokens", "8", "--regen-batch", "8"]
+    started = time.monotonic()
+    done = run_bench(
+        "throughput", "--device", "cpu", "--data", str(data), "--seconds", "0.5", "--keep-work", *tiny, *regen,
+        "--out", str(out),
+    )  # fmt: skip
+    wall = time.monotonic() - started
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = read_result(out, "throughput")
+    rows = {row["stage"]: row for row in result["rows"]}
+    dataset, target = rows["pipeline"], rows["pipeline (target responses)"]
+    assert dataset["tokens_per_s"] > 0 and target["tokens_per_s"] > 0
+    # the generated tokens are the regenerated file's, counted reply by reply
+    run_dir = out / "work" / "pipeline-target-responses"
+    records = [json.loads(line) for line in (run_dir / REGEN_FILE).read_text().splitlines()[1:]]
+    replies = [r["regen"] for r in records if "regen" in r]
+    detail = target["detail"]
+    assert detail["generated_tokens"] == sum(r["new_tokens"] for r in replies) > 0
+    assert detail["conversations_generated"] == len(records) > 0
+    assert 0 < detail["regen_seconds"] < wall and 0 < detail["target_generating_share"] <= 1
+    # launch to first step: after the worker's own start, before the bench ended, measured per run
+    for row, name in ((dataset, "pipeline"), (target, "pipeline-target-responses")):
+        metrics = [
+            json.loads(line) for line in (out / "work" / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        worker_first = min(v for r in metrics for k, v in r.items() if k.startswith("time_to_first_step_s/"))
+        assert worker_first <= row["detail"]["launch_to_first_step_s"] < wall
+    summary = result["summary"]["responses"]
+    assert summary["target"]["launch_to_first_step_s"] == detail["launch_to_first_step_s"]
+    assert summary["target_vs_dataset_tokens_per_s"] == pytest.approx(
+        target["tokens_per_s"] / dataset["tokens_per_s"], rel=0.01
+    )
+    assert summary["target_vs_dataset_first_step"] == pytest.approx(
+        detail["launch_to_first_step_s"] / dataset["detail"]["launch_to_first_step_s"], rel=0.01
+    )
+    goals = {g["name"]: g for g in result["summary"]["goals"]}
+    rate_goal = goals["trained tokens/s, target vs dataset responses"]
+    assert rate_goal["value"] == summary["target_vs_dataset_tokens_per_s"] and rate_goal["bound"] == 0.5
+    assert goals["launch to first step, target vs dataset responses"]["op"] == "<="
+    assert result["config"]["responses"] == "dataset and target"
+    assert result["config"]["regen"]["max_new_tokens"] == 8 and result["config"]["regen"]["batch_size"] == 8
