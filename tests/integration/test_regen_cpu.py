@@ -107,6 +107,8 @@ def test_killed_mid_regeneration_resumes_without_redoing(tmp_path: Path):
     assert ledger.count(0) + len(voids - ledger.trained(0)) == n_train  # every sample trained but voids
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in r for r in metrics) and any(k.startswith("regen/") for r in metrics for k in r)
+    # the held-out tail, regenerated after training had started, reached the final evaluation
+    assert any("simulated/tau" in r for r in metrics), "no evaluation on the regenerated held-out set"
     # the samples trained are the target's replies, not the dataset's
     source = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
     changed = sum(
