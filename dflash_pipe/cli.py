@@ -8,6 +8,7 @@ environment.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -116,10 +117,12 @@ def launch(**opts) -> None:
 
 def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from dflash_pipe.data import DataError
+    from dflash_pipe.launcher import checkpoint_note
     from dflash_pipe.launcher import launch as run
     from dflash_pipe.producer.core import RunAborted
     from dflash_pipe.producer.setup import SetupError
     from dflash_pipe.report import print_summary
+    from dflash_pipe.run.signals import StopNow
     from dflash_pipe.rundir import RunComplete
     from dflash_pipe.target.families import UnsupportedTargetError
 
@@ -128,6 +131,18 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     except RunComplete as exc:  # nothing to train: say so (and how to train on), exit 0
         console.print(str(exc), markup=False, highlight=False)
         return
+    except StopNow as exc:  # a signal during set-up: nothing trained in this launch, nothing to drain
+        saved = (cfg.run_dir / "config.json").exists()
+        again = f"dflash-pipe launch --resume {cfg.run_dir}" if saved else "the same command"
+        console.print(
+            f"stopped by {exc} while the run was starting: no step was trained in this launch; "
+            f"{checkpoint_note(cfg.run_dir, None)}. Start it again with {again}.",
+            markup=False,
+            highlight=False,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the target may still be loading in a thread: nothing of it is worth waiting for
     except (DataError, SetupError, FileNotFoundError, UnsupportedTargetError) as exc:
         console.print(f"[red]error:[/] {exc}")
         sys.exit(2)

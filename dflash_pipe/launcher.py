@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from dflash_pipe.run.config import RunConfig
 
@@ -50,6 +50,7 @@ def worker_command(
     keys: Path | None = None,
     join_timeout_s: float | None = None,
     reconnect_timeout_s: float | None = None,
+    stop_timeout_s: float | None = None,
     compile_cache: Path | None = None,
     python: str = sys.executable,
 ) -> list[str]:
@@ -62,6 +63,8 @@ def worker_command(
         cmd += ["--join-timeout", str(join_timeout_s)]
     if reconnect_timeout_s is not None:
         cmd += ["--reconnect-timeout", str(reconnect_timeout_s)]
+    if stop_timeout_s is not None:
+        cmd += ["--stop-timeout", str(stop_timeout_s)]
     if threads:
         cmd += ["--threads"]
     if compile_cache is not None:
@@ -74,8 +77,8 @@ def worker_command(
 def launched_worker_command(
     cfg: RunConfig, address: str, *, name: str, device: str, python: str = sys.executable
 ) -> list[str]:
-    """What ``launch`` runs for one of its workers: the run's keys, its reconnect timeout and drafter mode
-    (the compile cache comes in the environment, ``compile_cache_env``)."""
+    """What ``launch`` runs for one of its workers: the run's keys, its reconnect and stop timeouts and
+    drafter mode (the compile cache comes in the environment, ``compile_cache_env``)."""
     return worker_command(
         address,
         device,
@@ -83,6 +86,7 @@ def launched_worker_command(
         threads=cfg.layout.drafter_mode == "threads",
         keys=cfg.wire.keys,
         reconnect_timeout_s=cfg.wire.reconnect_timeout_s,
+        stop_timeout_s=cfg.wire.stop_timeout_s,
         python=python,
     )
 
@@ -198,6 +202,17 @@ class WorkerPool:
         for w in self.workers:
             w.log.close()
 
+    def kill(self) -> None:
+        """SIGKILL every worker of this run at once (a hard stop; their checkpoints are atomic)."""
+        for w in self.workers:
+            if w.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    w.proc.kill()
+        for a in self.adopted:
+            if a.running():
+                with contextlib.suppress(OSError):
+                    os.kill(a.pid, signal.SIGKILL)
+
 
 def _is_worker_process(pid: int, address: str | None = None) -> bool:
     """Whether ``pid`` is a running ``dflash_pipe worker`` (connected to ``address`` when given)."""
@@ -248,21 +263,71 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     loads (finished: ``RunComplete``; damaged: ``RunDirError``), then runs it (``_launch``)."""
     from rich.markup import escape
 
+    from dflash_pipe.run.signals import Signals
     from dflash_pipe.rundir import RunDirLock, check_launch
 
-    with RunDirLock(cfg.run_dir, check=lambda: check_launch(cfg, resume=resume)) as lock:
-        for note in lock.notes:
-            console.print(f"[yellow]warning:[/] {escape(note)}")
-        return _launch(cfg, resume=resume, console=console, live=live)
+    stop = HardStop(cfg.run_dir)
+    signals = Signals(
+        stop_timeout_s=cfg.wire.stop_timeout_s, preempt=cfg.wire.preempt_signal, on_hard_stop=stop
+    ).install()
+    stop.signals = signals
+    try:
+        with RunDirLock(cfg.run_dir, check=lambda: check_launch(cfg, resume=resume)) as lock:
+            stop.lock = lock
+            for note in lock.notes:
+                console.print(f"[yellow]warning:[/] {escape(note)}")
+            return _launch(cfg, resume=resume, console=console, live=live, stop=stop)
+    finally:
+        signals.restore()
 
 
-def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None):
+class HardStop:
+    """How a launch stops when draining is not an option (a second signal, or a drain past --stop-timeout):
+    its workers killed, the run dir marked released, one line saying what the latest checkpoint is, exit."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.signals: Any = None
+        self.lock: Any = None
+        self.pool: WorkerPool | None = None
+
+    def __call__(self, reason: str, code: int) -> None:
+        try:
+            if self.pool is not None:
+                self.pool.kill()
+            since = self.signals.stopped_wall if self.signals is not None else None
+            line = f"run stopped: {reason}; {checkpoint_note(self.run_dir, since)}"
+            if self.lock is not None:
+                self.lock.mark_released()
+            sys.stderr.write(f"{line}\nResume with: dflash-pipe launch --resume {self.run_dir}\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def checkpoint_note(run_dir: Path, since: float | None) -> str:
+    """What the run dir holds, as read from disk: a checkpoint written since ``since`` (time.time()), an
+    older one, or none."""
+    from dflash_pipe.run.checkpoint import latest_checkpoint, written_at
+
+    try:
+        latest = latest_checkpoint(run_dir)
+    except (OSError, ValueError):
+        latest = None
+    if latest is None:
+        return "no checkpoint was written"
+    at = written_at(latest)
+    if since is not None and at is not None and at >= since:
+        return f"the final checkpoint {latest.name} was written"
+    return f"no final checkpoint; the latest is {latest.name}"
+
+
+def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: HardStop):
     """Prepares the run (the target loads while the data tokenizes), starts producer and workers, and
     returns the producer's summary."""
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dflash_pipe.producer.core import RunAborted
     from dflash_pipe.producer.proc import ProducerProc
 
     if cfg.layout.device == "cpu":
@@ -282,8 +347,8 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None):
     ctx, replicas = prepare(cfg, resume=resume, live=live)
     check_open_work(ctx)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
-    producer = ProducerProc(ctx, console=console, live=live, replicas=replicas)
-    pool = WorkerPool(cfg, producer.address)
+    producer = ProducerProc(ctx, console=console, live=live, replicas=replicas, signals=stop.signals)
+    pool = stop.pool = WorkerPool(cfg, producer.address)
     console.print(
         f"[bold]dflash-pipe[/] run {ctx.run_id}: producer at {producer.address}, "
         f"{cfg.layout.num_workers} drafter(s) on {', '.join(cfg.layout.worker_devices())} "
@@ -298,14 +363,10 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None):
             names = ", ".join(f"{a.name} (pid {a.pid})" for a in pool.adopted)
             console.print(f"adopting worker(s) still running from the previous producer: {names}")
         summary = producer.serve(watch=pool)
-        pool.wait(timeout_s=60)
+        pool.wait(timeout_s=10 if stop.signals.stop.is_set() else 60)
         if producer.core.scheduler.finished():
             record_complete(cfg.run_dir, checkpoint=summary.last_checkpoint, epochs=cfg.train.epochs)
         return summary
-    except RunAborted:
-        raise
-    except KeyboardInterrupt:
-        raise RunAborted("interrupted twice: stopped without a final checkpoint") from None
     finally:
         producer.close()
         pool.stop()

@@ -47,6 +47,13 @@ from dflash_pipe.run.config import WireConfig
     show_default=True,
     help="If the producer dies, seconds to keep trying the same address (for `launch --resume`); 0 exits.",
 )
+@click.option(
+    "--stop-timeout",
+    type=float,
+    default=WireConfig.__dataclass_fields__["stop_timeout_s"].default,
+    show_default=True,
+    help="After SIGTERM or Ctrl-C: seconds to finish the step and leave before exiting hard.",
+)
 def worker(
     connect: str,
     device: str | None,
@@ -57,6 +64,7 @@ def worker(
     join_timeout: float,
     keys: Path | None,
     reconnect_timeout: float,
+    stop_timeout: float,
 ) -> None:
     """Run drafter worker(s) that connect to a producer.
 
@@ -89,12 +97,14 @@ def worker(
                     name=f"{name or host}-{d}",
                     join_timeout_s=join_timeout,
                     reconnect_timeout_s=reconnect_timeout,
+                    stop_timeout_s=stop_timeout,
                     compile_cache=compile_cache,
                     keys=keys,
                 )
             )
             for d in devices
         ]
+        _forward_stop_signals(procs)
         sys.exit(max(p.wait() for p in procs))
     from dflash_pipe.worker.proc import run_worker
 
@@ -107,5 +117,20 @@ def worker(
             started_at=STARTED,
             keys=keys,
             reconnect_timeout_s=reconnect_timeout,
+            stop_timeout_s=stop_timeout,
         )
     )
+
+
+def _forward_stop_signals(procs: list) -> None:
+    """``worker --gpus 6,7``: SIGTERM to this parent drains each child worker as it would drain one; a
+    terminal's Ctrl-C already reaches every child (one process group), so the parent only waits for them."""
+    import signal
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

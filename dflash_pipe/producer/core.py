@@ -106,6 +106,11 @@ class ProducerCore:
         """What the dashboard shows of the workers' metrics (loss, acc, lr, tau)."""
         self.loss_history: list[float] = []
         self.last_checkpoint: str | None = None
+        self.last_checkpoint_at: float | None = None
+        """When the latest CHECKPOINT arrived (monotonic): a drain's summary says whether one came after the
+        signal."""
+        self.save_asked: str | None = None
+        """Why a checkpoint was asked of the workers (a preemption signal) and has not arrived yet."""
         self.step = ctx.resume_step
         self.messages: list[str] = []
         self.bye_reason: str | None = None
@@ -160,7 +165,10 @@ class ProducerCore:
         elif isinstance(msg, m.Metrics):
             log_worker_metrics(self, peer, msg)
         elif isinstance(msg, m.Checkpoint):
-            self.last_checkpoint = msg.path
+            self.last_checkpoint, self.last_checkpoint_at = msg.path, time.monotonic()
+            if self.save_asked is not None:
+                self.warn(f"checkpoint written at step {msg.step} ({self.save_asked}): {msg.path}")
+                self.save_asked = None
         elif isinstance(msg, m.Error):
             self.drop(peer, f"failed: {msg.message}\n{msg.traceback}")
         elif isinstance(msg, m.Bye):
@@ -317,11 +325,26 @@ class ProducerCore:
         if ring is not None and features is not None and ring.locate(features) is not None:
             self.sent_by_ref[ring.PATH] += 1
 
-    def send_done(self, reason: str) -> None:
+    def send_done(self, reason: str, *, evaluate: bool = True) -> None:
+        """``evaluate`` False (a signal's drain): the workers checkpoint and leave without the final evaluation."""
         self.done_sent = True
         for peer in self.peers.values():
             if not peer.left:
-                self.out.send(peer.identity, m.Done(reason=reason))
+                self.out.send(peer.identity, m.Done(reason=reason, evaluate=evaluate))
+
+    def request_checkpoint(self, why: str) -> None:
+        """A preemption warning: every worker hears it; rank 0 checkpoints at its next step boundary and the
+        run trains on. A step already checkpointed is not written again."""
+        peers = [p for p in self.peers.values() if not p.left]
+        for peer in peers:
+            self.out.send(peer.identity, m.Checkpoint(step=self.step, path=""))
+        if peers:
+            self.save_asked = why
+        self.warn(
+            f"{why}: checkpoint asked at step {self.step}; training goes on"
+            if peers
+            else f"{why}: no worker has joined yet, so there is nothing to checkpoint"
+        )
 
     # --- watching ----------------------------------------------------------------------------------------
 

@@ -9,9 +9,9 @@ step decides (plans, leases, accounting) is the core's (``producer.core``); the 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
-import signal
-import threading
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -25,6 +25,7 @@ from dflash_pipe.producer.rings import make_rings
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.target_threads import TargetThread, build_eval_batches, load_replicas
 from dflash_pipe.run.record import bind_address, write_record
+from dflash_pipe.run.signals import Signals
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.decode.choose import engine_refusal
 from dflash_pipe.telemetry import Dashboard, make_logger
@@ -81,9 +82,11 @@ class ProducerProc:
         console: Any = None,
         live: bool | None = None,
         replicas: Future[list[TargetCore]] | None = None,
+        signals: Signals | None = None,
     ) -> None:
         """``replicas``: the target already loading (``load_replicas`` started while the data tokenized);
-        ``serve`` waits for it (default: loaded in ``serve``)."""
+        ``serve`` waits for it (default: loaded in ``serve``). ``signals``: the launch's, already installed
+        (default: ``serve`` installs its own, stopping hard with ``os._exit``)."""
         self.ctx = ctx
         self.cfg = cfg = ctx.cfg
         self.endpoint = ProducerEndpoint(
@@ -117,7 +120,10 @@ class ProducerProc:
         self._threads: list[TargetThread] = []
         self._cores: list[TargetCore] = []
         self._replicas = replicas
-        self._stop_requested = threading.Event()
+        self._own_signals = signals is None
+        self.signals = signals or Signals(
+            stop_timeout_s=cfg.wire.stop_timeout_s, preempt=cfg.wire.preempt_signal, on_hard_stop=_hard_exit
+        )
         self._closed = False
         self._started = time.monotonic()
 
@@ -179,13 +185,17 @@ class ProducerProc:
         Workers may join at any time (``dflash-pipe worker --connect``) and leave or die at any time: a lost
         worker's leases go back to the queue and the others train on."""
         started = self._started = time.monotonic()
-        previous = _install_sigint(self._stop_requested)
+        if self._own_signals:
+            self.signals.install()
         try:
-            self.start_targets()
+            self.start_targets()  # a stop signal until the loop runs raises StopNow: nothing to drain yet
             self.core.eval_batches = self._build_eval_batches() if self.ctx.eval_samples else []
+            self.signals.drainable = True
             stop_reason = self._run(watch)
         finally:
-            _restore_sigint(previous)
+            self.signals.drainable = False
+            if self._own_signals:
+                self.signals.restore()
         return summary(
             self.core, stop_reason=stop_reason, wall_s=time.monotonic() - started, busy=self._busy()
         )
@@ -208,9 +218,11 @@ class ProducerProc:
                     f"no worker said HELLO within {self.cfg.wire.join_timeout_s:.0f} s "
                     "(wire.join_timeout_s); see RUN_DIR/logs for their output."
                 )
-            if self._stop_requested.is_set() and not core.done_sent:
-                stop_reason = "interrupted (Ctrl-C): checkpoint written, resume with --resume"
-                core.send_done("interrupted by the user")
+            if self.signals.stop.is_set() and not core.done_sent:
+                stop_reason = self._drain()
+            if self.signals.save.is_set():
+                self.signals.save.clear()
+                core.request_checkpoint(f"SIG{self.cfg.wire.preempt_signal} (preemption warning)")
             core.take_ready()
             core.refill()
             drain(self._recv, core.handle, limit=_MAX_MESSAGES_PER_TICK)
@@ -228,11 +240,35 @@ class ProducerProc:
                     if watch is None or watch.alive() == 0:
                         raise RunAborted("every worker is gone:\n" + "\n".join(core.lost))
                     continue  # a launched worker is still starting up
-                if not core.peers:
+                if not core.peers and not self.signals.stop.is_set():
                     continue
                 if not core.done_sent and not core.scheduler.finished():
                     stop_reason = core.bye_reason or "every worker left"
+                if self.signals.stop.is_set():
+                    stop_reason = self._drained(stop_reason)
                 return stop_reason
+
+    def _drain(self) -> str:
+        """A stop signal: every worker finishes its step, rank 0 checkpoints, all leave (no final evaluation,
+        so the drain fits a grace period); ``_drained`` says afterwards what was written."""
+        name = self.signals.stop_name
+        self.dashboard.console.print(
+            f"{name}: draining (workers finish their step, checkpoint and leave; at most "
+            f"{self.cfg.wire.stop_timeout_s:.0f} s, --stop-timeout); a second {name} stops at once",
+            markup=False,
+            highlight=False,
+        )
+        self.core.send_done(f"stopped by {name}", evaluate=False)
+        return f"stopped by {name}"
+
+    def _drained(self, reason: str) -> str:
+        """The stop reason with the truth about the final checkpoint (a CHECKPOINT after the signal)."""
+        core, stopped_at = self.core, self.signals.stopped_at or 0.0
+        if core.last_checkpoint_at is not None and core.last_checkpoint_at >= stopped_at:
+            return f"{reason}: final checkpoint {core.last_checkpoint} written; resume with --resume"
+        if core.last_checkpoint:
+            return f"{reason}: no step since the last checkpoint {core.last_checkpoint}; resume with --resume"
+        return f"{reason} before any step was trained: no checkpoint was written"
 
     def _recv(self, timeout_s: float) -> tuple[bytes, Any] | None:
         try:
@@ -284,18 +320,8 @@ def _start_rendezvous_store(address: str) -> torch.distributed.TCPStore:
     return torch.distributed.TCPStore(store_host(address), 0, is_master=True, wait_for_workers=False)
 
 
-def _install_sigint(event: threading.Event) -> Any:
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, _frame: object) -> None:
-        if event.is_set():
-            raise KeyboardInterrupt
-        event.set()
-
-    return signal.signal(signal.SIGINT, handler)
-
-
-def _restore_sigint(previous: Any) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGINT, previous)
+def _hard_exit(reason: str, code: int) -> None:
+    """A producer serving without a launcher around it: say why, stop."""
+    sys.stderr.write(f"dflash-pipe producer: {reason}\n")
+    sys.stderr.flush()
+    os._exit(code)

@@ -110,6 +110,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
+def written_at(path: Path) -> float | None:
+    """When the checkpoint at ``path`` was written (its trainer state's time.time()), None if unreadable."""
+    try:
+        return float(json.loads((Path(path) / TRAINER_STATE).read_text())["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_manifest(path: Path) -> None:
     """``manifest.json``: each file of the checkpoint with its size and the sha256 of each of its
     ``CHUNK_BYTES`` pieces, hashed as read back from disk, so what is recorded is what was written."""

@@ -143,6 +143,27 @@ class WireConfig:
         ),
     )
     """How long a launched worker keeps retrying the producer's address after losing it (for --resume)."""
+    stop_timeout_s: float = field(
+        default=90.0,
+        metadata=flag(
+            "--stop-timeout",
+            "Seconds a SIGTERM or Ctrl-C drain (finish the step, checkpoint, leave) may take before the "
+            "launch and its workers exit hard (default 90; keep it under the grace period of Slurm, "
+            "Kubernetes or systemd).",
+            resume=True,
+        ),
+    )
+    """Bound on a drain: past it the process stops hard (workers killed, the run dir released), saying so."""
+    preempt_signal: str = field(
+        default="USR1",
+        metadata=flag(
+            "--preempt-signal",
+            "Signal that means 'preemption soon': checkpoint at once and train on (default USR1, as "
+            "Slurm's --signal=B:USR1@120 sends; off: none).",
+            resume=True,
+        ),
+    )
+    """A signal name (USR1, USR2, HUP, ...) or "off"; SIGINT/SIGTERM drain and cannot be chosen."""
     wire_dtype: Literal["bf16", "fp8"] = field(
         default="bf16",
         metadata=flag(
@@ -189,6 +210,11 @@ class WireConfig:
             raise ValueError(
                 f"wire.reconnect_timeout_s must be >= 0 (0: exit at once), got {self.reconnect_timeout_s}."
             )
+        if self.stop_timeout_s <= 0:
+            raise ValueError(f"wire.stop_timeout_s (--stop-timeout) must be > 0, got {self.stop_timeout_s}.")
+        from dflash_pipe.run.signals import parse_preempt_signal
+
+        self.preempt_signal = parse_preempt_signal(self.preempt_signal)
         if not 0 < self.heartbeat_s < self.peer_timeout_s:
             raise ValueError(
                 f"wire.heartbeat_s ({self.heartbeat_s}) must be > 0 and below wire.peer_timeout_s "

@@ -92,10 +92,16 @@ class RunDirLock:
     def release(self) -> None:
         if not self._held:
             return
+        self.mark_released()
         self._held = False
-        with contextlib.suppress(OSError):
-            _write_json(self.run_dir / OWNER_FILE, {**self._record, "released": _now()})
         self._lock.release()
+
+    def mark_released(self) -> None:
+        """owner.json says the owner let go (a hard stop calls this from any thread, just before the
+        process exits and the OS drops the file lock)."""
+        if self._held:
+            with contextlib.suppress(OSError):
+                _write_json(self.run_dir / OWNER_FILE, {**self._record, "released": _now()})
 
     def __enter__(self) -> RunDirLock:
         self.acquire()

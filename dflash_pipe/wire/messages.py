@@ -51,7 +51,7 @@ class Kind(enum.IntEnum):
     # 0x06: unassigned (a worker without a batch simply waits for one; no message is needed)
     ACK = 0x07  # worker -> producer
     METRICS = 0x08  # worker rank 0 -> producer
-    CHECKPOINT = 0x09  # worker rank 0 -> producer
+    CHECKPOINT = 0x09  # worker rank 0 -> producer: written; producer -> workers: write one now (preemption)
     HEARTBEAT = 0x0A  # both ways
     ERROR = 0x0B  # either way
     DONE = 0x0C  # producer -> worker
@@ -403,7 +403,8 @@ class Metrics(Message):
 @register(Kind.CHECKPOINT)
 @dataclass(kw_only=True, slots=True)
 class Checkpoint(Message):
-    """Worker rank 0 wrote a checkpoint at `path`."""
+    """Worker rank 0 wrote a checkpoint at `path`. From the producer (``path`` empty): write one at the next
+    step boundary and train on (a preemption warning)."""
 
     step: int = bounded(ge=0)
     path: str
@@ -433,6 +434,7 @@ class Done(Message):
     """Training finished (all epochs acked) or shutdown requested; the worker should leave."""
 
     reason: str
+    evaluate: bool = True  # run the final evaluation; False on a signal's drain (checkpoint and leave fast)
 
 
 @register(Kind.BYE)

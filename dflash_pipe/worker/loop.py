@@ -96,6 +96,13 @@ class WorkerSession:
     """Who runs forward/backward: ``OneReplica`` (process mode, the default) or ``worker.threads``."""
     real_eval: RealEval | None = None
     """Real speculative decoding of the held-out prompts (``train.eval_generate``); None: simulated only."""
+    saved_step: int | None = None
+    """The step of the latest checkpoint this worker wrote or resumed from (never written twice)."""
+    save_requested: bool = False
+    """The producer asked for a checkpoint now (a preemption warning); rank 0 writes it at the next step
+    boundary."""
+    final_eval: bool = True
+    """DONE's word on the final evaluation: False when a signal drains the run (checkpoint and leave)."""
     eval_pending: bool = False
     """The producer is still regenerating the held-out set: its BATCHes come during training."""
     target_path: str = ""
@@ -137,6 +144,10 @@ def run_training(s: WorkerSession, leave_requested: Callable[[], bool]) -> LoopR
     first_step_done = False
     while True:
         done_reason = _collect(s, pending, wait=not pending and done_reason is None) or done_reason
+        if s.save_requested:  # a preemption warning: checkpoint now, at this step boundary, and train on
+            s.save_requested = False
+            if s.saved_step != s.step:
+                last_checkpoint = checkpoint(s) or last_checkpoint
         stop_reason = done_reason
         if s.train.max_steps is not None and s.step >= s.train.max_steps:
             stop_reason = stop_reason or f"reached max_steps={s.train.max_steps}"
@@ -239,6 +250,7 @@ def regroup(s: WorkerSession, why: str) -> None:
 
 def checkpoint(s: WorkerSession) -> Path | None:
     """Rank 0 writes; every rank holds the same ledger, so rank 0's view is the group's."""
+    s.saved_step = s.step
     if s.rank != 0:
         return None
     path = save_checkpoint(
@@ -298,6 +310,9 @@ def _collect(s: WorkerSession, pending: deque, *, wait: bool) -> str | None:
             pending.append(msg)
         elif isinstance(msg, m.Done):
             done = msg.reason or "producer finished"
+            s.final_eval = msg.evaluate
+        elif isinstance(msg, m.Checkpoint):
+            s.save_requested = True
         elif isinstance(msg, (m.Error, m.Reject)):
             raise ProducerRefusedError(
                 f"the producer reported: {getattr(msg, 'message', None) or msg.reason}"

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -24,6 +22,7 @@ from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, load_frozen_target
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.run.checkpoint import load_checkpoint
 from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.run.signals import Signals, StopNow
 from dflash_pipe.train.batches import unpack
 from dflash_pipe.train.compile_check import warm_up_checked
 from dflash_pipe.train.config import TrainConfig
@@ -62,15 +61,51 @@ def run_worker(
     name: str,
     join_timeout_s: float,
     reconnect_timeout_s: float,
+    stop_timeout_s: float,
     started_at: float | None = None,
     keys: Path | None = None,
 ) -> int:
     """Serves one producer; if it dies, keeps trying the same address for ``reconnect_timeout_s`` and
     joins the resumed run (``dflash-pipe launch --resume``) from its latest checkpoint. The timeouts have
-    their defaults in one place, the ``worker`` command's options."""
+    their defaults in one place, the ``worker`` command's options.
+
+    SIGINT/SIGTERM: while training, finish the step, return the leases, leave the group (the last worker to
+    leave checkpoints) within ``stop_timeout_s``, else exit hard; before training (connecting, warming up,
+    waiting for a producer) leave at once. A second one exits at once."""
     started_at = started_at or time.time()
-    leave = threading.Event()
-    _install_signal_handlers(leave)
+    signals = Signals(stop_timeout_s=stop_timeout_s, on_hard_stop=_hard_exit(name)).install()
+    print(f"dflash-pipe worker {name}: connecting to {connect} ({device})", file=sys.stderr, flush=True)
+    try:
+        return _serve_until_done(
+            connect,
+            device=device,
+            name=name,
+            join_timeout_s=join_timeout_s,
+            reconnect_timeout_s=reconnect_timeout_s,
+            started_at=started_at,
+            keys=keys,
+            signals=signals,
+        )
+    except StopNow as exc:
+        print(f"dflash-pipe worker {name}: stopped by {exc} before training", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        signals.restore()
+
+
+def _serve_until_done(
+    connect: str,
+    *,
+    device: str,
+    name: str,
+    join_timeout_s: float,
+    reconnect_timeout_s: float,
+    started_at: float,
+    keys: Path | None,
+    signals: Signals,
+) -> int:
+    """``_serve`` again after a lost producer, until it comes back or ``reconnect_timeout_s`` has passed."""
+    leave = signals.stop
     deadline: float | None = None
     while True:
         timeout_s = join_timeout_s if deadline is None else max(1.0, deadline - time.monotonic())
@@ -82,7 +117,7 @@ def run_worker(
                 timeout_s=timeout_s,
                 started_at=started_at,
                 keys=keys,
-                leave=leave,
+                signals=signals,
             )
         except _ProducerLost as lost:
             if leave.is_set() or reconnect_timeout_s <= 0:
@@ -116,9 +151,10 @@ def _serve(
     timeout_s: float,
     started_at: float,
     keys: Path | None,
-    leave: threading.Event,
+    signals: Signals,
 ) -> int:
     """One session with one producer: handshake, build, join the group, train, leave cleanly."""
+    leave = signals.stop
     try:
         link = ProducerLink(connect, keys=keys)
     except ValueError as exc:  # bad address or key directory: one line naming the fix
@@ -187,18 +223,23 @@ def _serve(
             session.real_eval = RealEval(welcome.target_path, session.eval_batches, train_cfg, dev)
         regroup(session, "joining")
         link.send(m.Ready(credits=welcome.credits * len(devs), **ready_paths(ring)))
+        signals.drainable = True  # from here a stop signal finishes the step instead of unwinding
+        session.saved_step = step if welcome.resume_from else None
         result = run_training(session, leave.is_set)
         if result.left:
-            link.send_and_flush(m.Bye(reason=f"{name} left (interrupted)"))
+            link.send_and_flush(m.Bye(reason=f"{name} left ({signals.stop_name or 'interrupted'})"))
             return 0
-        if result.last_checkpoint is None or session.step % train_cfg.checkpoint_every:
+        if session.saved_step != session.step:
             checkpoint(session)
-        if session.rank == 0:
+        if session.rank == 0 and session.final_eval and not leave.is_set():
             link.send(m.Metrics(step=session.step, values={**evaluate(session, final=True), "final": 1.0}))
         with contextlib.suppress(GroupBrokenError):  # a member dying now changes nothing: we stop
             group.barrier()
         link.send_and_flush(m.Bye(reason=result.stop_reason))
         return 0
+    except StopNow as exc:  # a signal before training: nothing to drain, the producer hears BYE
+        link.send_and_flush(m.Bye(reason=f"{name} stopped by {exc} before training"))
+        raise
     except BaseException as exc:  # report every failure to the producer, then exit non-zero
         if link.lost_reason is not None or isinstance(exc, RendezvousLostError):
             reason = link.lost_reason or f"the producer at {connect} is gone ({exc})"
@@ -210,6 +251,7 @@ def _serve(
             traceback.print_exc()
         return 2 if isinstance(exc, HandshakeError) else 1
     finally:
+        signals.drainable = False
         if replicas is not None:
             replicas.close()
         link.close()
@@ -318,15 +360,12 @@ def _receive_eval_set(s: WorkerSession, welcome: m.Welcome) -> None:
             raise HandshakeError("the producer did not send the eval set in time")
 
 
-def _install_signal_handlers(stop: threading.Event) -> None:
-    """Ctrl-C / SIGTERM: finish the current step, return the leases, leave the group (the others train on;
-    the last worker to leave writes a checkpoint). A second one exits at once."""
+def _hard_exit(name: str):
+    """The worker's hard stop: one line saying why, then exit (a checkpoint on disk is whole or absent)."""
 
-    def handler(signum: int, _frame: object) -> None:
-        if stop.is_set():
-            os._exit(130)
-        stop.set()
+    def stop(reason: str, code: int) -> None:
+        sys.stderr.write(f"dflash-pipe worker {name}: {reason}; exiting now\n")
+        sys.stderr.flush()
+        os._exit(code)
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+    return stop

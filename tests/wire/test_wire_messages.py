@@ -60,7 +60,7 @@ def test_field_names_are_pinned():
         "CHECKPOINT": ["step", "path"],
         "HEARTBEAT": ["time"],
         "ERROR": ["source", "message", "traceback"],
-        "DONE": ["reason"],
+        "DONE": ["reason", "evaluate"],
         "BYE": ["reason"],
     }  # fmt: skip
 
