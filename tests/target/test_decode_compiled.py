@@ -28,10 +28,12 @@ def _decode(stack: DecodeStack, prompts: list[list[int]], steps: int) -> tuple[l
     slots = list(range(len(prompts)))
     out = [stack.prefill(cache, slots, prompts, [0] * len(prompts))]
     out.append(stack.prefill(cache, [0], [[5, 6, 7]], [len(prompts[0])]))
+    out.append(stack.prefill(cache, [1], [[9]], [len(prompts[1])]))  # one row, one token (padded if compiled)
     fed = [len(p) for p in prompts]
     fed[0] += 3
+    fed[1] += 1
     tokens = torch.tensor([int(out[0][i].argmax()) for i in slots] + [0])
-    tokens[0] = out[1][0].argmax()
+    tokens[0], tokens[1] = out[1][0].argmax(), out[2][0].argmax()
     positions = torch.tensor([*fed, cache.trash])
     picked = []
     for step in range(steps):
@@ -61,9 +63,12 @@ def test_compiled_layers_give_the_eager_logits_and_tokens():
 @torch.inference_mode()
 def test_one_compiled_graph_serves_every_layer_and_another_model_instance():
     """The weights are inputs of the compiled functions, not constants: a second model (new modules, new
-    weights) decodes without compiling anything again. Layers share the graphs for the same reason."""
-    prompts = [list(range(3, 20)), list(range(40, 52))]
-    _decode(DecodeStack(_model(0), MAX_LEN, compile_layers=True), prompts, steps=4)
+    weights) decodes without compiling anything again, at other slot counts, row counts and lengths
+    (single rows and single tokens included: prefill pads them). Layers share the graphs the same way."""
+    _decode(
+        DecodeStack(_model(0), MAX_LEN, compile_layers=True), [list(range(3, 20)), list(range(40, 52))], 4
+    )
+    prompts = [list(range(3, 3 + n)) for n in (5, 33, 12, 21)]
     other = DecodeStack(_model(1), MAX_LEN, compile_layers=True)
     with torch.compiler.set_stance("fail_on_recompile"):
         got, _ = _decode(other, prompts, steps=4)

@@ -157,6 +157,30 @@ def test_a_slot_takes_the_next_prompt_while_the_others_still_decode(model):
         assert session.reply == _hf_reply(model, prompt, limit, [-1])
 
 
+def test_turns_that_end_one_by_one_share_prefill_calls(model, monkeypatch):
+    """32 slots, replies of 2 to 33 tokens, a check after every step: turns end one or two at a time,
+    and each prefill call (which stops every slot's decoding) takes several of them: at most half the calls
+    of prefilling at every check that ended a turn. The replies are still HF's."""
+    from dflash_pipe.target.decode import engine as engine_module
+
+    prompts = [list(range(3 + i % 7, 13 + i % 11)) for i in range(96)]
+    limits = [2 + (i * 7) % 32 for i in range(96)]
+
+    def run():
+        engine = _engine(model, slots=32)
+        engine.check_every = 1
+        sessions = [_Prompt(TurnRequest(p, n)) for p, n in zip(prompts, limits, strict=True)]
+        return engine.run(sessions), sessions
+
+    grouped, sessions = run()
+    monkeypatch.setattr(engine_module, "PREFILL_WAIT", 0)
+    at_once, _ = run()
+    assert grouped.turns == at_once.turns == 96
+    assert grouped.prefill_calls * 2 <= at_once.prefill_calls, (grouped, at_once)
+    for session, prompt, limit in zip(sessions[::9], prompts[::9], limits[::9], strict=True):
+        assert session.reply == _hf_reply(model, prompt, limit, [-1])
+
+
 SMALL = dict(
     hidden_size=32,
     intermediate_size=64,

@@ -25,6 +25,10 @@ SPAN_QUANTUM = 128
 """Attention spans are rounded up to a multiple of this (one captured graph per span)."""
 PREFILL_TOKENS = 16384
 """Padded tokens per prefill call at most (longer rows still go alone)."""
+PREFILL_GROUP = 8
+"""A prefill waits until 1/8 of the slots have a turn to start (or ``PREFILL_WAIT`` checks have passed)."""
+PREFILL_WAIT = 4
+"""Checks (of ``check_every`` steps) a turn waits at most for others to share its prefill call."""
 
 
 class GenerationStopped(Exception):
@@ -64,6 +68,7 @@ class EngineStats:
     steps: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    prefill_calls: int = 0
     graphs: int = 0
 
 
@@ -115,6 +120,7 @@ class SlotEngine:
         self._slots = [_Slot() for _ in range(slots)]
         self._idle_generator = torch.Generator(device=stack.device)
         self._end_ids = set(end_ids)
+        self._prefill_rows = max(1, slots // PREFILL_GROUP)
         self._rollback = getattr(stack, "rollback", True)
         """False for stacks with recurrent state (hybrids): a slot's cache is reused only when the next
         prompt extends all of it."""
@@ -143,22 +149,25 @@ class SlotEngine:
         for slot in self._slots:  # a new run starts with empty slots
             slot.session, slot.request, slot.cached = None, None, []
         self._fill(waiting, pending, range(len(self._slots)))
+        waited = 0  # checks the oldest pending turn has waited
         while True:
-            if pending:
+            if pending and (self._prefill_due(pending, waited)):
                 self._prefill(pending)
+                waited = 0
+            elif pending:
+                waited += 1
             if not any(s.request is not None for s in self._slots):
                 waiting.extend(between() if between is not None else ())
                 if not waiting:
                     break
                 self._fill(waiting, pending, range(len(self._slots)))
                 continue
-            span = self._span()
+            span = self._span(pending)
             for _ in range(self.check_every):
                 self.steps.run(span, self._sampler)
             stats.steps += self.check_every
-            for slot in self._slots:
-                if slot.request is not None:
-                    slot.fed += self.check_every
+            for index in self._decoding(pending):
+                self._slots[index].fed += self.check_every
             if should_stop is not None and should_stop():
                 raise GenerationStopped
             if between is not None:
@@ -175,9 +184,22 @@ class SlotEngine:
         gens = [s.generator or self._idle_generator for s in self._slots]
         return self._pick(logits, gens)
 
-    def _span(self) -> int:
+    def _prefill_due(self, pending: deque[int], waited: int) -> bool:
+        """Whether to prefill now: when enough turns wait to fill one call, when nothing else decodes, or
+        when the oldest has waited ``PREFILL_WAIT`` checks. A prefill call stops every slot's decoding for
+        about as long as several steps, whatever its size, so turns that end one by one are taken in
+        groups rather than each in a call of its own."""
+        decoding = self._decoding(pending)
+        return len(pending) >= self._prefill_rows or not decoding or waited >= PREFILL_WAIT
+
+    def _decoding(self, pending: deque[int]) -> list[int]:
+        """The slots whose turn has started (a turn waiting for its prefill has not)."""
+        waiting = set(pending)
+        return [i for i, s in enumerate(self._slots) if s.request is not None and i not in waiting]
+
+    def _span(self, pending: deque[int]) -> int:
         """Attention columns the next ``check_every`` steps read: every live position stays below it."""
-        need = max(s.fed for s in self._slots if s.request is not None) + self.check_every
+        need = max(self._slots[i].fed for i in self._decoding(pending)) + self.check_every
         return min(self.cache.max_len, math.ceil(need / SPAN_QUANTUM) * SPAN_QUANTUM)
 
     def _fill(self, waiting: deque[Session], pending: deque[int], slots: Iterable[int]) -> None:
@@ -200,7 +222,7 @@ class SlotEngine:
         refills the slots whose conversation is over."""
         state = self.state
         done, count = torch.stack([state.done.long(), state.count]).tolist()  # waits for the device
-        ended = [i for i, s in enumerate(self._slots) if s.request is not None and done[i]]
+        ended = [i for i in self._decoding(pending) if done[i]]
         if not ended:
             if waiting:  # sessions that arrived while every slot was busy: any idle slot takes them
                 self._fill(waiting, pending, range(len(self._slots)))
@@ -248,6 +270,7 @@ class SlotEngine:
         for group in _packs(work):
             slots = [w[0] for w in group]
             logits = self.stack.prefill(self.cache, slots, [w[2] for w in group], [w[1] for w in group])
+            self.stats.prefill_calls += 1
             if self.greedy:
                 first = logits.argmax(dim=-1)
             else:

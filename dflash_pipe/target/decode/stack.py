@@ -114,6 +114,9 @@ class LayerMath:
     scaling: float
     qk_norm: bool
     decode_attention: str
+    gqa: bool
+    """heads != kv_heads, as a field: Dynamo may trace the ints above as sizes, and SDPA's ``enable_gqa``
+    takes a plain bool only."""
 
     @property
     def groups(self) -> int:
@@ -198,10 +201,14 @@ def combine_out(
 def _prefill_attend(m: LayerMath, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
     """Queries ``[k, n, heads, D]`` against ``[k, kvh, *, D]``: ``[k, n, heads * D]``."""
     k_rows, n = q.shape[:2]
-    keys = keys.repeat_interleave(m.groups, dim=1)
-    values = values.repeat_interleave(m.groups, dim=1)
     attended = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None, scale=m.scaling
+        q.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=m.scaling,
+        enable_gqa=m.gqa,  # no repeated keys: copying them cost a third of a prefill's time
     )  # [k, heads, n, D]
     return attended.transpose(1, 2).reshape(k_rows, n, -1)
 
@@ -221,10 +228,18 @@ def extend_out(
 
 
 @functools.cache
-def _compiled(fn: Callable) -> Callable:
-    """``fn`` compiled once per process with dynamic sizes: every layer, slot count, span and prefill shape
-    reuses its graphs (the weights are inputs, not constants)."""
-    return torch.compile(fn, dynamic=True)
+def _compiled(fn: Callable, m: LayerMath) -> Callable:
+    """``fn`` with ``m`` bound, compiled once per process with dynamic sizes: every layer, slot count, span
+    and prefill shape reuses its graphs (the weights are inputs, not constants). Each bound function gets
+    a code object of its own: Dynamo caches per code object, and on a shared one every function would be a
+    recompile of the others (the recompile limit would soon send them to eager)."""
+
+    def bound(*args: Any) -> Any:
+        return fn(m, *args)
+
+    bound.__code__ = bound.__code__.replace(co_name=fn.__name__, co_qualname=fn.__name__)
+    bound.__name__ = fn.__name__
+    return torch.compile(bound, dynamic=True)
 
 
 class SlotCache:
@@ -306,6 +321,7 @@ class DecodeStack:
             scaling=float(getattr(attn, "scaling", self.shape.head_dim**-0.5)),
             qk_norm=hasattr(attn, "q_norm") and hasattr(attn, "k_norm"),
             decode_attention=decode_attention,
+            gqa=self.shape.heads != self.shape.kv_heads,
         )
         if compile_layers is None:
             compile_layers = self.device.type == "cuda" and graph_safe(model)
@@ -324,7 +340,7 @@ class DecodeStack:
         process-wide compile lock: target replicas are threads, and compiling is not thread-safe)."""
         if not compiled:
             return functools.partial(fn, self.math)
-        return functools.partial(call_compiled, _compiled(fn), size, self.device, self.math)
+        return functools.partial(call_compiled, _compiled(fn, self.math), size, self.device)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, D]
@@ -403,7 +419,13 @@ class DecodeStack:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """The decoder over right-padded rows; the last layer's output ``[k, n, H]``, the rows' lengths
         ``[k]`` and the outputs of ``feature_layers``."""
-        k_rows, n = len(seqs), max(len(s) for s in seqs)
+        real = len(seqs)
+        n = max(len(s) for s in seqs)
+        if self.compile_prefill:  # Dynamo gives sizes 1 graphs of their own: pad to 2 rows and 2 columns
+            pad = max(0, 2 - real)
+            slots, seqs, starts = slots + [slots[0]] * pad, seqs + [[]] * pad, starts + [0] * pad
+            n = max(n, 2)
+        k_rows = len(seqs)
         dev = self.device
         ids = torch.zeros((k_rows, n), dtype=torch.long)
         for r, seq in enumerate(seqs):
@@ -438,5 +460,5 @@ class DecodeStack:
                 values = cache.values[i][slot_idx[:, 0], :, :span]
                 h = cached(layer, fused, h, q, keys, values, mask)
             if i in feature_layers:
-                captured[i] = h
-        return h, lengths, captured
+                captured[i] = h[:real]
+        return h[:real], lengths[:real], captured
