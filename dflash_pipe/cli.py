@@ -116,7 +116,10 @@ def launch(**opts) -> None:
 
 
 def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
+    from rich.markup import escape
+
     from dflash_pipe.data import DataError
+    from dflash_pipe.diskspace import DiskFullError
     from dflash_pipe.launcher import checkpoint_note
     from dflash_pipe.launcher import launch as run
     from dflash_pipe.producer.core import RunAborted
@@ -146,8 +149,8 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     except (DataError, SetupError, FileNotFoundError, UnsupportedTargetError) as exc:
         console.print(f"[red]error:[/] {exc}")
         sys.exit(2)
-    except RunAborted as exc:
-        console.print(f"[red]run stopped:[/] {exc}")
+    except (RunAborted, DiskFullError) as exc:
+        console.print(f"[red]run stopped:[/] {escape(str(exc))}")
         console.print(f"Resume with: dflash-pipe launch --resume {cfg.run_dir}")
         sys.exit(1)
     print_summary(cfg.run_dir, summary, console)
@@ -193,6 +196,7 @@ def regenerate(**opts) -> None:
     """
     from dflash_pipe.commands.options import section_values
     from dflash_pipe.data import DataConfig, DataError
+    from dflash_pipe.diskspace import DiskFullError
     from dflash_pipe.launch_options import parse_template_args
     from dflash_pipe.regenerate import regenerate_file
 
@@ -223,6 +227,9 @@ def regenerate(**opts) -> None:
     except DataError as exc:
         console.print(f"[red]error:[/] {exc}")
         sys.exit(2)
+    except DiskFullError as exc:
+        console.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(1)
     except KeyboardInterrupt:
         console.print(f"interrupted: what is in {opts['out']} stays; run the same command to go on")
         sys.exit(130)

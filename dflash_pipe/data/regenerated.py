@@ -17,6 +17,7 @@ is refused (not silently mixed).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dflash_pipe.diskspace import is_no_space, no_space_error
 
 from .config import DataConfig, RegenConfig
 from .formats import BOOKKEEPING_KEY, Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
@@ -281,16 +284,33 @@ class RegenStore:
                 f.truncate(complete_end)
 
     def append(self, records: Iterable[Regenerated]) -> None:
-        """Writes the records and flushes them to disk (one job's worth at a time)."""
+        """Writes the records and flushes them to disk (one job's worth at a time). A full disk is
+        ``DiskFullError``; what was written before stays, a torn last line is cut off when the file reopens."""
+        records = list(records)
+        lines = [json.dumps(r.to_line(), ensure_ascii=False) + "\n" for r in records]
+        try:
+            for line in lines:
+                self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            needed = sum(len(line.encode()) for line in lines)
+            if is_no_space(exc, self.path, needed):
+                raise no_space_error(
+                    self.path,
+                    needed,
+                    what=f"{len(records)} regenerated conversation(s)",
+                    fix="Free space there or move the run dir to a larger disk, then resume: what is in the "
+                    "file stays and is not generated again",
+                ) from None
+            raise
         for record in records:
-            self._file.write(json.dumps(record.to_line(), ensure_ascii=False) + "\n")
             self.done[record.index] = record
-        self._file.flush()
-        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            with contextlib.suppress(OSError):  # a full disk was already reported by append
+                self._file.close()
 
 
 def _content(value: Any) -> Any:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash_pipe.data import plan_batches
+from dflash_pipe.diskspace import DiskFullError, human
 from dflash_pipe.producer.display import log_worker_metrics
 from dflash_pipe.producer.handshake import Peer, admit
 from dflash_pipe.producer.payloads import payload_for
@@ -163,6 +164,8 @@ class ProducerCore:
         elif isinstance(msg, m.Ack):
             self._ack(peer, msg)
         elif isinstance(msg, m.Metrics):
+            if msg.values.get("disk/low_space"):
+                self._low_space(msg.values)
             log_worker_metrics(self, peer, msg)
         elif isinstance(msg, m.Checkpoint):
             self.last_checkpoint, self.last_checkpoint_at = msg.path, time.monotonic()
@@ -170,6 +173,8 @@ class ProducerCore:
                 self.warn(f"checkpoint written at step {msg.step} ({self.save_asked}): {msg.path}")
                 self.save_asked = None
         elif isinstance(msg, m.Error):
+            if msg.message.startswith(f"{DiskFullError.__name__}: "):  # every checkpoint would fail alike
+                raise RunAborted(f"worker {peer.name}: {msg.message.split(': ', 1)[1]}")
             self.drop(peer, f"failed: {msg.message}\n{msg.traceback}")
         elif isinstance(msg, m.Bye):
             self.bye_reason = self.bye_reason or msg.reason
@@ -201,6 +206,14 @@ class ProducerCore:
                 f"warning: {peer.name} could not open the CUDA IPC ring (see its log); its payloads go "
                 f"through {fallback}"
             )
+
+    def _low_space(self, values: dict[str, Any]) -> None:
+        free = human(float(values.get("disk/free_bytes", 0)))
+        needed = human(float(values.get("disk/checkpoint_bytes", 0)))
+        self.warn(
+            f"[yellow]warning:[/] {self.cfg.run_dir / 'checkpoints'}: {free} free, a checkpoint takes {needed}: "
+            "the next one may not fit; free space there or move the run dir to a larger disk"
+        )
 
     # --- routing -----------------------------------------------------------------------------------------
 

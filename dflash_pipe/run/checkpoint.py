@@ -15,7 +15,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from dflash_pipe.diskspace import free_bytes, is_no_space, no_space_error, space_note
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -63,15 +65,30 @@ def save_checkpoint(
     ledger: dict[str, Any],
     extra: dict[str, Any] | None = None,
     keep_last: int = 3,
+    warn: Callable[[str], None] | None = None,
 ) -> Path:
+    """Writes ``step-N`` and points ``latest`` at it. A full disk is ``DiskFullError`` (one line: path, bytes
+    needed and free, what to do), before anything is written when the space is known to be short, and
+    leaves the previous checkpoint as the latest and no temporary files; ``warn`` hears the early warning
+    when this checkpoint fits but the next may not."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    needed = checkpoint_bytes(root, model)
+    fix = (
+        f"Free space there (older checkpoints in {root} can go; keep `latest`) or move the run dir to a "
+        "larger disk, then resume with `dflash-pipe launch --resume RUN_DIR`"
+    )
+    what = f"checkpoint {name}"
+    if free_bytes(root) < needed:  # known not to fit: nothing is written, the previous one stays latest
+        raise no_space_error(root, needed, what=what, fix=fix)
+    if warn is not None and (note := space_note(root, needed, what="a checkpoint", fix=fix)):
+        warn(note)
     try:
+        tmp.mkdir()
         weights = {k: v.float().contiguous().cpu() for k, v in trainable_state(model).items()}
         save_file(weights, str(tmp / DRAFTER_WEIGHTS))
         _write_json(tmp / DRAFTER_CONFIG, drafter_config)
@@ -86,12 +103,20 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and is_no_space(exc, root, needed):
+            raise no_space_error(root, needed, what=what, fix=fix) from None
         raise
     pointer_tmp = root / f".{LATEST}.{os.getpid()}"
-    pointer_tmp.write_text(name + "\n")
-    os.replace(pointer_tmp, root / LATEST)
+    try:
+        pointer_tmp.write_text(name + "\n")
+        os.replace(pointer_tmp, root / LATEST)
+    except OSError as exc:
+        pointer_tmp.unlink(missing_ok=True)
+        if is_no_space(exc, root, 1):
+            raise no_space_error(root, 4096, what=f"{root / LATEST} (pointing at {name})", fix=fix) from None
+        raise
     _fsync_dir(root)
     _prune(root, keep_last)
     return final
@@ -108,6 +133,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             f"checkpoint directory under {pointer.parent}."
         )
     return path
+
+
+def checkpoint_bytes(root: Path, model: torch.nn.Module) -> int:
+    """What the next checkpoint takes on disk: the newest one's size, else an estimate (fp32 weights plus
+    AdamW's two moments, and a MiB for the rest)."""
+    for previous in sorted((p for p in Path(root).glob("step-*") if p.is_dir()), reverse=True):
+        size = sum(f.stat().st_size for f in previous.iterdir() if f.is_file())
+        if size:
+            return size
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return 3 * 4 * numel + (1 << 20)
 
 
 def written_at(path: Path) -> float | None:

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedConfig
 
 from dflash_pipe.compute.compile import FLEX_MIN_HEAD_DIM, compiler_errors
+from dflash_pipe.diskspace import compile_cache_full
 from dflash_pipe.target.families import (
     TargetPlan,
     UnsupportedTargetError,
@@ -200,6 +201,8 @@ class TargetCore:
             try:
                 return compiled_layer_forward(layer, *args, **kwargs)
             except compiler_errors() as exc:
+                if (full_disk := compile_cache_full(exc)) is not None:  # eager would hide a full disk
+                    raise full_disk from None
                 self._layer_compile_failed = True
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 log.warning(

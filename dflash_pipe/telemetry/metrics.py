@@ -7,6 +7,7 @@ TensorBoard and W&B are optional mirrors whose packages are imported only when a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
+from dflash_pipe.diskspace import is_no_space, no_space_error
 from dflash_pipe.telemetry.gpu import GpuMemoryProbe
 
 MetricValue: TypeAlias = float | int | list[float]
@@ -95,14 +97,28 @@ class JsonlSink:
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, MetricValue], step: int) -> None:
+        """A full disk is ``DiskFullError`` (one line: the file, the bytes, what to do)."""
         record = {"step": step, "time": time.time()}
         record.update((k, _json_safe(v)) for k, v in metrics.items())
-        self._file.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
-        self._file.flush()
+        line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as exc:
+            if is_no_space(exc, self.path, len(line)):
+                raise no_space_error(
+                    self.path,
+                    len(line),
+                    what="a metrics record",
+                    fix="Free space there or move the run dir to a larger disk, then resume with "
+                    "`dflash-pipe launch --resume RUN_DIR` (a record cut short is dropped on resume)",
+                ) from None
+            raise
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            with contextlib.suppress(OSError):  # a full disk was already reported by log
+                self._file.close()
 
 
 def _drop_partial_tail(path: Path) -> None:

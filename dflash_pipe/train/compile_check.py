@@ -20,6 +20,7 @@ import torch
 
 from dflash_pipe.compute.compile import backward_with_settings
 from dflash_pipe.compute.precision import autocast
+from dflash_pipe.diskspace import compile_cache_full
 from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.train.warmup import synthetic_batch, warm_up, warmup_lengths
 
@@ -89,7 +90,17 @@ def check_compiled(
 
 def warm_up_checked(model: DFlashDrafter, *, full: bool, **warm_kwargs: Any) -> dict[str, float]:
     """``warm_up(model, **warm_kwargs)``; with ``full`` (``train.compile=full``), then the check, and on a
-    failure the fallback to compiled attention only, warmed up in turn. The metrics say what happened."""
+    failure the fallback to compiled attention only, warmed up in turn. The metrics say what happened. A
+    compile cache on a full disk is ``DiskFullError``, never a fallback (the fallback would fail alike)."""
+    try:
+        return _warm_up_checked(model, full=full, **warm_kwargs)
+    except Exception as exc:
+        if (full_disk := compile_cache_full(exc)) is not None:
+            raise full_disk from None
+        raise
+
+
+def _warm_up_checked(model: DFlashDrafter, *, full: bool, **warm_kwargs: Any) -> dict[str, float]:
     if not full:
         return warm_up(model, **warm_kwargs)
     try:
@@ -99,6 +110,8 @@ def warm_up_checked(model: DFlashDrafter, *, full: bool, **warm_kwargs: Any) -> 
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:  # a compiled kernel failing while it runs, within the warm-up itself
+        if compile_cache_full(exc) is not None:
+            raise
         metrics, check = {}, CompileCheck(math.nan, math.nan, f"{type(exc).__name__}: {str(exc)[:200]}")
     if check.error is None:  # a failed step has no figures (and metrics.jsonl no NaN)
         metrics.update(compile_check_loss_rel=check.loss_rel, compile_check_grad_rel=check.grad_rel)

@@ -14,9 +14,10 @@ from typing import Any, Protocol
 import torch
 
 from dflash_pipe.compute.precision import autocast
+from dflash_pipe.diskspace import free_bytes
 from dflash_pipe.drafter.acceptance import acceptance  # the function (the package's name is the module)
 from dflash_pipe.drafter.evaluate import simulated_metrics
-from dflash_pipe.run.checkpoint import save_checkpoint
+from dflash_pipe.run.checkpoint import checkpoint_bytes, save_checkpoint
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.batches import DeviceBatch, unpack
 from dflash_pipe.train.config import TrainConfig
@@ -261,9 +262,20 @@ def checkpoint(s: WorkerSession) -> Path | None:
         optimizer=s.optimizer,
         ledger=s.ledger.to_dict(),
         extra={"world_size": s.group.world_size},
+        warn=lambda note: _low_space(s, note),
     )
     s.link.send(m.Checkpoint(step=s.step, path=str(path)))
     return path
+
+
+def _low_space(s: WorkerSession, note: str) -> None:
+    """The checkpoint fits, the next may not: said in this worker's log and, as ``disk/...`` metrics, by the
+    producer (its console and metrics.jsonl)."""
+    root = s.run_dir / "checkpoints"
+    print(f"dflash-pipe worker: warning: {note}", file=sys.stderr, flush=True)
+    free, needed = float(free_bytes(root)), float(checkpoint_bytes(root, s.model))
+    values = {"disk/free_bytes": free, "disk/checkpoint_bytes": needed, "disk/low_space": 1.0}
+    s.link.send(m.Metrics(step=s.step, values=values))
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ import torch
 
 from dflash_pipe.compute.compile import apply_dynamo_settings
 from dflash_pipe.compute.precision import compute_dtype
+from dflash_pipe.diskspace import DiskFullError
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, load_frozen_target_parts
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.run.checkpoint import load_checkpoint
@@ -245,9 +246,11 @@ def _serve(
             reason = link.lost_reason or f"the producer at {connect} is gone ({exc})"
             raise _ProducerLost(reason, welcomed=welcome is not None) from None
         message = f"{type(exc).__name__}: {exc}"
-        link.send_and_flush(m.Error(source=name, message=message, traceback=traceback.format_exc()))
+        whole = isinstance(exc, (HandshakeError, KeyboardInterrupt, DiskFullError))  # the line says it all
+        trace = "" if whole else traceback.format_exc()
+        link.send_and_flush(m.Error(source=name, message=message, traceback=trace))
         print(f"dflash-pipe worker {name}: {message}", file=sys.stderr, flush=True)
-        if not isinstance(exc, (HandshakeError, KeyboardInterrupt)):
+        if not whole:
             traceback.print_exc()
         return 2 if isinstance(exc, HandshakeError) else 1
     finally:

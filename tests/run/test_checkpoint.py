@@ -57,7 +57,7 @@ def test_a_failed_save_leaves_the_previous_latest_intact(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ck, "_rng_state", disk_full)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OSError, match="no space left for checkpoint step-00000002"):
         ck.save_checkpoint(tmp_path, step=2, model=model, drafter_config={}, optimizer=opt, ledger={})
     assert ck.latest_checkpoint(tmp_path) == first
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001"]

@@ -23,7 +23,7 @@ NAME = "dflash_pipe"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("protocol", ("", "wire")),
-    ("support", ("telemetry", "data", "fields")),
+    ("support", ("telemetry", "data", "fields", "diskspace")),
     (
         "formats",
         ("run", "drafter.config", "drafter.rope", "drafter.presets", "train.config"),
