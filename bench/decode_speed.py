@@ -45,9 +45,18 @@ from dflash_pipe.data.config import RegenConfig  # noqa: E402
 from dflash_pipe.target.demo import demo_model_config  # noqa: E402
 from dflash_pipe.target.generate import TurnGenerator  # noqa: E402
 
+HYBRID_SHAPES = {"qwen3.5-27b-16l": "hybrid", "qwen3.5-27b-16l-dense": "dense"}
+"""The hybrid at the Qwen3.5-27B width (16 of its 64 layers) and a dense Qwen3 of the same width and depth."""
+
 
 def _config(shape: str, vocab: int | None = None):
-    config = demo_model_config(demo_tokenizer()) if shape == "demo" else qwen3_config(shape)
+    if shape in HYBRID_SHAPES:
+        from dflash_pipe.bench.hybrid import dense_config, hybrid_config
+
+        base = shape.removesuffix("-dense")
+        config = hybrid_config(base) if HYBRID_SHAPES[shape] == "hybrid" else dense_config(base)
+    else:
+        config = demo_model_config(demo_tokenizer()) if shape == "demo" else qwen3_config(shape)
     if vocab is not None:
         config.vocab_size = vocab
     return config
@@ -78,7 +87,7 @@ def _row(shape: str, path: str, batch: int, tokens: int | None, seconds: float |
 def _generator(
     model: Any, batch: int, new_tokens: int, max_length: int, tokenizer: Any = None
 ) -> TurnGenerator:
-    settings = RegenConfig(max_new_tokens=new_tokens, batch_size=batch)
+    settings = RegenConfig(max_new_tokens=new_tokens, batch_size=batch, decoder="engine")  # hybrids too
     tokenizer = tokenizer or demo_tokenizer()
     return TurnGenerator(model, tokenizer, settings, device=model.device, max_length=max_length)
 
@@ -92,7 +101,13 @@ def speed_rows(shape: str, device: str, args: argparse.Namespace) -> list[dict[s
     rows = []
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * dtype.itemsize
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    full = sum(t == "full_attention" for t in types)
+    kv_per_token = full * 2 * cfg.num_key_value_heads * head_dim * dtype.itemsize
+    state_per_slot = 0  # a hybrid's recurrent states, fp32, read and written once a step
+    if full < len(types):
+        per_layer = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        state_per_slot = 2 * (len(types) - full) * per_layer
     mean_context = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens / 2
     for batch in args.batch_sizes:
         gen = _generator(model, batch, args.new_tokens, max_length)
@@ -118,7 +133,8 @@ def speed_rows(shape: str, device: str, args: argparse.Namespace) -> list[dict[s
                 graphs=stats.graphs,
             )
         )
-        step_s = (weight_bytes + batch * mean_context * kv_per_token) / (args.bandwidth_tb_s * 1e12)
+        step_bytes = weight_bytes + batch * (mean_context * kv_per_token + state_per_slot)
+        step_s = step_bytes / (args.bandwidth_tb_s * 1e12)
         rows.append(
             _row(shape, f"bound, batch {batch}", batch, None, None, tokens_per_s=round(batch / step_s))
         )
@@ -250,7 +266,11 @@ def multi_turn_rows(shape: str, device: str, args: argparse.Namespace) -> list[d
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shapes", default="qwen3-1.7b,qwen3-8b", help=f"demo or of {', '.join(sorted(SHAPES))}")
+    p.add_argument(
+        "--shapes",
+        default="qwen3-1.7b,qwen3-8b",
+        help=f"demo or of {', '.join(sorted(SHAPES) + sorted(HYBRID_SHAPES))}",
+    )
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--prompts", type=int, default=512, help="prompts per engine row")
     p.add_argument("--prompt-tokens", type=int, default=512)

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from dflash_pipe.target.decode.slots import SlotState, StepGraphs
-from dflash_pipe.target.decode.stack import DecodeStack, graph_safe
+from dflash_pipe.target.decode.stack import DecodeStack
 
 SPAN_QUANTUM = 128
 """Attention spans are rounded up to a multiple of this (one captured graph per span)."""
@@ -111,7 +111,7 @@ class SlotEngine:
         self.cache = stack.new_cache(slots)
         self.state = SlotState(slots, max_new, end_ids, self.cache.trash, stack.device)
         if use_graphs is None:
-            use_graphs = stack.device.type == "cuda" and graph_safe(stack.model)
+            use_graphs = stack.device.type == "cuda" and stack.graph_safe
         self.steps = StepGraphs(stack, self.cache, self.state, use_graphs=use_graphs, greedy=greedy)
         self.greedy = greedy
         self._pick = pick

@@ -25,6 +25,7 @@ rounding there, not bitwise.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from torch import nn
 from dflash_pipe.target.decode.stack import StackShape, _rotate_half
 from dflash_pipe.target.gated_deltanet import _COMMON_PARAMS, _LAYOUT_PARAMS
 from dflash_pipe.target.layers import find_decoder_layers
+from dflash_pipe.target.packing import call_compiled
 
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 """Model types served (the multimodal ones on text-only prompts: no image or video inputs). Qwen3-Next has
@@ -125,6 +127,23 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)  # HF's l2norm (fla's eps)
 
 
+def delta_rule_math(state, q, k, v, beta, g, live) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrent gated delta rule (HF's ``torch_recurrent_gated_delta_rule``) per slot:
+    ``state`` ``[S, Hv, K, V]`` (fp32) -> the state to keep (advanced where ``live`` ``[S]``, as it was
+    elsewhere) and the output ``[S, Hv, V]``. Six passes over the state eager; compiled (on CUDA), Inductor
+    fuses them."""
+    new = state * g.exp()[..., None, None]  # [S, Hv, K, V]
+    delta = (v - (new * k[..., None]).sum(dim=-2)) * beta[..., None]  # [S, Hv, V]
+    new = new + k[..., None] * delta[..., None, :]
+    core = (new * q[..., None]).sum(dim=-2)
+    return torch.where(live[:, None, None, None], new, state), core
+
+
+@functools.cache
+def _compiled_delta_rule() -> Callable:
+    return torch.compile(delta_rule_math, dynamic=True)
+
+
 class HybridCache:
     """Per slot: keys/values of the full-attention layers ``[slots, kv_heads, max_len + 1, head_dim]`` (column
     ``max_len``: trash, as in ``SlotCache``), and for DeltaNet layers a recurrent state ``[slots, v_heads,
@@ -198,6 +217,9 @@ class HybridStack:
         self.chunk_rules = {i: _chunk_rule(m) for i, m in mixers.items()}
         self.graph_safe = all(type(layer.mlp).__name__.endswith("MLP") for layer in self.layers)
         """Whether ``step`` may be captured in a CUDA graph (MoE blocks pick experts on the host)."""
+        self._delta_rule: Callable = delta_rule_math
+        if self.device.type == "cuda":  # one compiled function for every DeltaNet layer, first call locked
+            self._delta_rule = functools.partial(call_compiled, _compiled_delta_rule(), 1, self.device)
 
     def new_cache(self, slots: int) -> HybridCache:
         return HybridCache(self, slots)
@@ -322,11 +344,9 @@ class HybridStack:
         k = _l2norm(k[:, 0].repeat_interleave(groups, dim=1).float())
         q = q / (q.shape[-1] ** 0.5)
         v, beta, g = v[:, 0].float(), beta[:, 0].float(), g[:, 0]  # [S, Hv, V], [S, Hv], [S, Hv]
-        new = state * g.exp()[..., None, None]  # [S, Hv, K, V]
-        delta = (v - (new * k[..., None]).sum(dim=-2)) * beta[..., None]  # [S, Hv, V]
-        new = new + k[..., None] * delta[..., None, :]
-        core = (new * q[..., None]).sum(dim=-2).to(x.dtype)[:, None]  # [S, 1, Hv, V]
-        state.copy_(torch.where(live[:, None, None, None], new, state))
+        kept, core = self._delta_rule(state, q, k, v, beta, g, live)
+        state.copy_(kept)  # outside the compiled graph: it mutates no input
+        core = core.to(x.dtype)[:, None]  # [S, 1, Hv, V]
         return self._mix_out(mixer, core, z)
 
     # --- prefill: each row alone, from position 0 or from the end of what its slot holds ----------------

@@ -102,10 +102,13 @@ class StepGraphs:
             self.state.advance(pick(self.logits))
 
     def _capture(self, span: int) -> torch.cuda.CUDAGraph:
-        """Warms the step up on a side stream (allocator, cuBLAS handles), then captures it. The warm-up
-        steps run on real state: they are saved and restored around it."""
+        """Warms the step up on a side stream (allocator, cuBLAS handles, first compiles), then captures it.
+        The warm-up steps run on real state: the slot state, and whatever the cache advances for good (a
+        hybrid's recurrent states: ``snapshot``), are saved and restored around it."""
         s = self.state
-        saved = [t.clone() for t in (s.tokens, s.positions, s.count, s.done, s.history)]
+        tensors = (s.tokens, s.positions, s.count, s.done, s.history)
+        saved = [t.clone() for t in tensors]
+        cache_saved = self.cache.snapshot() if hasattr(self.cache, "snapshot") else None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -118,8 +121,10 @@ class StepGraphs:
         # thread_local: the producer's other target threads keep working on their GPUs during a capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._model_step(span)
-        for live, kept in zip((s.tokens, s.positions, s.count, s.done, s.history), saved, strict=True):
+        for live, kept in zip(tensors, saved, strict=True):
             live.copy_(kept)
+        if cache_saved is not None:
+            self.cache.restore(cache_saved)
         self._graphs[span] = graph
         return graph
 

@@ -323,8 +323,10 @@ class DecodeStack:
             decode_attention=decode_attention,
             gqa=self.shape.heads != self.shape.kv_heads,
         )
+        self.graph_safe = graph_safe(model)
+        """Whether ``step`` may be captured in a CUDA graph (MoE blocks pick experts on the host)."""
         if compile_layers is None:
-            compile_layers = self.device.type == "cuda" and graph_safe(model)
+            compile_layers = self.device.type == "cuda" and self.graph_safe
         self.compile_layers = compile_layers
         self.compile_prefill = compile_layers if compile_prefill is None else compile_prefill
 
