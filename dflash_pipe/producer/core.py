@@ -219,7 +219,8 @@ class ProducerCore:
 
     def take_ready(self) -> None:
         """Moves what the target threads finished into the scheduler (regenerated replies to ``regen``, the
-        eval set to the workers)."""
+        eval set to the workers). The replies that came meanwhile are written together (one flush)."""
+        replies: list[GenerateDone] = []
         while True:
             try:
                 item = self.ready.get_nowait()
@@ -231,13 +232,13 @@ class ProducerCore:
                 self._install_eval(item)
                 continue
             if isinstance(item, GenerateDone):
-                self.generating -= 1
-                note = self.regen.accept(item)  # type: ignore[union-attr]
-                if note:
-                    self.note(note)
+                self.generating -= int(item.last)
+                replies.append(item)
                 continue
             self.in_target -= 1
             self.scheduler.add_ready(item)
+        if replies and (note := self.regen.accept(*replies)):  # type: ignore[union-attr]
+            self.note(note)
         if self.regen is not None and (why := self.regen.nothing_to_train()):  # also a reused file's
             raise RunAborted(why)
 

@@ -51,12 +51,16 @@ class GenerateJob:
 
 @dataclass(slots=True)
 class GenerateDone:
-    """A job's regenerated conversations, sent back through the ready queue."""
+    """Conversations of a job, regenerated, sent back through the ready queue as they finish (the first
+    step needs a batch's worth of replies, not a whole job's)."""
 
     job: GenerateJob
     results: list[Regenerated]
     seconds: float
+    """The job's target-thread seconds (on its ``last`` answer; 0 before)."""
     replica: str
+    last: bool = True
+    """The job's last conversations: the job is answered (its replica may take another)."""
 
 
 def to_sample(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConfig) -> Sample | None:
@@ -177,12 +181,14 @@ class Regeneration:
         self._jobs += 1
         return GenerateJob(job_id=self._jobs, items=items)
 
-    def accept(self, done: GenerateDone) -> str | None:
-        """Writes a job's conversations to the regenerated file and makes their samples plannable; returns
-        the line the dashboard shows when some turn of the job could not be generated."""
-        self.store.append(done.results)
-        self.generate_s += done.seconds
-        for record in done.results:
+    def accept(self, *dones: GenerateDone) -> str | None:
+        """Writes the conversations of ``dones`` (what the target threads finished since the last call) to the
+        regenerated file, in one flush, and makes their samples plannable; returns the line the dashboard
+        shows when some turn could not be generated."""
+        records = [record for done in dones for record in done.results]
+        self.store.append(records)
+        self.generate_s += sum(done.seconds for done in dones)
+        for record in records:
             self.tally.add(record)
             self.rate.add(record.new_tokens)
             if record.index >= self.num_train:
@@ -191,15 +197,17 @@ class Regeneration:
                 self._arrived.append(record.index)
         if self.complete and self.eval_ready and self.finished is None:
             self.finished = time.monotonic()
-        failed = [rec for rec in done.results if rec.failed is not None]
+        failed = [(done.job.job_id, rec) for done in dones for rec in done.results if rec.failed is not None]
         if not failed:
             return None
-        first = failed[0].failed
+        jobs = sorted({job for job, _ in failed})
+        which = f"job {jobs[0]}" if len(jobs) == 1 else f"jobs {', '.join(map(str, jobs))}"
+        index, first = failed[0][1].index, failed[0][1].failed
         assert first is not None
         return (
-            f"regeneration: {len(failed)} conversation(s) of job {done.job.job_id} stopped at a turn that could "
-            f"not be generated (first: conversation {failed[0].index}, turn {first.turn}: {first.reason}); their "
-            f"earlier turns are kept. So far: {self.tally.failed_text()}"
+            f"regeneration: {len(failed)} conversation(s) of {which} stopped at a turn that could not be "
+            f"generated (first: conversation {index}, turn {first.turn}: {first.reason}); their earlier turns "
+            f"are kept. So far: {self.tally.failed_text()}"
         )
 
     def _place(self, record: Regenerated) -> Sample | None:

@@ -382,23 +382,27 @@ class TargetThread(threading.Thread):
 
 
 class _OpenJobs:
-    """The generation jobs a replica works on at once, each answered when its last conversation is done."""
+    """The generation jobs a replica works on at once. Each conversation is answered as soon as it is done
+    (``GenerateDone``; the main thread writes what came in one tick together), the job's last with
+    ``last=True`` and the job's seconds."""
 
     def __init__(self, ready: queue.Queue, replica: str) -> None:
         self.ready, self.replica = ready, replica
-        self._jobs: dict[int, tuple[GenerateJob, dict[int, Regenerated | None], float]] = {}
+        self._jobs: dict[int, tuple[GenerateJob, set[int], float]] = {}
         self._owner: dict[int, int] = {}
 
     def open(self, job: GenerateJob) -> None:
-        self._jobs[job.job_id] = (job, {index: None for index, _ in job.items}, time.perf_counter())
+        self._jobs[job.job_id] = (job, {index for index, _ in job.items}, time.perf_counter())
         self._owner.update((index, job.job_id) for index, _ in job.items)
 
     def done(self, record: Regenerated) -> None:
         job_id = self._owner.pop(record.index)
-        job, results, t0 = self._jobs[job_id]
-        results[record.index] = record
-        if all(r is not None for r in results.values()):
+        job, left, t0 = self._jobs[job_id]
+        left.discard(record.index)
+        last = not left
+        if last:
             del self._jobs[job_id]
-            done = [r for r in results.values() if r is not None]  # in the job's order
-            seconds = time.perf_counter() - t0
-            self.ready.put(GenerateDone(job=job, results=done, seconds=seconds, replica=self.replica))
+        seconds = time.perf_counter() - t0 if last else 0.0
+        self.ready.put(
+            GenerateDone(job=job, results=[record], seconds=seconds, replica=self.replica, last=last)
+        )
