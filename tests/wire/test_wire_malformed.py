@@ -8,6 +8,7 @@ import torch
 
 import dflash_pipe.wire.codec as codec
 from dflash_pipe.wire import Heartbeat, ProtocolError, ProtocolVersionError, decode, encode
+from dflash_pipe.wire.messages import PROTOCOL_VERSION
 
 
 @pytest.fixture
@@ -50,9 +51,9 @@ def test_bad_header_bytes(batch_frames):
 
 def test_wrong_version_names_both():
     frames = repack(encode(Heartbeat(time=1.0)), lambda h: h.update(v=1))
-    with pytest.raises(ProtocolVersionError, match="v1.*v4") as info:
+    with pytest.raises(ProtocolVersionError, match=f"v1.*v{PROTOCOL_VERSION}") as info:
         decode(frames)
-    assert (info.value.theirs, info.value.ours) == (1, 4)
+    assert (info.value.theirs, info.value.ours) == (1, PROTOCOL_VERSION)
     rejects(repack(frames, lambda h: h.update(v="1")), "must be an int")
     rejects(repack(frames, lambda h: h.pop("v")), "must be an int")
 
