@@ -141,6 +141,9 @@ def _resume_config(given: dict[str, Any]) -> RunConfig:
     return RunConfig.from_dict(values)
 
 
+_GPU_FLAGS = (("--target-gpus", "target_gpus"), ("--drafter-gpus", "drafter_gpus"))
+
+
 def _layout(saved: dict[str, Any], given: dict[str, Any]) -> LayoutConfig:
     """The file's layout section with the device flags on top; unset device = CUDA if a GPU is visible."""
     lay = dict(saved)
@@ -155,10 +158,17 @@ def _layout(saved: dict[str, Any], given: dict[str, Any]) -> LayoutConfig:
     for option, path in FLAG_FIELDS.items():  # any other layout flag sets its field as is
         if path.startswith("layout.") and option not in _LAYOUT_FLAGS and option in given:
             lay[path.removeprefix("layout.")] = given[option]
+    gpus = [flag for flag, key in _GPU_FLAGS if lay.get(key)]
+    if lay.get("device") == "cpu" and gpus:
+        raise ValueError(
+            f"--device cpu with {' and '.join(gpus)}: GPUs cannot be used on the CPU. Drop "
+            f"{' and '.join(gpus)} to train on the CPU, or drop --device cpu to use those GPUs."
+        )
     if lay.get("device") in (None, "auto"):
         import torch
 
-        lay["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        # GPU ids ask for CUDA: a machine without it is refused (check_machine), never a silent CPU run
+        lay["device"] = "cuda" if gpus or torch.cuda.is_available() else "cpu"
     if lay["device"] == "cuda" and not lay.get("target_gpus") and not lay.get("drafter_gpus"):
         import torch
 

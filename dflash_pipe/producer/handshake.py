@@ -55,6 +55,18 @@ def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
     if core.done_sent:
         core.out.reject(peer_id, "this run is finishing; attach to the next one")
         return None
+    taken = next((p for p in core.peers.values() if p.name == msg.worker_name and not p.left), None)
+    if taken is not None and (taken.host, taken.pid) == (msg.host, msg.pid):  # the same process, reconnecting
+        core.drop(taken, "reconnected (a new connection from the same process)")
+        taken = None
+    if taken is not None:  # names key the dashboard, the logs and the launcher's adoption of its workers
+        core.out.reject(
+            peer_id,
+            f"a worker named {msg.worker_name!r} is already in this run ({taken.device} on {taken.host}, pid "
+            f"{taken.pid}); start this one with another --name",
+        )
+        core.note(f"refused a second worker named {msg.worker_name!r} ({msg.host}, pid {msg.pid})")
+        return None
     try:
         cuda_offered, ring_offered = choose_offers(
             core.cfg.wire.payload_path,

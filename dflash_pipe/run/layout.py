@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -9,6 +10,10 @@ from typing import Literal
 from dflash_pipe.fields import check_choice, flag
 
 _SPEC = re.compile(r"^\d+(-\d+)?$")
+
+
+def _spec(ids: tuple[int, ...]) -> str:
+    return ",".join(map(str, ids)) or "(none)"
 
 
 def parse_gpu_spec(spec: str, *, flag: str = "--gpus") -> tuple[int, ...]:
@@ -118,7 +123,14 @@ class LayoutConfig:
         if self.device == "cpu":
             return
         if device_count == 0:
-            raise ValueError("No CUDA GPU is visible. Pass --device cpu to run on the CPU.")
+            import torch
+
+            build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+            raise ValueError(
+                f"--target-gpus {_spec(self.target_gpus)} --drafter-gpus {_spec(self.drafter_gpus)}: no CUDA "
+                f"GPU is visible here ({build}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r})."
+                " Run where the GPUs are, or drop the GPU flags and pass --device cpu to train on the CPU."
+            )
         for option, ids in (("--target-gpus", self.target_gpus), ("--drafter-gpus", self.drafter_gpus)):
             missing = [i for i in ids if i >= device_count]
             if missing:

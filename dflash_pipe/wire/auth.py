@@ -126,19 +126,30 @@ class AllowList:
         self.allowed = allowed
         self.directory = directory
         self.refused = 0
+        self.refused_keys: dict[bytes, int] = {}
+        """Refusals per client key: each key is logged once, then at 10, 100, ... refusals."""
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         if client_key in self.allowed:
             return True
         self.refused += 1
-        if self.refused <= 20 or self.refused % 1000 == 0:  # bounded: a hostile peer may retry forever
+        n = self.refused_keys[client_key] = self.refused_keys.get(client_key, 0) + 1
+        if is_log_count(n):  # bounded: a hostile peer may retry forever
+            count = "first refusal of this key; later ones are counted" if n == 1 else f"{n} refusals so far"
             log.warning(
-                "refused a worker connection: its CURVE public key %s is not in %s (refusal #%d)",
+                "refused a worker connection: its CURVE public key %s is not in %s (%s)",
                 client_key.decode("ascii", "replace"),
                 self.directory / CLIENTS_DIR,
-                self.refused,
+                count,
             )
         return False
+
+
+def is_log_count(n: int) -> bool:
+    """1, 10, 100, ...: when a repeated refusal is worth a log line (with its count)."""
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
 
 
 def _key_dir(directory: Path) -> Path:

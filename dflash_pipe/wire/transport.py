@@ -34,7 +34,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from dflash_pipe.wire.addresses import DEFAULT_ADDRESS, host_of, is_local_address, require_keys_for
-from dflash_pipe.wire.auth import AllowList, AuthError, load_client_keys, load_server_keys
+from dflash_pipe.wire.auth import AllowList, AuthError, is_log_count, load_client_keys, load_server_keys
 from dflash_pipe.wire.codec import (
     DEFAULT_MAX_TENSOR_BYTES,
     MAX_HEADER_BYTES,
@@ -208,14 +208,23 @@ class ProducerEndpoint(_Endpoint):
         """The bound address with the real port (port 0 picks a free one)."""
         self.handshake_failures = 0
         """Connections refused in the CURVE handshake (missing or wrong keys)."""
+        self._failures_by_kind: dict[str, int] = {}
 
     def _on_handshake_failure(self, event: dict) -> None:
+        """Logged once per kind of failure, then at 10, 100, ... with the count (a refused worker retrying
+        must not fill the log); a key the allow list refused is logged there, with the key."""
         self.handshake_failures += 1
-        self._limiter.warning(
-            "refused a connection to %s: CURVE handshake failed (%s); the peer has no keys or other keys",
-            self.address,
-            _event_name(event),
-        )
+        kind = _event_name(event)
+        n = self._failures_by_kind[kind] = self._failures_by_kind.get(kind, 0) + 1
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.allow_list is not None:
+            return
+        if is_log_count(n):
+            log.warning(
+                "refused a connection to %s: CURVE handshake failed (%s; %s); the peer has no keys or other keys",
+                self.address,
+                kind,
+                "first time; later ones are counted" if n == 1 else f"{n} times so far",
+            )
 
     def send(
         self, peer: bytes, msg: Message, *, track: bool = False, ring: SharedRing | None = None

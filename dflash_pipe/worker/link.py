@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.auth import AuthError
 from dflash_pipe.wire.cuda_ipc import CudaIpcOffer, CudaIpcRing
 from dflash_pipe.wire.errors import TransportError
 from dflash_pipe.wire.ring import RingUnavailable, SlotRing
@@ -46,6 +47,8 @@ class ProducerLink:
         self._outbox: queue.Queue[tuple[Any, threading.Event | None]] = queue.Queue()
         self._stop = threading.Event()
         self.lost_reason: str | None = None
+        self.refused: str | None = None
+        """The producer refused this worker's CURVE handshake (its keys): retrying cannot help."""
         self._endpoint = WorkerEndpoint(address, keys=keys)
         self._thread = threading.Thread(target=self._run, name="producer-link", daemon=True)
         self._thread.start()
@@ -115,7 +118,7 @@ class ProducerLink:
                 try:
                     self._endpoint.send(msg)
                 except TransportError as exc:  # refused CURVE keys, or a producer that stopped reading
-                    self._lose(str(exc))
+                    self._lose(str(exc), refused=isinstance(exc, AuthError))
                     return
                 finally:
                     if done is not None:
@@ -124,7 +127,7 @@ class ProducerLink:
             try:
                 msg = self._endpoint.recv(timeout_s=0.02)
             except TransportError as exc:  # e.g. the producer refused this worker's CURVE key
-                self._lose(str(exc))
+                self._lose(str(exc), refused=isinstance(exc, AuthError))
                 return
             except Exception as exc:  # a malformed message from the producer is fatal for this link
                 self._lose(f"undecodable message from the producer at {self.address}: {exc}")
@@ -148,7 +151,9 @@ class ProducerLink:
                 )
                 return
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str, *, refused: bool = False) -> None:
+        if refused:
+            self.refused = reason
         self.lost_reason = reason
         self._inbox.put(None)
         if self._on_lost is not None:

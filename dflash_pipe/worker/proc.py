@@ -242,6 +242,9 @@ def _serve(
         link.send_and_flush(m.Bye(reason=f"{name} stopped by {exc} before training"))
         raise
     except BaseException as exc:  # report every failure to the producer, then exit non-zero
+        if link.refused is not None:  # wrong or missing CURVE keys: the fix is here, retrying cannot help
+            print(f"dflash-pipe worker {name}: {link.refused}", file=sys.stderr, flush=True)
+            return 2
         if link.lost_reason is not None or isinstance(exc, RendezvousLostError):
             reason = link.lost_reason or f"the producer at {connect} is gone ({exc})"
             raise _ProducerLost(reason, welcomed=welcome is not None) from None

@@ -35,3 +35,23 @@ def test_a_target_that_is_no_causal_lm_is_refused(tmp_path: Path):
     assert result.exit_code == 2, result.output
     assert "error: --target-model" in result.output and "'vit' has no causal-LM class" in result.output
     assert not (tmp_path / "r" / "logs").exists()
+
+
+def test_gpu_flags_with_device_cpu_are_one_error(tmp_path: Path):
+    result = launch("--target-gpus", "0", "--drafter-gpus", "0", "--run-dir", str(tmp_path / "r"))
+    assert result.exit_code == 2, result.output
+    assert "GPUs cannot be used on the CPU" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "r" / "logs").exists()
+
+
+def test_gpu_flags_on_a_machine_without_cuda_are_refused_not_run_on_the_cpu():
+    """What `--target-gpus 0 --drafter-gpus 0` meets where no GPU is visible (this CI machine)."""
+    import pytest
+
+    from dflash_pipe.run.layout import LayoutConfig
+
+    layout = LayoutConfig(device="cuda", target_gpus=(0,), drafter_gpus=(1,))
+    with pytest.raises(
+        ValueError, match=r"--target-gpus 0 --drafter-gpus 1: no CUDA GPU is visible.*--device cpu"
+    ):
+        layout.validate_against(0)

@@ -48,3 +48,22 @@ def test_a_preemption_warning_asks_every_worker_for_a_checkpoint(tmp_path: Path)
     core.handle(b"a", m.Checkpoint(step=4, path=str(tmp_path / "checkpoints" / "step-00000004")))
     assert said[-1].startswith("checkpoint written at step 4 (SIGUSR1 (preemption warning))")
     assert core.last_checkpoint_at is not None
+
+
+def test_a_second_worker_with_a_taken_name_is_refused_naming_both(tmp_path: Path) -> None:
+    core, out, _ = _core(tmp_path)
+    core.handle(b"a", _hello("w0"))
+    core.handle(b"b", m.Hello(worker_name="w0", host="other", pid=7, device="cpu", capabilities=["frames"]))
+    assert b"b" not in core.peers
+    [(who, reason)] = out.rejected
+    assert who == b"b" and "a worker named 'w0' is already in this run (cpu on h, pid 1)" in reason
+    assert "another --name" in reason
+    core.handle(b"c", _hello("w1"))  # another name is welcome
+    assert out.of(b"c", m.Welcome)
+
+
+def test_the_same_process_reconnecting_takes_its_name_back(tmp_path: Path) -> None:
+    core, out, _ = _core(tmp_path)
+    core.handle(b"a", _hello("w0"))
+    core.handle(b"a2", _hello("w0"))  # same host and pid: its old connection is gone
+    assert core.peers[b"a"].left and out.of(b"a2", m.Welcome) and out.rejected == []

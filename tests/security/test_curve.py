@@ -93,3 +93,35 @@ def test_loopback_stays_key_free_and_public_needs_keys(key_dirs):
     with pytest.raises(ValueError, match="keys generate DIR"):
         WireConfig(bind="tcp://0.0.0.0:5555")
     assert WireConfig(bind="tcp://0.0.0.0:5555", keys=str(key_dirs["run"])).keys == key_dirs["run"]
+
+
+def test_a_refused_key_is_logged_once_with_a_count(producer, key_dirs, caplog):
+    caplog.set_level(logging.WARNING, logger="dflash_pipe.wire")
+    for _ in range(3):  # a worker retrying with a key the producer does not list
+        with WorkerEndpoint(producer.address, keys=key_dirs["stranger"], send_timeout_s=1.0) as worker:
+            refused(producer, worker)
+    for _ in range(20):
+        producer.recv(0.02)
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert sum("first refusal of this key" in line for line in lines) == 1, lines
+    assert len(lines) <= 2, lines  # the first, and at most the tenth's count
+    assert sum(producer.allow_list.refused_keys.values()) >= 3 and len(producer.allow_list.refused_keys) == 1
+
+
+@pytest.mark.slow
+def test_a_worker_with_other_keys_stops_at_once_with_the_fix(producer, key_dirs):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_pipe", "worker", "--connect", producer.address, "--device", "cpu",
+         "--keys", str(key_dirs["other"]), "--join-timeout", "60", "--reconnect-timeout", "300"],
+        env={**os.environ, "PYTHONPATH": str(root)}, cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "holds other keys than" in out.stderr and "--keys DIR" in out.stderr, out.stderr
+    assert "Reconnecting" not in out.stderr and "--resume" not in out.stderr, out.stderr
+    assert time.monotonic() - started < 60  # within --join-timeout, not --reconnect-timeout
