@@ -151,7 +151,7 @@ class SlotEngine:
         self._fill(waiting, pending, range(len(self._slots)))
         waited = 0  # checks the oldest pending turn has waited
         while True:
-            if pending and (self._prefill_due(pending, waited)):
+            if pending and self._prefill_due(pending, waited):
                 self._prefill(pending)
                 waited = 0
             elif pending:
