@@ -143,6 +143,8 @@ def speed_rows(shape: str, device: str, args: argparse.Namespace) -> list[dict[s
             file=sys.stderr,
             flush=True,
         )
+        if batch in args.trace_batches and device.startswith("cuda"):
+            trace(gen, prompts[:batch], args.new_tokens, args.out / f"trace_{shape}_batch{batch}.txt")
         del gen
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -152,6 +154,28 @@ def speed_rows(shape: str, device: str, args: argparse.Namespace) -> list[dict[s
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows
+
+
+def trace(gen: TurnGenerator, prompts: list[list[int]], new_tokens: int, path: Path) -> None:
+    """One wave of ``prompts`` under the profiler: the GPU's busy share of the wall time (kernels inside
+    the captured graphs included), the engine's prefill and decode split, and the kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        gen.generate(prompts, [new_tokens] * len(prompts))
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    stats = gen.engine_stats
+    head = (
+        f"wall {wall:.3f} s (profiled), kernels {busy:.3f} s: GPU busy {busy / wall:.1%}; "
+        f"engine prefill {stats.prefill_seconds:.3f} s in {stats.prefill_calls} calls, {stats.steps} steps\n"
+    )
+    path.write_text(head + events.table(sort_by="self_cuda_time_total", row_limit=40))
+    print("  trace: " + head, file=sys.stderr, flush=True)
 
 
 @torch.inference_mode()
@@ -281,9 +305,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns-conversations", type=int, default=64, help="conversations of the multi-turn rows")
     p.add_argument("--user-words", type=int, default=48)
     p.add_argument("--bandwidth-tb-s", type=float, default=4.8)
+    p.add_argument(
+        "--trace-batches", default="", help="batches whose one wave is profiled (CUDA): DIR/trace_*"
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    args.trace_batches = [int(b) for b in args.trace_batches.split(",") if b]
     device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else args.device
     shapes = [s for s in args.shapes.split(",") if s and s != "none"]
     console = Console(stderr=True)

@@ -104,6 +104,8 @@ def measure(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -
                 "tokens": len(greedy.tokens),
                 "tau": None,
                 "prefill_s": None,
+                "propose_s": None,
+                "verify_s": None,
                 "not_lossless": 0,
             }
         )
@@ -122,6 +124,8 @@ def measure(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -
                     "tokens": len(out.tokens),
                     "tau": out.counts.tau,
                     "prefill_s": out.prefill_seconds,
+                    "propose_s": out.propose_seconds,
+                    "verify_s": out.verify_seconds,
                     "not_lossless": int(out.tokens != greedy.tokens),
                 }
             )
@@ -138,6 +142,8 @@ def measure(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -
         tokens = statistics.fmean(r["tokens"] for r in runs)
         taus = [r["tau"] for r in runs if r["tau"] is not None]
         prefill = [r["prefill_s"] for r in runs if r["prefill_s"] is not None]
+        propose = [r["propose_s"] for r in runs if r["propose_s"] is not None]
+        verify = [r["verify_s"] for r in runs if r["verify_s"] is not None]
         rows.append(
             {
                 "decoding": kind,
@@ -150,6 +156,8 @@ def measure(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -
                 ),
                 "tau": round(statistics.fmean(taus), 3) if taus else None,
                 "prefill_s": round(statistics.fmean(prefill), 4) if prefill else None,
+                "propose_s": round(statistics.fmean(propose), 4) if propose else None,
+                "verify_s": round(statistics.fmean(verify), 4) if verify else None,
                 "not_lossless": sum(r["not_lossless"] for r in runs),
             }
         )

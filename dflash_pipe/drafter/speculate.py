@@ -59,6 +59,10 @@ class SpecOutput:
     prefill_seconds: float
     per_step: list[int] = field(default_factory=list)
     """Tokens produced by each step (accepted drafts + the bonus), as the reference's acceptance_lengths."""
+    propose_seconds: float = 0.0
+    """Wall time in the drafter's proposals (synchronised), of ``seconds``."""
+    verify_seconds: float = 0.0
+    """Wall time in the target's verify forwards (synchronised), of ``seconds``."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -223,13 +227,20 @@ def speculative_generate(
     counts = AcceptanceCounts.zeros(block_size)
     per_step: list[int] = []
     drafter_forwards = 0
+    propose_s = verify_s = 0.0
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         n = features.shape[0]  # verified tokens; tokens[-1] sits at position n
         context = torch.cat([ids, torch.tensor(tokens, device=device)])  # [n+1]
+        t_step = time.perf_counter()
         draft = propose(context, features).to(device)  # [bs-1]
+        _sync(device)
+        t_drafted = time.perf_counter()
         drafter_forwards += 1
         block = torch.cat([context[-1:], draft])  # [bs] at positions n..n+bs-1
         greedy, block_features = verifier.verify(block, n)  # [bs]: the target's token after each position
+        _sync(device)
+        propose_s += t_drafted - t_step
+        verify_s += time.perf_counter() - t_drafted
         accepted = accepted_length(draft, greedy[:-1])
         produced = [int(t) for t in draft[:accepted]] + [int(greedy[accepted])]
         keep = len(produced)
@@ -255,6 +266,8 @@ def speculative_generate(
         seconds=time.perf_counter() - t0,
         prefill_seconds=prefill_s,
         per_step=per_step,
+        propose_seconds=propose_s,
+        verify_seconds=verify_s,
     )
 
 
