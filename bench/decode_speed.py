@@ -174,6 +174,7 @@ def trace(gen: TurnGenerator, prompts: list[list[int]], new_tokens: int, path: P
         f"wall {wall:.3f} s (profiled), kernels {busy:.3f} s: GPU busy {busy / wall:.1%}; "
         f"engine prefill {stats.prefill_seconds:.3f} s in {stats.prefill_calls} calls, {stats.steps} steps\n"
     )
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + events.table(sort_by="self_cuda_time_total", row_limit=40))
     print("  trace: " + head, file=sys.stderr, flush=True)
 

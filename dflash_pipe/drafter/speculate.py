@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -158,35 +159,51 @@ class _HFTarget:
 
 
 class _SlotTarget:
-    """The target on the slot engine's stack: one slot, written at each block's start, so rolling back
-    costs nothing (the rejected positions are overwritten by the next block and never read before)."""
+    """The target on the slot engine's stack: one slot, each block verified as one decode step (a CUDA graph
+    per span on the GPU), so rolling back costs nothing (the rejected positions are overwritten by the next
+    block and never read before)."""
 
-    def __init__(self, stack: Any, layer_ids: Sequence[int]) -> None:
-        self.stack, self.layer_ids = stack, list(layer_ids)
-        self.cache = stack.new_cache(1)
+    def __init__(self, verifier: Any) -> None:
+        self.verifier = verifier
 
     def prefill(self, ids: Tensor) -> tuple[int, Tensor]:
-        logits, features = self.stack.extend(self.cache, 0, ids.tolist(), 0, self.layer_ids)
+        logits, features = self.verifier.prefill(ids.tolist())
         return int(logits[-1].argmax()), features
 
     def verify(self, block: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        logits, features = self.stack.extend(self.cache, 0, block.tolist(), start, self.layer_ids)
-        return logits.argmax(-1), features
+        logits, features = self.verifier.verify(block, start)
+        return logits.argmax(-1), features.clone()  # the graph's buffers are rewritten by the next block
 
     def keep(self, length: int) -> None:
         pass
 
 
+_KEPT_VERIFIER = "_dflash_pipe_block_verifier"
+"""The target's attribute holding the last verifier built for it: the next prompt reuses its stack, cache
+and captured graphs when they are long enough and verify the same blocks and feature layers. (An attribute,
+not a weak-keyed table: the verifier refers to the target, and the collector frees such a cycle.)"""
+
+VERIFIER_LENGTH_QUANTUM = 1024
+"""A verifier is built for a multiple of this many positions, so prompts of similar lengths share it."""
+
+
 def _verifier(
-    target: nn.Module, layer_ids: Sequence[int], max_len: int, engine: bool
+    target: nn.Module, layer_ids: Sequence[int], max_len: int, engine: bool, block_size: int
 ) -> _HFTarget | _SlotTarget:
     """The slot engine's stack where the target's family has one (docs/data.md lists them), else HF's
     forward."""
     if engine:
         from dflash_pipe.target.decode import DecodeStack, unsupported_reason
+        from dflash_pipe.target.decode.verify import BlockVerifier
 
         if unsupported_reason(target) is None:
-            return _SlotTarget(DecodeStack(target, max_len=max_len), layer_ids)
+            kept = getattr(target, _KEPT_VERIFIER, None)
+            fits = kept is not None and kept.stack.max_len >= max_len
+            if not (fits and kept.block_size == block_size and kept.feature_layers == list(layer_ids)):
+                length = math.ceil(max_len / VERIFIER_LENGTH_QUANTUM) * VERIFIER_LENGTH_QUANTUM
+                kept = BlockVerifier(DecodeStack(target, max_len=length), block_size, layer_ids)
+                setattr(target, _KEPT_VERIFIER, kept)
+            return _SlotTarget(kept)
     return _HFTarget(target, layer_ids)
 
 
@@ -217,7 +234,7 @@ def speculative_generate(
     device = next(target.parameters()).device
     stop = set(int(t) for t in stop_ids)
     ids = prompt.to(device, torch.long)
-    verifier = _verifier(target, layer_ids, ids.numel() + max_new_tokens + block_size, engine)
+    verifier = _verifier(target, layer_ids, ids.numel() + max_new_tokens + block_size, engine, block_size)
     _sync(device)
     t0 = time.perf_counter()
     first, features = verifier.prefill(ids)  # features [P, k*H]

@@ -19,40 +19,47 @@ from dflash_pipe.target.decode import attention_kernel  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _reference(q, keys, values, lengths, scale):
-    """Softmax attention of each slot's query heads over its first ``lengths[s]`` columns, in fp32."""
-    slots, heads, dim = q.shape
+def _reference(q, keys, values, lengths, scale, slots):
+    """Softmax attention of each row's query heads over the first ``lengths[s]`` columns of its cache row
+    ``slots[s]``, in fp32."""
+    rows, heads, dim = q.shape
     groups = heads // keys.shape[1]
-    out = torch.zeros(slots, heads, dim, device=q.device)
-    for s in range(slots):
-        n = int(lengths[s])
-        k = keys[s, :, :n].float().repeat_interleave(groups, 0)  # [heads, n, D]
-        v = values[s, :, :n].float().repeat_interleave(groups, 0)
+    out = torch.zeros(rows, heads, dim, device=q.device)
+    for s in range(rows):
+        n, c = int(lengths[s]), int(slots[s])
+        k = keys[c, :, :n].float().repeat_interleave(groups, 0)  # [heads, n, D]
+        v = values[c, :, :n].float().repeat_interleave(groups, 0)
         p = torch.softmax((q[s].float()[:, None] * k).sum(-1) * scale, dim=-1)
         out[s] = (p[..., None] * v).sum(1)
     return out
 
 
 @pytest.mark.parametrize(
-    ("slots", "heads", "kv_heads", "dim", "span", "lengths"),
+    ("slots", "heads", "kv_heads", "dim", "span", "lengths", "rows_of"),
     [
-        (3, 4, 2, 16, 192, [1, 70, 192]),  # split along the columns (few programs), an empty split
-        (2, 8, 2, 32, 128, [128, 5]),  # groups of 4
-        (5, 2, 2, 16, 64, [64, 1, 33, 2, 64]),  # no groups, one split
+        (3, 4, 2, 16, 192, [1, 70, 192], None),  # split along the columns (few programs), an empty split
+        (2, 8, 2, 32, 128, [128, 5], None),  # groups of 4
+        (5, 2, 2, 16, 64, [64, 1, 33, 2, 64], None),  # no groups, one split
+        (3, 4, 2, 16, 128, [40, 41, 42, 43, 7], [2, 2, 2, 2, 0]),  # a block of 4 rows on slot 2 (verify)
     ],
 )
-def test_kernel_equals_attention_over_each_slots_live_columns(slots, heads, kv_heads, dim, span, lengths):
+def test_kernel_equals_attention_over_each_slots_live_columns(
+    slots, heads, kv_heads, dim, span, lengths, rows_of
+):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    q = torch.randn(slots, heads, dim, device=DEVICE).to(dtype)
+    rows = len(lengths)
+    q = torch.randn(rows, heads, dim, device=DEVICE).to(dtype)
     keys = torch.randn(slots, kv_heads, span + 9, dim, device=DEVICE).to(dtype)
     values = torch.randn(slots, kv_heads, span + 9, dim, device=DEVICE).to(dtype)
     keys[:, :, span:] = 1e4  # columns past the span: never read
     lengths_t = torch.tensor(lengths, device=DEVICE)
-    out, lse = attention_kernel.decode_attention(q, keys, values, lengths_t, span, dim**-0.5)
-    assert out.shape[2] == attention_kernel.splits_for(slots, kv_heads, span)
-    got = attention_kernel.combine(out, lse, heads // kv_heads, torch.float32).view(slots, heads, dim)
-    torch.testing.assert_close(got, _reference(q, keys, values, lengths_t, dim**-0.5), rtol=2e-2, atol=2e-2)
+    slot_of = torch.tensor(rows_of or list(range(rows)), device=DEVICE)
+    out, lse = attention_kernel.decode_attention(q, keys, values, lengths_t, span, dim**-0.5, slot_of)
+    assert out.shape[2] == attention_kernel.splits_for(rows, kv_heads, span)
+    got = attention_kernel.combine(out, lse, heads // kv_heads, torch.float32).view(rows, heads, dim)
+    want = _reference(q, keys, values, lengths_t, dim**-0.5, slot_of)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the slot stack takes the kernel on CUDA only")

@@ -47,6 +47,7 @@ def _kernel() -> Any:
         k_ptr,
         v_ptr,
         lengths_ptr,
+        slots_ptr,
         out_ptr,
         lse_ptr,
         stride_qs,
@@ -70,6 +71,7 @@ def _kernel() -> Any:
         sp = tl.program_id(2)
         heads_kv = tl.num_programs(1)
         n = tl.load(lengths_ptr + s)
+        slot = tl.load(slots_ptr + s).to(tl.int64)  # the cache row this query reads
         start = sp * chunk
         end = tl.minimum(start + chunk, n)
         g = tl.arange(0, G_PAD)
@@ -82,8 +84,8 @@ def _kernel() -> Any:
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        k_base = k_ptr + s * stride_ks + kh * stride_kh
-        v_base = v_ptr + s * stride_vs + kh * stride_vh
+        k_base = k_ptr + slot * stride_ks + kh * stride_kh
+        v_base = v_ptr + slot * stride_vs + kh * stride_vh
         for block in range(0, tl.cdiv(tl.maximum(end - start, 0), BLOCK)):  # this split's live columns
             cols = start + block * BLOCK + tl.arange(0, BLOCK)
             valid = cols < end
@@ -114,10 +116,17 @@ def splits_for(slots: int, kv_heads: int, span: int) -> int:
 
 
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, span: int, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    span: int,
+    scale: float,
+    slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[S, heads, D]`` against each slot's first ``lengths[s]`` columns (``<= span``) of ``keys`` and
-    ``values`` ``[S, kvh, L+1, D]``. Returns the splits' outputs ``[S, kvh, splits, G', D]`` and log-sum-exps
+    """Query row ``s`` of q ``[S, heads, D]`` against the first ``lengths[s]`` columns (``<= span``) of cache
+    row ``slots[s]`` of ``keys`` and ``values`` ``[slots, kvh, L+1, D]`` (several rows may read one slot:
+    a block of tokens being verified, each at its own position). Returns the splits' outputs ``[S, kvh, splits, G', D]`` and log-sum-exps
     ``[S, kvh, splits, G']`` (fp32; G' = the group size padded to 16) for ``combine``."""
     slots, heads, dim = q.shape
     kv_heads = keys.shape[1]
@@ -134,6 +143,7 @@ def decode_attention(
         keys,
         values,
         lengths,
+        slots,
         out,
         lse,
         q.stride(0),

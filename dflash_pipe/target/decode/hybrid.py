@@ -209,6 +209,8 @@ class HybridStack:
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.max_len = max_len
         positions = torch.arange(max_len + 1, device=self.device)[None]  # [1, L+1]; the last: trash column
+        if hasattr(inner.rotary_emb, "mrope_section"):  # multimodal RoPE: one position row per grid axis
+            positions = positions[None].expand(3, 1, -1)  # [3, 1, L+1]; some releases take only this form
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
         cos, sin = inner.rotary_emb(probe, positions)  # HF's own table: 3 equal mrope sections on text
         self.cos, self.sin = cos[0], sin[0]  # [L+1, rotary_dim] (partial rotary: rotary_dim < head_dim)

@@ -358,8 +358,41 @@ class DecodeStack:
         """Feeds ``tokens`` ``[S]`` at ``positions`` ``[S]`` (the trash column for idle slots) and returns the
         next-token logits ``[S, V]`` (fp32). Every live position must be ``< span``: attention reads the
         first ``span`` columns of each slot. No host synchronisation: capturable in a CUDA graph."""
-        s = tokens.shape[0]
-        rows = torch.arange(s, device=tokens.device)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        h, _ = self._decode(cache, rows, tokens, positions, span, (), gather=False)
+        return self._logits(h)
+
+    def block_step(
+        self,
+        cache: SlotCache,
+        slots: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step whose row ``r`` is token ``tokens[r]`` of cache row ``slots[r]`` at ``positions[r]``:
+        a block of one slot's tokens at consecutive positions is verified in one step (every row's key is
+        written before any row attends, so each attends to the block's tokens before it). Returns the logits
+        after each row ``[R, V]`` (fp32) and the outputs of ``feature_layers`` concatenated ``[R, k*H]``.
+        No host synchronisation: capturable in a CUDA graph."""
+        h, captured = self._decode(cache, slots, tokens, positions, span, feature_layers, gather=True)
+        return self._logits(h), torch.cat([captured[i] for i in feature_layers], dim=-1)
+
+    def _decode(
+        self,
+        cache: SlotCache,
+        rows: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+        feature_layers: Sequence[int],
+        *,
+        gather: bool,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One query per row (row ``r`` on cache row ``rows[r]``): the last layer's output ``[R, H]`` and the
+        outputs of ``feature_layers``. ``gather``: rows are not the cache's rows in order, so the sdpa and
+        matmul paths read each row's cache row (the Triton kernel reads ``rows`` itself)."""
         lengths = mask = None
         if self.decode_attention == "triton":
             lengths = torch.where(positions >= self.max_len, 1, positions + 1)  # idle slots: column 0 only
@@ -373,6 +406,7 @@ class DecodeStack:
         first = self._layer_fn(layer_in, self.compile_layers, 1)
         then = self._layer_fn(decode_out, self.compile_layers, 1)
         merged = self._layer_fn(combine_out, self.compile_layers, 1)
+        captured: dict[int, torch.Tensor] = {}
         h = self.embed(tokens)[:, None]  # [S, 1, H]
         for i, (layer, fused) in enumerate(zip(self.layers, self.fused, strict=True)):
             q, k, v = first(layer, fused, h, cos, sin)
@@ -382,12 +416,17 @@ class DecodeStack:
             cache.values[i][rows, :, positions] = v[:, 0]
             if mask is None:
                 out, lse = attention_kernel.decode_attention(
-                    q[:, 0], cache.keys[i], cache.values[i], lengths, span, self.math.scaling
+                    q[:, 0], cache.keys[i], cache.values[i], lengths, span, self.math.scaling, rows
                 )
                 h = merged(layer, fused, h, out, lse)
+            elif gather:
+                keys, values = cache.keys[i][rows, :, :span], cache.values[i][rows, :, :span]
+                h = then(layer, fused, h, q, keys, values, mask, span)
             else:
                 h = then(layer, fused, h, q, cache.keys[i], cache.values[i], mask, span)
-        return self._logits(h[:, 0])
+            if i in feature_layers:
+                captured[i] = h[:, 0]
+        return h[:, 0], captured
 
     # --- prefill: new tokens of some slots, after what their cache already holds ------------------------
 
