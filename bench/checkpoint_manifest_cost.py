@@ -22,6 +22,7 @@ import torch
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 from dflash_pipe.drafter.config import default_target_layer_ids
 from dflash_pipe.run import checkpoint as ck
+from dflash_pipe.run import manifest
 
 SHAPES = {  # DrafterConfig fields: the demo drafter, and the Qwen3-8B recipe's (docs/drafter.md)
     "demo": dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
@@ -113,14 +114,14 @@ def _threads(mib: int, work: Path | None) -> dict[str, float]:
         for _ in range(mib):
             f.write(block)
         f.flush()
-        ck.file_digests(f.name)  # into the page cache
-        out = {"gb": mib * (1 << 20) / 1e9, "default_threads": ck._HASH_THREADS}
-        for label, threads in (("1_thread", 1), ("default", ck._HASH_THREADS)):
-            saved, ck._HASH_THREADS = ck._HASH_THREADS, threads
+        manifest.file_digests(f.name)  # into the page cache
+        out = {"gb": mib * (1 << 20) / 1e9, "default_threads": manifest._HASH_THREADS}
+        for label, threads in (("1_thread", 1), ("default", manifest._HASH_THREADS)):
+            saved, manifest._HASH_THREADS = manifest._HASH_THREADS, threads
             t = time.perf_counter()
-            ck.file_digests(f.name)
+            manifest.file_digests(f.name)
             out[f"{label}_gb_per_s"] = out["gb"] / (time.perf_counter() - t)
-            ck._HASH_THREADS = saved
+            manifest._HASH_THREADS = saved
     return out
 
 

@@ -284,6 +284,8 @@ def export(checkpoint: Path, out_dir: Path) -> None:
         export_checkpoint(checkpoint, out_dir)
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
+    except OSError as exc:  # OUT_DIR not writable, a full disk: one line, no traceback
+        raise click.ClickException(f"cannot write the export to {out_dir}: {exc}") from None
     console.print(f"exported {checkpoint} -> {out_dir}")
 
 

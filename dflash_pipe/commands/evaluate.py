@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from dflash_pipe.commands import console
 
@@ -114,7 +115,7 @@ def eval_cmd(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
     limit = max_samples or (16 if mode == "generate" else 256)
-    try:  # a drafter that does not fit the target, or bad data: one line naming the input, no traceback
+    try:  # a damaged export, a drafter that does not fit the target, or bad data: one line naming the input
         tokenizer = AutoTokenizer.from_pretrained(str(target_model))
         data = load_samples(DataConfig(path=data_path, max_length=max_length), tokenizer)
         if mode == "generate":
@@ -130,6 +131,7 @@ def eval_cmd(
                 max_new_tokens=max_new_tokens,
                 check=check,
                 progress=console.is_terminal,
+                warn=_warn,
             )
             Console().print(render_generate_table(result))
             metrics = result.metrics()
@@ -143,10 +145,11 @@ def eval_cmd(
                 device=dev,
                 num_anchors=num_anchors,
                 progress=console.is_terminal,
+                warn=_warn,
             )
             Console().print(render_acceptance_table(simulated))
             metrics = simulated.metrics()
-    except (ValueError, OSError) as exc:  # DataError is a ValueError
+    except (ValueError, OSError) as exc:  # DataError and ExportError are ValueErrors
         raise click.ClickException(str(exc)) from None
     except (LosslessError, CacheCropError) as exc:  # the one number would be wrong: say so and fail
         raise click.ClickException(str(exc)) from None
@@ -170,3 +173,7 @@ def eval_cmd(
             result.check_lossless()
         except LosslessError as exc:
             raise click.ClickException(str(exc)) from None
+
+
+def _warn(note: str) -> None:
+    console.print(f"[yellow]warning:[/] {escape(note)}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -128,21 +128,23 @@ def simulate_export(
     device: torch.device,
     num_anchors: int = 64,
     progress: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> AcceptanceResult:
     """`dflash-pipe eval --mode simulated`: the target's features and greedy predictions on ``samples``'
-    own text (TargetCore, bf16 on CUDA) and an exported drafter on the target's embedding and LM head."""
-    import json
-
+    own text (TargetCore, bf16 on CUDA) and an exported drafter on the target's embedding and LM head. The
+    export is checked against its manifest before the target loads (``warn`` hears that one without a
+    manifest is unverified)."""
     from dflash_pipe.target import TargetCore
 
-    from .export import config_from_export, load_exported
+    from .export import load_exported, read_export_config, verify_export
     from .target_parts import load_frozen_target_parts
 
+    verify_export(drafter_dir, warn=warn)
     dtype = compute_dtype(device)
-    cfg = config_from_export(json.loads((Path(drafter_dir) / "config.json").read_text()))
+    cfg = read_export_config(drafter_dir)
     target = TargetCore(target_model, cfg.target_layer_ids, device, dtype)
     embed, head = load_frozen_target_parts(target_model, dtype=dtype, device=device)
-    drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head).to(device)
+    drafter = load_exported(drafter_dir, embed_tokens=embed, lm_head=head, verify=False).to(device)
     with autocast(device):
         return evaluate_acceptance(target, drafter, samples, num_anchors=num_anchors, progress=progress)
 

@@ -1,14 +1,26 @@
-"""Export to the reference DFlashDraftModel format (config.json + model.safetensors) and load it back."""
+"""Export to the reference DFlashDraftModel format (config.json + model.safetensors) and load it back.
+
+An export carries a manifest (``manifest.json``: each file's size and sha256, as a checkpoint does), and
+loading it checks the manifest first: a damaged export is one ``ExportError`` line naming the file, what is
+wrong and how to export it again. An export written before exports carried a manifest still loads, with a
+warning that it is unverified. Every file gets the mode the umask says (0644 under umask 022).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from dflash_pipe.run.manifest import MANIFEST, check_manifest, chmod_from_umask, write_manifest
 
 from .config import SLIDING_ATTENTION, DrafterConfig, read_rope
 from .model import DFlashDrafter
@@ -18,6 +30,16 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CHECKPOINT_WEIGHTS = "drafter.safetensors"
 CHECKPOINT_CONFIG = "drafter_config.json"
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+"""What an export is; its manifest lists these (and only these: other files in OUT_DIR are not the export's)."""
+
+
+class ExportError(ValueError):
+    """A damaged export, in one line: the file, what is wrong with it, and how to export it again."""
+
+
+class UnverifiedExportWarning(UserWarning):
+    """An export without a manifest (written before exports carried one): loaded, but not verified."""
 
 
 def reference_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
@@ -117,9 +139,25 @@ def _write(
     tensors = {
         k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in state.items()
     }
-    out_dtype = next(iter(tensors.values())).dtype
-    save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out_dir / CONFIG_NAME).write_text(json.dumps(reference_config(cfg, out_dtype), indent=2) + "\n")
+    config = json.dumps(reference_config(cfg, next(iter(tensors.values())).dtype), indent=2) + "\n"
+    _replace(out_dir / WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    _replace(out_dir / CONFIG_NAME, lambda tmp: tmp.write_text(config))
+    # Last: a re-export cut short leaves the previous manifest, which then refuses the mixed files.
+    write_manifest(out_dir, EXPORT_FILES)
+    chmod_from_umask(out_dir / MANIFEST)
+
+
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` to a temporary file beside ``path``, given the umask's mode (safetensors writes 0600), then
+    renamed over ``path``: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        chmod_from_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def export_drafter(model: DFlashDrafter, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
@@ -175,14 +213,75 @@ def config_from_export(config: dict) -> DrafterConfig:
     )
 
 
-def load_exported(export_dir: str | Path, *, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> DFlashDrafter:
-    """Rebuild a DFlashDrafter from an export, validating keys and shapes."""
+def verify_export(export_dir: str | Path, *, warn: Callable[[str], None] | None = None) -> None:
+    """Refuses a damaged export with one ``ExportError`` line; a missing directory or file is a
+    FileNotFoundError. With a manifest, every file it lists must have its recorded size and sha256. Without
+    one (an export older than manifests) the files must be there and the weights' safetensors header
+    readable, and ``warn`` (default: an ``UnverifiedExportWarning``, shown once) hears that it is
+    unverified."""
     root = Path(export_dir)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such export directory")
+    if (root / MANIFEST).exists():
+        problem = check_manifest(root, required=EXPORT_FILES)
+        if problem is not None:
+            raise ExportError(_damaged(root, problem))
+        return
+    for name in EXPORT_FILES:
         if not (root / name).is_file():
-            raise FileNotFoundError(f"{root}: no {name}; expected an export_drafter output directory")
-    cfg = config_from_export(json.loads((root / CONFIG_NAME).read_text()))
-    state = load_file(str(root / WEIGHTS_NAME))
+            raise FileNotFoundError(f"{root}: no {name}; expected a `dflash-pipe export` output directory")
+    try:
+        with safe_open(str(root / WEIGHTS_NAME), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        raise ExportError(_damaged(root, _unreadable(root / WEIGHTS_NAME, e))) from None
+    note = (
+        f"{root} has no {MANIFEST} (it was exported before exports carried one), so its files are not "
+        f"verified; export it again from its run dir or checkpoint to add one (dflash-pipe export RUN_DIR {root})"
+    )
+    if warn is not None:
+        warn(note)
+    else:
+        warnings.warn(note, UnverifiedExportWarning, stacklevel=3)
+
+
+def read_export_config(export_dir: str | Path) -> DrafterConfig:
+    """The DrafterConfig of an export's config.json; an unreadable one is an ``ExportError`` naming it."""
+    root = Path(export_dir)
+    path = root / CONFIG_NAME
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as e:
+        raise ExportError(_damaged(root, f"{path} is not valid JSON ({e})")) from None
+    try:
+        return config_from_export(config)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ExportError(
+            _damaged(root, f"{path} is not a DFlash config ({type(e).__name__}: {e})")
+        ) from None
+
+
+def load_exported(
+    export_dir: str | Path,
+    *,
+    embed_tokens: nn.Embedding,
+    lm_head: nn.Linear,
+    verify: bool = True,
+    warn: Callable[[str], None] | None = None,
+) -> DFlashDrafter:
+    """Rebuild a DFlashDrafter from an export, checked against its manifest (``verify_export``; pass
+    ``verify=False`` when the caller just did) and validating keys and shapes."""
+    root = Path(export_dir)
+    if verify:
+        verify_export(root, warn=warn)
+    for name in EXPORT_FILES:
+        if not (root / name).is_file():
+            raise FileNotFoundError(f"{root}: no {name}; expected a `dflash-pipe export` output directory")
+    cfg = read_export_config(root)
+    try:
+        state = load_file(str(root / WEIGHTS_NAME))
+    except SafetensorError as e:
+        raise ExportError(_damaged(root, _unreadable(root / WEIGHTS_NAME, e))) from None
     validate_state(state, cfg, root / WEIGHTS_NAME)
     if embed_tokens.weight.shape[1] != cfg.hidden_size:
         raise ValueError(
@@ -198,3 +297,14 @@ def load_exported(export_dir: str | Path, *, embed_tokens: nn.Embedding, lm_head
     model.to(dtype=dtype)
     model.load_state_dict(state, strict=True)
     return model
+
+
+def _unreadable(path: Path, error: BaseException) -> str:
+    return f"{path} is not a readable safetensors file ({' '.join(str(error).split())})"
+
+
+def _damaged(root: Path, problem: str) -> str:
+    return (
+        f"{problem}: the export in {root} is damaged. Export it again from its run dir or checkpoint: "
+        f"dflash-pipe export RUN_DIR {root}"
+    )

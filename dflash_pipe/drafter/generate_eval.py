@@ -8,7 +8,7 @@ frozen, so a run computes it once per prompt (``references``) and reuses it at e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,16 +243,22 @@ def evaluate_export(
     max_new_tokens: int,
     check: bool = True,
     progress: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> GenerateResult:
     """`dflash-pipe eval --mode generate`: the target (bf16 on CUDA) and an exported drafter drafting with the
     target's own embedding and LM head, over the prompts of ``samples``. Every prompt runs; the caller checks
-    ``result.check_lossless()``."""
-    from .export import load_exported
+    ``result.check_lossless()``. The export is checked against its manifest before the target loads (``warn``
+    hears that one without a manifest is unverified)."""
+    from .export import load_exported, verify_export
 
+    verify_export(drafter_dir, warn=warn)
     dtype = compute_dtype(device)
     target = load_eval_target(target_model, device, dtype)
     drafter = load_exported(
-        drafter_dir, embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings()
+        drafter_dir,
+        embed_tokens=target.get_input_embeddings(),
+        lm_head=target.get_output_embeddings(),
+        verify=False,
     ).to(device)
     with autocast(device):
         return evaluate_generate(

@@ -4,19 +4,17 @@ A checkpoint is built in a temporary directory and renamed into place, then the 
 replaced the same way: a crash (or a full disk) never leaves a half-written checkpoint as the latest.
 Each one carries a manifest (every file's size and sha256 by 64 MiB pieces, read back from disk once
 written), so a resume or an export can tell an intact checkpoint from one damaged since
-(``verify_checkpoint``).
+(``verify_checkpoint``). Its files have the mode the umask says (0644 under umask 022), not safetensors' 0600.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from dflash_pipe.diskspace import free_bytes, is_no_space, no_space_error, space_note
 
+# The manifest lives in run.manifest (exports carry one too); its names still import from here.
+from dflash_pipe.run.manifest import CHUNK_BYTES as CHUNK_BYTES
+from dflash_pipe.run.manifest import MANIFEST as MANIFEST
+from dflash_pipe.run.manifest import check_manifest, chmod_from_umask, write_json, write_manifest
+from dflash_pipe.run.manifest import file_digests as file_digests
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRAFTER_WEIGHTS = "drafter.safetensors"
@@ -33,13 +37,8 @@ DRAFTER_CONFIG = "drafter_config.json"
 OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 RNG = "rng.pt"
-MANIFEST = "manifest.json"
 REQUIRED_FILES = (DRAFTER_WEIGHTS, DRAFTER_CONFIG, OPTIMIZER, RNG, TRAINER_STATE)
 """What a resume loads: a checkpoint missing any of them cannot be resumed."""
-CHUNK_BYTES = 64 << 20
-"""The manifest hashes files in pieces of this size, so a big file hashes on several cores."""
-_READ_BYTES = 8 << 20
-_HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclass(slots=True)
@@ -91,13 +90,15 @@ def save_checkpoint(
         tmp.mkdir()
         weights = {k: v.float().contiguous().cpu() for k, v in trainable_state(model).items()}
         save_file(weights, str(tmp / DRAFTER_WEIGHTS))
-        _write_json(tmp / DRAFTER_CONFIG, drafter_config)
+        write_json(tmp / DRAFTER_CONFIG, drafter_config)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
         torch.save(_rng_state(), tmp / RNG)
-        _write_json(
+        write_json(
             tmp / TRAINER_STATE,
             {"step": step, "time": time.time(), "ledger": ledger, "extra": extra or {}},
         )
+        for f in tmp.iterdir():  # safetensors writes 0600: the umask's mode, so another user may read it
+            chmod_from_umask(f)
         write_manifest(tmp)
         _fsync_dir(tmp)
         if final.exists():
@@ -154,18 +155,6 @@ def written_at(path: Path) -> float | None:
         return None
 
 
-def write_manifest(path: Path) -> None:
-    """``manifest.json``: each file of the checkpoint with its size and the sha256 of each of its
-    ``CHUNK_BYTES`` pieces, hashed as read back from disk, so what is recorded is what was written."""
-    path = Path(path)
-    files = {
-        f.name: {"bytes": f.stat().st_size, "chunk_bytes": CHUNK_BYTES, "sha256": file_digests(f)}
-        for f in sorted(path.iterdir())
-        if f.is_file() and f.name != MANIFEST
-    }
-    _write_json(path / MANIFEST, {"format": 1, "files": files})
-
-
 def verify_checkpoint(path: Path, files: Sequence[str] | None = None) -> str | None:
     """What is wrong with the checkpoint at ``path`` (one phrase naming the file), or None if it is intact.
 
@@ -174,57 +163,9 @@ def verify_checkpoint(path: Path, files: Sequence[str] | None = None) -> str | N
     path = Path(path)
     if not path.is_dir():
         return f"{path} does not exist"
-    manifest = path / MANIFEST
-    if not manifest.exists():
+    if not (path / MANIFEST).exists():
         return _check_unmanifested(path, files or REQUIRED_FILES)
-    try:
-        entries = json.loads(manifest.read_text())["files"]
-        listed = {
-            name: (int(e["bytes"]), list(e["sha256"]), int(e["chunk_bytes"])) for name, e in entries.items()
-        }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"{manifest} is unreadable ({type(e).__name__}: {e})"
-    for name in files or REQUIRED_FILES:
-        if name not in listed:
-            return f"{manifest} does not list {name}"
-    for name in files or listed:
-        size, digests, chunk = listed[name]
-        f = path / name
-        if not f.exists():
-            return f"{f} is missing (its manifest lists it)"
-        try:
-            actual = f.stat().st_size
-            if actual != size:
-                return f"{f} has {actual} bytes, its manifest says {size} (cut short or overwritten)"
-            if file_digests(f, chunk) != digests:
-                return f"{f} does not match its sha256 in {MANIFEST} (changed or damaged on disk)"
-        except OSError as e:
-            return f"{f} cannot be read ({e.strerror or e})"
-    return None
-
-
-def file_digests(path: Path, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
-    """The sha256 of each ``chunk_bytes`` piece of a file (one piece under that size: its plain sha256), hashed
-    on several threads: hashlib releases the GIL, and one core hashes only ~1 GB/s (a 12.6 GB checkpoint of the
-    Qwen3-8B drafter took 13 s on one core of the H200 host)."""
-    size = Path(path).stat().st_size
-    starts = range(0, max(size, 1), chunk_bytes)
-    threads = min(len(starts), _HASH_THREADS)
-    if threads <= 1:
-        return [_chunk_sha256(path, start, chunk_bytes) for start in starts]
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dflash-sha256") as pool:
-        return list(pool.map(lambda start: _chunk_sha256(path, start, chunk_bytes), starts))
-
-
-def _chunk_sha256(path: Path, start: int, length: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = length
-        while left > 0 and (block := f.read(min(_READ_BYTES, left))):
-            digest.update(block)
-            left -= len(block)
-    return digest.hexdigest()
+    return check_manifest(path, files, required=files or REQUIRED_FILES)
 
 
 def _check_unmanifested(path: Path, files: Sequence[str]) -> str | None:
@@ -289,14 +230,6 @@ def _restore_rng(state: dict[str, Any]) -> None:
         random.setstate(
             (state["python_version"], tuple(state["python"].tolist()), None if pos == -1 else pos)
         )
-
-
-def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

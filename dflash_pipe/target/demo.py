@@ -27,6 +27,8 @@ from filelock import FileLock
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from dflash_pipe.run.manifest import chmod_from_umask
+
 # Bump when the build changes in a way the fingerprint's other fields do not capture.
 RECIPE_VERSION = 1
 FINGERPRINT_FILE = "dflash_demo_target.json"
@@ -125,6 +127,9 @@ def build_demo_target(
             (tmp / FINGERPRINT_FILE).write_text(
                 json.dumps({"fingerprint": fingerprint, "train": stats}, indent=2, sort_keys=True)
             )
+            for f in tmp.iterdir():  # save_pretrained's safetensors are 0600: the umask's mode instead
+                if f.is_file():
+                    chmod_from_umask(f)
             if out.exists():  # stale or foreign build: move it aside first, rename is then atomic
                 old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
                 out.rename(old)

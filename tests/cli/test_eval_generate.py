@@ -76,3 +76,60 @@ def test_simulated_mode_and_bad_flags(exported) -> None:
     assert "simulated acceptance" in result.output
     bad = run(root, data, "--max-new-tokens", "0")
     assert bad.exit_code == 2 and "--max-new-tokens must be >= 1" in bad.output
+
+
+def _copy_export(root, tmp_path):
+    """A copy of the shared export, to damage without touching the other tests'."""
+    import shutil
+
+    shutil.copytree(root / "drafter", tmp_path / "drafter")
+    shutil.copytree(root / "target", tmp_path / "target", symlinks=True)
+    return tmp_path
+
+
+def _flip_weight_byte(path) -> None:
+    import struct
+
+    data = bytearray(path.read_bytes())
+    data[8 + struct.unpack("<Q", data[:8])[0] + 5] ^= 0x10  # tensor data, past the safetensors header
+    path.write_bytes(bytes(data))
+
+
+def _one_error_line(result) -> str:
+    """The refusal: exit status 1 and one line of output, no traceback."""
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("mode", ["generate", "simulated"])
+def test_eval_refuses_an_export_with_a_flipped_weight_byte(exported, tmp_path, mode) -> None:
+    root, data = exported
+    copy = _copy_export(root, tmp_path)
+    _flip_weight_byte(copy / "drafter" / "model.safetensors")
+    line = _one_error_line(run(copy, data, "--mode", mode, "--max-samples", "1", "--max-new-tokens", "4"))
+    assert f"{copy / 'drafter' / 'model.safetensors'} does not match its sha256 in manifest.json" in line
+    assert f"dflash-pipe export RUN_DIR {copy / 'drafter'}" in line and "tau" not in line
+
+
+def test_eval_refuses_a_damaged_header_without_a_manifest_in_one_line(exported, tmp_path) -> None:
+    root, data = exported
+    copy = _copy_export(root, tmp_path)
+    (copy / "drafter" / "manifest.json").unlink()  # an export older than manifests
+    weights = copy / "drafter" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[12] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    line = _one_error_line(run(copy, data, "--max-samples", "1", "--max-new-tokens", "4"))
+    assert f"{weights} is not a readable safetensors file" in line and "dflash-pipe export RUN_DIR" in line
+
+
+def test_eval_of_an_export_without_a_manifest_warns_once(exported, tmp_path) -> None:
+    root, data = exported
+    copy = _copy_export(root, tmp_path)
+    (copy / "drafter" / "manifest.json").unlink()
+    result = run(copy, data, "--mode", "simulated", "--max-samples", "2")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("has no manifest.json") == 1, result.output
+    assert "not verified" in result.output and "simulated acceptance" in result.output

@@ -130,10 +130,13 @@ def test_round_trip_through_our_loader(exported) -> None:
         a = model.to(torch.bfloat16).block_hidden(ids, feats, anchors, valid)
         b = again.block_hidden(ids, feats, anchors, valid)
     assert torch.equal(a, b)
-    # a reference checkpoint (no dflash_pipe section) reads back to the same shapes and attention
+    # a reference checkpoint (no dflash_pipe section, no manifest) reads back to the same shapes and attention
     stripped = {k: v for k, v in raw.items() if k != "dflash_pipe"}
     (Path(path) / "config.json").write_text(json.dumps(stripped))
-    cfg = load_exported(path, embed_tokens=model.embed_tokens, lm_head=model.lm_head).cfg
+    (Path(path) / "manifest.json").unlink()
+    heard: list[str] = []
+    cfg = load_exported(path, embed_tokens=model.embed_tokens, lm_head=model.lm_head, warn=heard.append).cfg
+    assert len(heard) == 1 and "not verified" in heard[0]
     for name in (
         "layer_types",
         "sliding_window",

@@ -16,6 +16,8 @@ from dflash_pipe.drafter import (
     load_exported,
     load_frozen_target_parts,
 )
+from dflash_pipe.drafter.export import EXPORT_FILES
+from dflash_pipe.run.manifest import write_manifest
 from tests.tiny_models import tiny_qwen3_config
 
 from .conftest import tiny_config, tiny_drafter
@@ -83,10 +85,12 @@ def test_load_rejects_bad_shapes(tmp_path) -> None:
     state = load_file(str(tmp_path / "model.safetensors"))
     state["fc.weight"] = torch.zeros(3, 3)
     save_file(state, str(tmp_path / "model.safetensors"))
+    write_manifest(tmp_path, EXPORT_FILES)  # intact as files: the shapes are what is wrong
     with pytest.raises(ValueError, match="fc.weight"):
         load_exported(tmp_path, embed_tokens=model.embed_tokens, lm_head=model.lm_head)
     del state["fc.weight"]
     save_file(state, str(tmp_path / "model.safetensors"))
+    write_manifest(tmp_path, EXPORT_FILES)
     with pytest.raises(ValueError, match="missing"):
         load_exported(tmp_path, embed_tokens=model.embed_tokens, lm_head=model.lm_head)
 

@@ -114,3 +114,16 @@ def test_real_build_learns_the_data(tmp_path):
     acc_trained, acc_init = _greedy_accuracy(trained, samples), _greedy_accuracy(untrained, samples)
     assert acc_trained > 0.6 and acc_init < 0.05, (acc_trained, acc_init)
     assert len(tok) == TargetCore(trained, [0], "cpu", torch.float32).vocab_size
+
+
+def test_the_build_has_the_mode_the_umask_says(tmp_path, small_data):
+    import os
+    import stat
+
+    before = os.umask(0o022)
+    try:
+        out = build_demo_target(tmp_path / "target", recipe=TINY, data_path=small_data)
+    finally:
+        os.umask(before)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes

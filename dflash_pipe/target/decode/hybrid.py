@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_pipe.target.decode.stack import StackShape, _rotate_half
+from dflash_pipe.target.decode.layer import rotate_half
+from dflash_pipe.target.decode.stack import StackShape
 from dflash_pipe.target.gated_deltanet import _COMMON_PARAMS, _LAYOUT_PARAMS
 from dflash_pipe.target.layers import find_decoder_layers
 from dflash_pipe.target.packing import call_compiled
@@ -246,8 +247,8 @@ class HybridStack:
         v = attn.v_proj(x).view(b, t, -1, d)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, R]
         r = cos.shape[-1]
-        q = torch.cat([q[..., :r] * cos + _rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
-        k = torch.cat([k[..., :r] * cos + _rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
+        q = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
+        k = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
         return q, k, v, gate.reshape(b, t, -1)
 
     def _gated_out(self, attn: nn.Module, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_pipe.target.decode import attention_kernel
-from dflash_pipe.target.decode.attention_kernel import combine
-from dflash_pipe.target.decode.fuse import FusedLayer, fuse_layer
+from dflash_pipe.target.decode.fuse import fuse_layer
+from dflash_pipe.target.decode.layer import (
+    LayerMath,
+    combine_out,
+    compile_layer_fn,
+    decode_out,
+    extend_out,
+    layer_in,
+    prefill_out,
+)
 from dflash_pipe.target.layers import find_decoder_layers
 from dflash_pipe.target.packing import call_compiled
 
@@ -97,149 +104,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
 def graph_safe(model: nn.Module) -> bool:
     """Whether a decode step over ``model`` can be captured in a CUDA graph (no host decisions inside)."""
     return getattr(model.config, "model_type", None) in DENSE_FAMILIES
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-@dataclass(frozen=True)
-class LayerMath:
-    """What a layer's arithmetic needs besides its modules: fixed per model, constants to the compiler."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scaling: float
-    qk_norm: bool
-    decode_attention: str
-    gqa: bool
-    """heads != kv_heads, as a field: Dynamo may trace the ints above as sizes, and SDPA's ``enable_gqa``
-    takes a plain bool only."""
-
-    @property
-    def groups(self) -> int:
-        return self.heads // self.kv_heads
-
-
-# --- one decoder layer: module-level functions, so one compiled graph serves every layer ----------------
-
-
-def _project(m: LayerMath, layer: nn.Module, fused: FusedLayer, x: torch.Tensor, cos, sin):
-    """q ``[B, T, heads, D]``, k and v ``[B, T, kv_heads, D]``, rotated by ``cos``/``sin`` ``[B, T, 1, D]``."""
-    attn = layer.self_attn
-    b, t = x.shape[:2]
-    d = m.head_dim
-    if fused.qkv_weight is not None:
-        qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
-        q, k, v = qkv.split([m.heads * d, m.kv_heads * d, m.kv_heads * d], dim=-1)
-        q, k, v = q.reshape(b, t, -1, d), k.reshape(b, t, -1, d), v.reshape(b, t, -1, d)
-    else:
-        q = attn.q_proj(x).view(b, t, -1, d)
-        k = attn.k_proj(x).view(b, t, -1, d)
-        v = attn.v_proj(x).view(b, t, -1, d)
-    if m.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    return q, k, v
-
-
-def _finish(layer: nn.Module, fused: FusedLayer, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The attention output projected and added, then the MLP block (HF's gated MLP on the fused weight)."""
-    h = h + layer.self_attn.o_proj(attended)
-    x = layer.post_attention_layernorm(h)
-    mlp = layer.mlp
-    if fused.gate_up_weight is not None:
-        gate, up = F.linear(x, fused.gate_up_weight).chunk(2, dim=-1)
-        return h + mlp.down_proj(mlp.act_fn(gate) * up)
-    out = mlp(x)
-    if isinstance(out, tuple):  # MoE blocks of some releases return (hidden, router logits)
-        out = out[0]
-    return h + out
-
-
-def layer_in(m: LayerMath, layer: nn.Module, fused: FusedLayer, h: torch.Tensor, cos, sin):
-    """A layer's input norm, q/k/v projections, q/k norms and RoPE (decode and prefill alike)."""
-    return _project(m, layer, fused, layer.input_layernorm(h), cos, sin)
-
-
-def decode_out(
-    m: LayerMath,
-    layer: nn.Module,
-    fused: FusedLayer,
-    h: torch.Tensor,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    span: int,
-) -> torch.Tensor:
-    """One query per slot ``[S, 1, heads, D]`` against the first ``span`` columns of the layer's cache
-    ``[S, kvh, L+1, D]``, then the rest of the layer."""
-    s = h.shape[0]
-    keys, values = keys[:, :, :span], values[:, :, :span]  # [S, kvh, span, D]
-    if m.decode_attention == "sdpa":
-        attended = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, scale=m.scaling, enable_gqa=True
-        )  # [S, heads, 1, D]
-    else:  # two batched matmuls that repeat no keys
-        grouped = q.view(s, m.kv_heads, m.groups, m.head_dim)  # [S, kvh, G, D]
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * m.scaling + mask
-        attended = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [S, kvh, G, D]
-    return _finish(layer, fused, h, attended.reshape(s, 1, -1))
-
-
-def combine_out(
-    m: LayerMath, layer: nn.Module, fused: FusedLayer, h: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-) -> torch.Tensor:
-    """The Triton kernel's split outputs merged (``attention_kernel.combine``), then the rest of the layer."""
-    return _finish(layer, fused, h, combine(out, lse, m.groups, h.dtype)[:, None])
-
-
-def _prefill_attend(m: LayerMath, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
-    """Queries ``[k, n, heads, D]`` against ``[k, kvh, *, D]``: ``[k, n, heads * D]``."""
-    k_rows, n = q.shape[:2]
-    attended = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        keys,
-        values,
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=m.scaling,
-        enable_gqa=m.gqa,  # no repeated keys: copying them cost a third of a prefill's time
-    )  # [k, heads, n, D]
-    return attended.transpose(1, 2).reshape(k_rows, n, -1)
-
-
-def prefill_out(m: LayerMath, layer: nn.Module, fused: FusedLayer, h, q, k, v) -> torch.Tensor:
-    """Fresh slots (nothing cached before): right-padded rows attend causally to their own new tokens
-    ``k``/``v`` ``[k, n, kvh, D]``; then the rest of the layer."""
-    return _finish(layer, fused, h, _prefill_attend(m, q, k.transpose(1, 2), v.transpose(1, 2), None))
-
-
-def extend_out(
-    m: LayerMath, layer: nn.Module, fused: FusedLayer, h, q, keys, values, mask: torch.Tensor
-) -> torch.Tensor:
-    """Rows after what their slots hold: they attend to their slots' first ``span`` columns ``[k, kvh,
-    span, D]`` through ``mask`` ``[k, 1, n, span]``; then the rest of the layer."""
-    return _finish(layer, fused, h, _prefill_attend(m, q, keys, values, mask))
-
-
-@functools.cache
-def _compiled(fn: Callable, m: LayerMath) -> Callable:
-    """``fn`` with ``m`` bound, compiled once per process with dynamic sizes: every layer, slot count, span
-    and prefill shape reuses its graphs (the weights are inputs, not constants). Each bound function gets
-    a code object of its own: Dynamo caches per code object, and on a shared one every function would be a
-    recompile of the others (the recompile limit would soon send them to eager)."""
-
-    def bound(*args: Any) -> Any:
-        return fn(m, *args)
-
-    bound.__code__ = bound.__code__.replace(co_name=fn.__name__, co_qualname=fn.__name__)
-    bound.__name__ = fn.__name__
-    return torch.compile(bound, dynamic=True)
 
 
 class SlotCache:
@@ -342,7 +206,7 @@ class DecodeStack:
         process-wide compile lock: target replicas are threads, and compiling is not thread-safe)."""
         if not compiled:
             return functools.partial(fn, self.math)
-        return functools.partial(call_compiled, _compiled(fn, self.math), size, self.device)
+        return functools.partial(call_compiled, compile_layer_fn(fn, self.math), size, self.device)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, D]
