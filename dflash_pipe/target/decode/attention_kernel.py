@@ -122,28 +122,28 @@ def decode_attention(
     lengths: torch.Tensor,
     span: int,
     scale: float,
-    slots: torch.Tensor,
+    slot_of: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query row ``s`` of q ``[S, heads, D]`` against the first ``lengths[s]`` columns (``<= span``) of cache
-    row ``slots[s]`` of ``keys`` and ``values`` ``[slots, kvh, L+1, D]`` (several rows may read one slot:
+    row ``slot_of[s]`` of ``keys`` and ``values`` ``[slots, kvh, L+1, D]`` (several rows may read one slot:
     a block of tokens being verified, each at its own position). Returns the splits' outputs ``[S, kvh, splits, G', D]`` and log-sum-exps
     ``[S, kvh, splits, G']`` (fp32; G' = the group size padded to 16) for ``combine``."""
-    slots, heads, dim = q.shape
+    rows, heads, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     g_pad = max(16, triton_next_power_of_2(groups))
-    splits = splits_for(slots, kv_heads, span)
+    splits = splits_for(rows, kv_heads, span)
     chunk = math.ceil(span / splits / BLOCK_N) * BLOCK_N
-    out = torch.empty((slots, kv_heads, splits, g_pad, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((slots, kv_heads, splits, g_pad), dtype=torch.float32, device=q.device)
+    out = torch.empty((rows, kv_heads, splits, g_pad, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((rows, kv_heads, splits, g_pad), dtype=torch.float32, device=q.device)
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention needs the head dim contiguous in q, keys and values")
-    _kernel()[(slots, kv_heads, splits)](
+    _kernel()[(rows, kv_heads, splits)](
         q,
         keys,
         values,
         lengths,
-        slots,
+        slot_of,
         out,
         lse,
         q.stride(0),
