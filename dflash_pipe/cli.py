@@ -122,7 +122,7 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from dflash_pipe.diskspace import DiskFullError
     from dflash_pipe.launcher import checkpoint_note
     from dflash_pipe.launcher import launch as run
-    from dflash_pipe.producer.core import RunAborted
+    from dflash_pipe.producer.core import NothingToTrain, RunAborted
     from dflash_pipe.producer.setup import SetupError
     from dflash_pipe.report import print_summary
     from dflash_pipe.run.signals import StopNow
@@ -149,6 +149,9 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     except (DataError, SetupError, FileNotFoundError, UnsupportedTargetError) as exc:
         console.print(f"[red]error:[/] {exc}")
         sys.exit(2)
+    except NothingToTrain as exc:  # a resume would find the same: no "Resume with"
+        console.print(f"[red]run stopped:[/] {escape(str(exc))}")
+        sys.exit(1)
     except (RunAborted, DiskFullError) as exc:
         console.print(f"[red]run stopped:[/] {escape(str(exc))}")
         console.print(f"Resume with: dflash-pipe launch --resume {cfg.run_dir}")

@@ -356,6 +356,13 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
         f"{len(ctx.train_samples)} training samples, run dir {cfg.run_dir}"
         + (f", resuming from {ctx.resume_from.name}" if ctx.resume_from else "")
     )
+    for note in ctx.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+    left_out = ctx.data.skipped_lines + sum(ctx.data.drop_reasons.values()) + ctx.data.truncated
+    if ctx.regen is None and left_out:
+        from dflash_pipe.producer.display import data_lines, data_report
+
+        console.print(data_lines(data_report(producer.core))[0], markup=False, highlight=False)
     try:
         pool.start(previous)
         write_record(cfg.run_dir, workers=pool.records())
@@ -364,7 +371,7 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
             console.print(f"adopting worker(s) still running from the previous producer: {names}")
         summary = producer.serve(watch=pool)
         pool.wait(timeout_s=10 if stop.signals.stop.is_set() else 60)
-        if producer.core.scheduler.finished():
+        if producer.core.scheduler.finished() and summary.steps > 0:  # 0 steps is never complete
             record_complete(cfg.run_dir, checkpoint=summary.last_checkpoint, epochs=cfg.train.epochs)
         return summary
     finally:

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from dflash_pipe.producer.display import data_lines
 from dflash_pipe.telemetry import latest_per_step, read_metrics, summary_table
 from dflash_pipe.telemetry.metrics import METRICS_FILE
 
@@ -32,13 +33,32 @@ def print_summary(run_dir: Path, summary: Any, console: Console) -> None:
     console.print(table)
     tokens_s = summary.acked_tokens / summary.wall_s if summary.wall_s else 0.0
     console.print(
-        f"{summary.steps} steps in {summary.wall_s:.0f} s ({tokens_s:,.0f} tokens/s overall, "
+        f"{steps_text(summary)} in {summary.wall_s:.0f} s ({tokens_s:,.0f} tokens/s overall, "
         f"{summary.steady_tokens_per_s:,.0f} tokens/s after the first step); "
-        f"stopped: {summary.stop_reason}; last checkpoint: {summary.last_checkpoint}"
+        f"stopped: {summary.stop_reason}; last checkpoint: {summary.last_checkpoint}",
+        markup=False,
+        highlight=False,
     )
     regen = getattr(summary, "regen", None)
     if regen:
         console.print(regen_line(regen), markup=False, highlight=False)
+    data = getattr(summary, "data", None)
+    if data:
+        for line in data_lines(data):
+            console.print(line, markup=False, highlight=False)
+
+
+def steps_text(summary: Any) -> str:
+    """The steps of this launch: ``5 steps`` for a fresh run, ``trained 40 steps this launch (step 100 ->
+    140)`` for a resumed one."""
+    start = getattr(summary, "start_step", 0)
+    if not start:
+        return _count(summary.steps, "step")
+    return f"trained {_count(summary.steps - start, 'step')} this launch (step {start} -> {summary.steps})"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def regen_line(regen: Mapping[str, Any]) -> str:

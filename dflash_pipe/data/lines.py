@@ -18,9 +18,15 @@ from typing import Any
 import numpy as np
 
 from .config import DataConfig
-from .formats import Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
+from .formats import BOOKKEEPING_KEY, Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
 from .render import has_chat_template, render_conversation
-from .samples import DataError
+from .samples import (
+    DROP_EMPTY_REPLIES,
+    DROP_FEW_TOKENS,
+    DROP_NOT_REGENERATED,
+    DROP_TOO_LONG,
+    DataError,
+)
 
 
 class LoadCancelled(DataError):
@@ -46,7 +52,10 @@ class Tokenized:
     reasons: Counter[str] = field(default_factory=Counter)
     """Skipped bad lines by reason."""
     truncated: int = 0
-    dropped_short: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    """Samples left out by reason (``samples.DROP_*``)."""
+    shortest_cut: int | None = None
+    """The token count of the shortest sample dropped because ``max_length`` cut it (``DROP_TOO_LONG``)."""
 
 
 def tokenize_piece(
@@ -86,16 +95,41 @@ def tokenize_piece(
                 out.reasons[e.kind] += 1
                 continue
             if line is None:
-                continue  # a regenerated file's provenance header, or a conversation it could not regenerate
-            ids, mask = line
+                continue  # a regenerated file's provenance header
+            if line is NOT_REGENERATED:
+                out.dropped[DROP_NOT_REGENERATED] += 1
+                continue
+            ids, mask, empty_replies = line
             if len(ids) > cfg.max_length:
                 out.truncated += 1
             fitted = fit_sample(ids, mask, cfg)
             if fitted is None:
-                out.dropped_short += 1
+                why = drop_reason(mask, cfg, empty_replies=empty_replies)
+                out.dropped[why] += 1
+                if why == DROP_TOO_LONG:
+                    out.shortest_cut = min(len(ids), out.shortest_cut or len(ids))
                 continue
             out.samples.append(fitted)
     return out
+
+
+NOT_REGENERATED = object()
+"""``_tokenize_line``'s answer for a regenerated file's record of a conversation it could not regenerate."""
+
+
+def drop_reason(mask: np.ndarray, cfg: DataConfig, *, empty_replies: bool = False) -> str:
+    """Why a sample ``fit_sample`` refused is left out: its assistant turns are all empty, it would have
+    enough trainable positions but ``max_length`` cuts them off, or it has too few at any length."""
+    if empty_replies:
+        return DROP_EMPTY_REPLIES
+    if len(mask) > cfg.max_length and _anchors(mask) >= cfg.min_loss_tokens:
+        return DROP_TOO_LONG
+    return DROP_FEW_TOKENS
+
+
+def _anchors(mask: np.ndarray) -> int:
+    mask = np.asarray(mask, dtype=bool)
+    return int(np.count_nonzero(mask[:-1] & mask[1:]))
 
 
 def fit_sample(
@@ -104,7 +138,7 @@ def fit_sample(
     """A sample cut to ``cfg.max_length``, or None when it keeps fewer than ``cfg.min_loss_tokens`` trainable
     anchor positions (p with mask[p] and mask[p+1])."""
     ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
-    if int(np.count_nonzero(mask[:-1] & mask[1:])) < cfg.min_loss_tokens:
+    if _anchors(mask) < cfg.min_loss_tokens:
         return None
     return np.asarray(ids, dtype=np.int64), np.ascontiguousarray(mask, dtype=bool)
 
@@ -116,16 +150,18 @@ def _tokenize_line(
     path: Path,
     lineno: int,
     template_kwargs: dict[str, Any],
-) -> tuple[list[int] | np.ndarray, np.ndarray] | None:
-    """One line -> (ids, bool mask), or None for a regenerated file's own bookkeeping lines;
-    ``FormatError`` for a bad line, ``DataError`` for a bad tokenizer."""
+) -> tuple[list[int] | np.ndarray, np.ndarray, bool] | object | None:
+    """One line -> (ids, bool mask, every assistant turn empty), None for a regenerated file's provenance
+    header, ``NOT_REGENERATED`` for its record of a conversation left out; ``FormatError`` for a bad line,
+    ``DataError`` for a bad tokenizer."""
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
         raise FormatError("not JSON", detail, "Write one JSON object per line (JSONL)") from None
     if is_bookkeeping(obj):
-        return None
+        info = obj[BOOKKEEPING_KEY]
+        return NOT_REGENERATED if isinstance(info, dict) and "failed" in info else None
     record = parse_record(obj)
     if isinstance(record, PreTokenized):
         ids = np.asarray(record.input_ids, dtype=np.int64)
@@ -135,7 +171,7 @@ def _tokenize_line(
                 f"input_ids contains {int(ids.max())} but the tokenizer has {vocab_size} tokens",
                 "Pre-tokenize with the target's tokenizer",
             )
-        return ids, np.asarray(record.loss_mask, dtype=bool)
+        return ids, np.asarray(record.loss_mask, dtype=bool), False
     assert isinstance(record, Conversation)
     if tokenizer is None or not has_chat_template(tokenizer):
         what = "no tokenizer was given" if tokenizer is None else "the tokenizer has no chat template"
@@ -148,4 +184,6 @@ def _tokenize_line(
             f"{path}:{lineno}: rendering conversations needs a fast tokenizer (character offsets), got "
             f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
         )
-    return render_conversation(tokenizer, record.messages, template_kwargs)
+    ids, mask = render_conversation(tokenizer, record.messages, template_kwargs)
+    empty = all(not m["content"].strip() for m in record.messages if m["role"] == "assistant")
+    return ids, mask, empty

@@ -21,7 +21,7 @@ from typing import Any
 from .config import DataConfig
 from .lines import Piece, Tokenized, tokenize_piece
 from .pool import piece_bytes, tokenized_pieces, worker_pool
-from .samples import DataError, LoadedData, Sample
+from .samples import DROP_NOT_REGENERATED, DataError, LoadedData, Sample
 
 AUTO_PROGRESS_BYTES = 4 << 20
 """With ``progress=None``, files at least this big show a progress bar (when stderr is a terminal)."""
@@ -139,7 +139,9 @@ def _merge(path: Path, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedDa
 
     samples: list[Sample] = []
     reasons: Counter[str] = Counter()
-    truncated = dropped_short = 0
+    dropped: Counter[str] = Counter()
+    truncated = 0
+    shortest_cut: int | None = None
     for part in pieces:
         for ids, mask in part.samples:
             samples.append(
@@ -150,14 +152,20 @@ def _merge(path: Path, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedDa
                 )
             )
         reasons.update(part.reasons)
+        dropped.update(part.dropped)
         truncated += part.truncated
-        dropped_short += part.dropped_short
+        if part.shortest_cut is not None:
+            shortest_cut = min(part.shortest_cut, shortest_cut or part.shortest_cut)
     skipped = sum(reasons.values())
+    dropped_short = sum(n for why, n in dropped.items() if why != DROP_NOT_REGENERATED)
     if not samples:
+        if shortest_cut is not None:
+            raise DataError(no_fit_message(path, cfg, shortest_cut, need=shortest_cut, what="sample"))
+        left_out = ", ".join(f"{n} {why}" for why, n in sorted(dropped.items())) or "none"
         raise DataError(
-            f"{path}: no usable samples ({skipped} bad lines skipped, {dropped_short} samples with fewer than "
-            f"min_loss_tokens={cfg.min_loss_tokens} trainable positions). Check that the file has conversations "
-            "with assistant replies (or pre-tokenized lines with a non-zero loss_mask)"
+            f"{path}: no usable samples ({skipped} bad lines skipped; samples left out: {left_out}; a sample "
+            f"needs min_loss_tokens={cfg.min_loss_tokens} trainable positions). Check that the file has "
+            "conversations with assistant replies (or pre-tokenized lines with a non-zero loss_mask)"
         )
     return LoadedData(
         samples=samples,
@@ -165,6 +173,16 @@ def _merge(path: Path, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedDa
         truncated=truncated,
         dropped_short=dropped_short,
         skip_reasons=dict(reasons),
+        drop_reasons=dict(dropped),
+    )
+
+
+def no_fit_message(path: Path, cfg: DataConfig, shortest: int, *, need: int, what: str) -> str:
+    """One line for a file none of whose samples fits ``max_length``: the shortest ``what``, and ``need``,
+    the length that would fit it."""
+    return (
+        f"no sample of {path} fits --max-length {cfg.max_length}: the shortest {what} is {shortest} tokens; "
+        f"raise --max-length (data.max_length) to at least {need}"
     )
 
 

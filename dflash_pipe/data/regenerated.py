@@ -165,6 +165,35 @@ def load_conversations(cfg: DataConfig) -> SourceConversations:
     return out
 
 
+def check_prompts_fit(source: SourceConversations, tokenizer: Any, cfg: DataConfig) -> None:
+    """Before anything is generated: ``DataError`` (one line: the shortest prompt and the length to ask for)
+    when no conversation's first prompt leaves room under ``cfg.max_length`` for a reply of
+    ``cfg.min_loss_tokens + 1`` tokens, so the target would regenerate the whole file for nothing to train.
+    Returns at the first conversation that fits (the usual case: one prompt rendered)."""
+    from .loader import no_fit_message
+    from .render import render_prompt
+
+    room = cfg.min_loss_tokens + 1
+    shortest: int | None = None
+    for messages in source.conversations:
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        if first == 0:
+            return  # no prompt before the reply
+        try:
+            text = render_prompt(tokenizer, messages[:first], cfg.chat_template_kwargs)
+        except Exception:  # a template error: regeneration reports it per conversation
+            continue
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if length + room <= cfg.max_length:
+            return
+        shortest = length if shortest is None else min(shortest, length)
+    if shortest is not None:
+        raise DataError(
+            no_fit_message(source.path, cfg, shortest, need=shortest + room, what="first prompt")
+            + f" (a prompt needs room for a reply of {room} tokens to train)"
+        )
+
+
 def file_digest(path: Path) -> dict[str, Any]:
     """Size and sha256 of a file (the source data, the target's config): what provenance compares."""
     h = hashlib.sha256()

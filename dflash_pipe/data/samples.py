@@ -9,6 +9,16 @@ if TYPE_CHECKING:  # the tokenization workers import this package and need no to
     import torch
 
 
+DROP_TOO_LONG = "too long for max_length"
+"""A sample that would train, cut by ``max_length`` to fewer than ``min_loss_tokens`` trainable positions."""
+DROP_EMPTY_REPLIES = "empty assistant turns"
+"""A conversation whose every assistant turn is empty: nothing to learn from."""
+DROP_FEW_TOKENS = "too few trainable tokens"
+"""A sample with fewer than ``min_loss_tokens`` trainable anchor positions at any length."""
+DROP_NOT_REGENERATED = "not regenerated"
+"""A regenerated file's record of a conversation the target could not answer."""
+
+
 class DataError(ValueError):
     """A problem with the input data. Message: ``"<file>:<line>: <reason>. <fix>"`` (or ``"<file>: ..."``)."""
 
@@ -35,6 +45,9 @@ class LoadedData:
     """Samples dropped for having fewer than ``min_loss_tokens`` trainable anchor positions."""
     skip_reasons: dict[str, int] = field(default_factory=dict)
     """Skipped lines by reason (e.g. ``"not JSON"``, ``"no assistant turn"``)."""
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+    """Samples left out by reason (``DROP_*``): the ``dropped_short`` ones, split by why, and a regenerated
+    file's conversations the target could not answer."""
 
     def lengths(self) -> list[int]:
         """Token count of every sample, indexed by ``sample_id`` (the input of ``plan_batches``)."""

@@ -35,6 +35,10 @@ class RunAborted(RuntimeError):
     """Every worker is gone, or a target replica failed; the run stopped (resume from the last checkpoint)."""
 
 
+class NothingToTrain(RunAborted):
+    """Regeneration left no sample to train: a resume would find the same, so none is suggested."""
+
+
 class Outbox(Protocol):
     """How the core talks to workers (the process shell's socket; a list in a test)."""
 
@@ -240,7 +244,7 @@ class ProducerCore:
         if replies and (note := self.regen.accept(*replies)):  # type: ignore[union-attr]
             self.note(note)
         if self.regen is not None and (why := self.regen.nothing_to_train()):  # also a reused file's
-            raise RunAborted(why)
+            raise NothingToTrain(why)
 
     def refill(self) -> None:
         """Keeps ``ready_batches`` computed plus two plans per target thread in computation, so no replica

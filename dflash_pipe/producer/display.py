@@ -3,6 +3,7 @@ the end-of-run summary, all read from a ``ProducerCore``'s counters."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ LIST_METRICS = frozenset({"acc", "simulated/acceptance_per_slot", "real/acceptan
 @dataclass(slots=True)
 class ProducerSummary:
     steps: int
+    """The global step the run reached (the resumed checkpoint's step plus this launch's)."""
     stop_reason: str
     wall_s: float
     last_checkpoint: str | None
@@ -43,6 +45,15 @@ class ProducerSummary:
     """Where time went between the first ACK and DONE (see ``wait_report``)."""
     regen: dict[str, Any] = field(default_factory=dict)
     """With ``data.responses = "target"``: what regeneration did (``Regeneration.summary``)."""
+    start_step: int = 0
+    """The step this launch started from (the resumed checkpoint's; 0 for a fresh run)."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """What the data gave and what was left out, by reason (``data_report``)."""
+
+    @property
+    def launch_steps(self) -> int:
+        """Steps trained by this launch."""
+        return self.steps - self.start_step
 
 
 def summary(
@@ -61,7 +72,68 @@ def summary(
         **_ack_window(core),
         waits=wait_report(core, busy),
         regen=core.regen.summary() if core.regen is not None else {},
+        start_step=core.ctx.resume_step,
+        data=data_report(core),
     )
+
+
+def data_report(core: ProducerCore) -> dict[str, Any]:
+    """What the data gave and what was left out: training samples, held-out samples, bad lines skipped by
+    reason, samples dropped by reason (with regeneration: the conversations that came out with nothing to
+    train, so far), samples cut to ``max_length``, and the note when nothing could be held out."""
+    ctx, data = core.ctx, core.ctx.data
+    if core.regen is not None:
+        regen = core.regen
+        samples = sum(s is not None for s in regen.train_samples)
+        held_out, dropped = len(regen.eval_indexes), dict(regen.void_reasons)
+    else:
+        samples, held_out = len(ctx.train_samples), len(ctx.eval_samples)
+        dropped = dict(data.drop_reasons) if data is not None else {}
+    return {
+        "file": str(core.cfg.data.path),
+        "max_length": core.cfg.data.max_length,
+        "samples": samples,
+        "held_out": held_out,
+        "skipped": dict(data.skip_reasons) if data is not None else {},
+        "dropped": dropped,
+        "truncated": data.truncated if data is not None else 0,
+        "notes": list(ctx.notes),
+    }
+
+
+def data_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """``data_report`` as metrics: ``data/samples``, ``data/held_out``, ``data/truncated``,
+    ``data/skipped`` and ``data/dropped`` (totals) and one ``data/skipped/REASON`` or ``data/dropped/REASON``
+    per reason (lower case, words joined by ``_``: ``data/dropped/too_long_for_max_length``)."""
+    out = {f"data/{key}": float(report[key]) for key in ("samples", "held_out", "truncated")}
+    for kind in ("skipped", "dropped"):
+        out[f"data/{kind}"] = float(sum(report[kind].values()))
+        for reason, n in report[kind].items():
+            out[f"data/{kind}/{reason_key(reason)}"] = float(n)
+    return out
+
+
+def data_lines(data: dict[str, Any]) -> list[str]:
+    """The summary's data line (``data_report``), then its notes (e.g. no held-out set)."""
+
+    def by_reason(counts: dict[str, int]) -> str:
+        if not counts:
+            return "none"
+        return (
+            f"{sum(counts.values())} (" + ", ".join(f"{n} {why}" for why, n in sorted(counts.items())) + ")"
+        )
+
+    line = (
+        f"data: {data['samples']} training samples, {data['held_out']} held out, from {data['file']}; "
+        f"bad lines skipped: {by_reason(data['skipped'])}; samples dropped: {by_reason(data['dropped'])}; "
+        f"{data['truncated']} cut to --max-length {data['max_length']}"
+    )
+    return [line, *(f"note: {note}" for note in data.get("notes", ()))]
+
+
+def reason_key(reason: str) -> str:
+    """A reason as a metric name's last part: ``"not JSON"`` -> ``not_json``."""
+    return re.sub(r"[^a-z0-9]+", "_", reason.lower()).strip("_") or "other"
 
 
 def _ack_window(core: ProducerCore) -> dict[str, float]:

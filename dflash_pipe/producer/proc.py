@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dflash_pipe.producer.core import ProducerCore, RunAborted, WorkerWatch
-from dflash_pipe.producer.display import ProducerSummary, dashboard_state, summary
+from dflash_pipe.producer.display import ProducerSummary, dashboard_state, data_metrics, data_report, summary
 from dflash_pipe.producer.rings import make_rings
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.target_threads import TargetThread, build_eval_batches, load_replicas
@@ -188,10 +188,16 @@ class ProducerProc:
         if self._own_signals:
             self.signals.install()
         try:
+            self._log_data()  # what the data gave and left out, by reason, in metrics.jsonl
             self.start_targets()  # a stop signal until the loop runs raises StopNow: nothing to drain yet
             self.core.eval_batches = self._build_eval_batches() if self.ctx.eval_samples else []
             self.signals.drainable = True
-            stop_reason = self._run(watch)
+            try:
+                stop_reason = self._run(watch)
+            except RunAborted:
+                self._log_data()
+                raise
+            self._log_data()  # again at the end: regeneration's drops are known as it goes
         finally:
             self.signals.drainable = False
             if self._own_signals:
@@ -199,6 +205,9 @@ class ProducerProc:
         return summary(
             self.core, stop_reason=stop_reason, wall_s=time.monotonic() - started, busy=self._busy()
         )
+
+    def _log_data(self) -> None:
+        self.metrics.log(data_metrics(data_report(self.core)), self.core.step)
 
     def _busy(self) -> dict[str, float]:
         return {

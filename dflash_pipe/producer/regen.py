@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,7 @@ import torch
 from dflash_pipe.data import DataConfig, Sample, plan_batches
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.data.formats import FormatError
-from dflash_pipe.data.lines import fit_sample
+from dflash_pipe.data.lines import drop_reason, fit_sample
 from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, SourceConversations
 from dflash_pipe.data.render import render_conversation
 from dflash_pipe.telemetry import RateMeter
@@ -66,15 +66,22 @@ class GenerateDone:
 def to_sample(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConfig) -> Sample | None:
     """A regenerated conversation as a training sample (rendered like any conversation line), or None when
     it has nothing to train."""
+    made = sample_or_reason(record, sample_id, tokenizer, cfg)
+    return made if isinstance(made, Sample) else None
+
+
+def sample_or_reason(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConfig) -> Sample | str:
+    """``to_sample``, or why the conversation has nothing to train: its first turn's failure (``prompt too
+    long``, ``empty reply``, ``template error``) or the loader's drop reason (``data.samples.DROP_*``)."""
     if not record.turns:
-        return None
+        return record.failed.reason if record.failed is not None else "no regenerated turn"
     try:
         ids, mask = render_conversation(tokenizer, record.messages, cfg.chat_template_kwargs)
-    except FormatError:
-        return None
+    except FormatError as exc:
+        return exc.kind
     fitted = fit_sample(ids, mask, cfg)
     if fitted is None:
-        return None
+        return drop_reason(mask, cfg)
     return Sample(
         sample_id=sample_id, input_ids=torch.from_numpy(fitted[0]), loss_mask=torch.from_numpy(fitted[1])
     )
@@ -114,6 +121,8 @@ class Regeneration:
         """Target-thread seconds spent generating (the jobs' own times, summed over replicas)."""
         self.train_samples: list[Sample | None] = [None] * num_train
         self.voids: set[int] = set()
+        self.void_reasons: Counter[str] = Counter()
+        """Why each void has nothing to train (its first turn's failure, or the loader's drop reason)."""
         self._done = 0
         for index, record in store.done.items():
             if index < num_train:
@@ -211,22 +220,25 @@ class Regeneration:
         )
 
     def _place(self, record: Regenerated) -> Sample | None:
-        sample = to_sample(record, record.index, self.tokenizer, self.data)
+        made = sample_or_reason(record, record.index, self.tokenizer, self.data)
         self._done += 1
-        if sample is None:
+        if isinstance(made, str):
             self.voids.add(record.index)
-        else:
-            self.train_samples[record.index] = sample
-        return sample
+            self.void_reasons[made] += 1
+            return None
+        self.train_samples[record.index] = made
+        return made
 
     def nothing_to_train(self) -> str | None:
-        """Once every training conversation is regenerated: why no sample came out of them, else None."""
+        """Once every training conversation is regenerated (now or in the file): why no sample came out of
+        them, else None."""
         if not self.complete or len(self.voids) < self.num_train:
             return None
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.void_reasons.items()))
         return (
             f"regeneration left no sample to train: all {self.num_train} training conversations came out with "
-            f"no trainable turn (failed turns: {self.tally.failed_text()}). Check data.max_length (prompts "
-            "must fit under it) and that the target writes replies (its chat template and end-of-turn token)"
+            f"nothing to train ({why}). Check data.max_length (prompts must fit under it) and that the target "
+            "writes replies (its chat template and end-of-turn token)"
         )
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,8 @@ class RunContext:
     regen: Regeneration | None = None
     """With ``data.responses = "target"``: the regeneration; ``train_samples`` then holds None for every
     conversation not regenerated yet (sample id = conversation index), filled as the replies arrive."""
+    notes: list[str] = field(default_factory=list)
+    """What the launch says about the data before serving (e.g. too few samples to hold out an eval set)."""
 
 
 @dataclass(slots=True)
@@ -96,9 +98,11 @@ class PendingRun:
                 skip_reasons=regen.source.skip_reasons,
             )
             train_samples, eval_samples = regen.train_samples, []  # eval: regenerated when serving starts
+            total = len(regen.source.conversations)
         else:
             data = self.data.result()
-            n_eval = min(self.cfg.eval_samples, len(data.samples) // 10)
+            total = len(data.samples)
+            n_eval = held_out_count(self.cfg.eval_samples, total)
             train_samples = data.samples[: len(data.samples) - n_eval]
             # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the
             # ledger.
@@ -116,6 +120,7 @@ class PendingRun:
         from dflash_pipe.rundir import save_run_config
 
         save_run_config(self.cfg)
+        note = no_eval_note(self.cfg, total)
         return RunContext(
             cfg=self.cfg,
             run_id=self.run_id,
@@ -130,15 +135,25 @@ class PendingRun:
             resume_from=self.resume_from,
             resume_step=self.resume_step,
             regen=regen,
+            notes=[note] if note else [],
         )
 
     def _regeneration(self) -> Regeneration:
         """The conversations to regenerate, with what the run dir's regenerated file already holds."""
-        from dflash_pipe.data.regenerated import REGEN_FILE, RegenStore, load_conversations, provenance
+        from dflash_pipe.data.regenerated import (
+            REGEN_FILE,
+            RegenStore,
+            check_prompts_fit,
+            load_conversations,
+            provenance,
+        )
         from dflash_pipe.producer.regen import Regeneration
 
         source = load_conversations(self.cfg.data)
-        n_eval = min(self.cfg.eval_samples, len(source.conversations) // 10)
+        check_prompts_fit(
+            source, self.tokenizer, self.cfg.data
+        )  # before the file is opened or any is generated
+        n_eval = held_out_count(self.cfg.eval_samples, len(source.conversations))
         store = RegenStore(
             self.cfg.run_dir / REGEN_FILE, provenance(self.target_path, self.cfg.data, self.cfg.regen)
         )
@@ -161,6 +176,28 @@ class PendingRun:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+EVAL_SHARE = 10
+"""One sample in this many is held out for evaluation (at most ``eval_samples``)."""
+
+
+def held_out_count(eval_samples: int, total: int) -> int:
+    """How many of ``total`` samples (the file's tail) are held out: one in ``EVAL_SHARE``, at most
+    ``eval_samples``."""
+    return min(eval_samples, total // EVAL_SHARE)
+
+
+def no_eval_note(cfg: RunConfig, total: int) -> str | None:
+    """One line when the data is too small to hold out an eval set (so no tau is ever measured), else None;
+    nothing when ``--eval-samples 0`` asked for none."""
+    if cfg.eval_samples == 0 or held_out_count(cfg.eval_samples, total) > 0:
+        return None
+    return (
+        f"{cfg.data.path} has {total} sample(s), too few to hold out an eval set (one in {EVAL_SHARE} is held "
+        f"out; {EVAL_SHARE} are needed for one): no held-out set, so no tau. Use a larger --data file to "
+        "measure tau"
+    )
 
 
 def prepare_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> RunContext:

@@ -17,6 +17,7 @@ from dflash_pipe.rundir.checkpoints import choose_checkpoint, find_checkpoint
 from dflash_pipe.rundir.config import load_run_config, save_run_config
 from dflash_pipe.rundir.lock import OWNER_FILE, RunDirBusy, RunDirLock, read_owner
 from dflash_pipe.rundir.resume import (
+    NothingTrained,
     RunComplete,
     check_launch,
     check_open_work,
@@ -27,6 +28,7 @@ from dflash_pipe.rundir.resume import (
 
 __all__ = [
     "OWNER_FILE",
+    "NothingTrained",
     "RunComplete",
     "RunDirBusy",
     "RunDirLock",

@@ -3,6 +3,7 @@ manifest; a damaged latest falls back to the newest intact older one, set aside,
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -46,7 +47,21 @@ def find_checkpoint(path: Path) -> Path:
             f"cannot export {ckpt}: {problem}. Export another checkpoint of the run instead (there: {others}), "
             f"e.g. `dflash-pipe export {ckpt.parent}/step-N OUT`."
         )
+    if _trained_steps(ckpt) == 0:
+        raise RunDirError(
+            f"cannot export {ckpt}: it was trained 0 steps, so its drafter is the untrained initialization. "
+            "Train the run first (dflash-pipe launch --resume RUN_DIR), or export a checkpoint with steps."
+        )
     return ckpt
+
+
+def _trained_steps(ckpt: Path) -> int | None:
+    """The step of a checkpoint's trainer_state.json (None: none there, or not readable: not ours to judge)."""
+    try:
+        step = json.loads((ckpt / TRAINER_STATE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _pointed(root: Path) -> Path:

@@ -24,6 +24,10 @@ class RunComplete(Exception):
     """``--resume`` of a run with nothing left to train; the message says how to train on."""
 
 
+class NothingTrained(RunDirError):
+    """``--resume`` of a run that trained 0 steps and has nothing it could train: never "complete"."""
+
+
 def check_launch(cfg: RunConfig, *, resume: bool) -> list[str]:
     """The run dir checks of a launch, with its lock held: a fresh run never lands on an old one
     (``RunDirError``); a resume runs ``check_resume``."""
@@ -93,7 +97,9 @@ COMPLETE_KEY = "complete"
 
 def complete_message(cfg: RunConfig, checkpoint: str, step: int, *, epochs_done: bool) -> str | None:
     """One line for a resume that has nothing to train (every epoch trained, or ``max_steps`` reached), or
-    None. It says how to train on."""
+    None. It says how to train on. A run at step 0 trained nothing, so it is never complete (None)."""
+    if step == 0:
+        return None
     max_steps = cfg.train.max_steps
     steps_done = max_steps is not None and step >= max_steps
     if not (epochs_done or steps_done):
@@ -114,14 +120,22 @@ def complete_message(cfg: RunConfig, checkpoint: str, step: int, *, epochs_done:
 
 def check_open_work(ctx: RunContext) -> None:
     """After set-up, before the producer serves: a resumed run whose every epoch is trained (counting the
-    regenerated conversations with nothing to train) raises ``RunComplete`` instead of serving nothing."""
+    regenerated conversations with nothing to train) raises ``RunComplete`` instead of serving nothing; a
+    run at step 0 whose regenerated file (reused whole) leaves nothing to train raises ``NothingTrained``."""
     from dflash_pipe.producer.regen import first_open_epoch
 
+    if not ctx.resume_step and ctx.regen is not None and (why := ctx.regen.nothing_to_train()):
+        raise NothingTrained(f"{ctx.cfg.run_dir} trained 0 steps and has nothing to train: {why}")
     if ctx.resume_from is None:
         return
     voids = ctx.regen.voids if ctx.regen is not None else set()
     if first_open_epoch(ctx.ledger, voids) >= ctx.cfg.train.epochs:
-        raise RunComplete(complete_message(ctx.cfg, ctx.resume_from.name, ctx.resume_step, epochs_done=True))
+        if message := complete_message(ctx.cfg, ctx.resume_from.name, ctx.resume_step, epochs_done=True):
+            raise RunComplete(message)
+        raise NothingTrained(
+            f"{ctx.cfg.run_dir} trained 0 steps and its data has nothing left to train. Start a new --run-dir "
+            "with data (or a --max-length) that gives samples"
+        )
 
 
 def record_complete(run_dir: Path, *, checkpoint: str | None, epochs: int) -> None:

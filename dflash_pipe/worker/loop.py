@@ -250,9 +250,11 @@ def regroup(s: WorkerSession, why: str) -> None:
 
 
 def checkpoint(s: WorkerSession) -> Path | None:
-    """Rank 0 writes; every rank holds the same ledger, so rank 0's view is the group's."""
+    """Rank 0 writes; every rank holds the same ledger, so rank 0's view is the group's. At step 0 nothing is
+    written: untrained weights are no checkpoint (a resume starts the same from scratch, and an export or a
+    "complete" run of them would be a lie)."""
     s.saved_step = s.step
-    if s.rank != 0:
+    if s.rank != 0 or s.step == 0:
         return None
     path = save_checkpoint(
         s.run_dir,

@@ -55,3 +55,22 @@ def test_gpu_flags_on_a_machine_without_cuda_are_refused_not_run_on_the_cpu():
         ValueError, match=r"--target-gpus 0 --drafter-gpus 1: no CUDA GPU is visible.*--device cpu"
     ):
         layout.validate_against(0)
+
+
+def test_a_max_length_no_sample_fits_stops_before_regenerating(tmp_path: Path):
+    """The demo regenerates its replies: with no prompt fitting under --max-length, the launch says so in one
+    line and exits 2 before one conversation is generated or a worker started."""
+    run_dir = tmp_path / "r"
+    result = launch("--max-length", "8", "--run-dir", str(run_dir))
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith(
+        f"error: no sample of {demo_data_path()} fits --max-length 8: the shortest first prompt is "
+    ), result.output
+    assert (
+        "raise --max-length (data.max_length) to at least" in lines[-1] and "Traceback" not in result.output
+    )
+    assert not (run_dir / "regenerated.jsonl").exists() and not (run_dir / "logs").exists()
+    dataset = launch("--max-length", "8", "--responses", "dataset", "--run-dir", str(tmp_path / "d"))
+    assert dataset.exit_code == 2, dataset.output
+    assert "fits --max-length 8: the shortest sample is " in dataset.output

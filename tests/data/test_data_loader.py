@@ -123,6 +123,43 @@ def test_truncation_and_short_samples_are_counted(tok, write_jsonl):
     assert [s.sample_id for s in data.samples] == [0, 1]
 
 
+def test_dropped_samples_are_counted_by_reason(tok, write_jsonl):
+    rows = [
+        GOOD,
+        {"messages": conv(("Say nothing.", ""))},  # every assistant turn empty
+        {"messages": conv(("Say nothing.", " "), ("Again.", ""))},
+        {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 0, 1]},  # too few trainable positions at any length
+        {"input_ids": list(range(1, 61)), "loss_mask": [0] * 40 + [1] * 20},  # would train; the cut drops it
+        {"dflash_pipe": {"regenerated": {"version": 1}}},  # a regenerated file's header: not a sample
+        {"dflash_pipe": {"index": 3, "failed": {"turn": 0, "reason": "empty reply", "skipped_turns": 1}}},
+    ]
+    data = load_samples(DataConfig(path=write_jsonl(rows), max_length=40), tok)
+    assert len(data.samples) == 1
+    assert data.drop_reasons == {
+        "empty assistant turns": 2,
+        "too few trainable tokens": 1,
+        "too long for max_length": 1,
+        "not regenerated": 1,
+    }
+    assert data.dropped_short == 4 and data.truncated == 1
+
+
+def test_no_sample_that_fits_max_length_names_the_shortest(tok, write_jsonl):
+    rows = [
+        {"input_ids": list(range(1, 31)), "loss_mask": [0] * 25 + [1] * 5},
+        {"input_ids": list(range(1, 21)), "loss_mask": [0] * 15 + [1] * 5},
+        {"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]},  # would train at no length: not the shortest
+    ]
+    path = write_jsonl(rows)
+    with pytest.raises(DataError) as info:
+        load_samples(DataConfig(path=path, max_length=12), tok)
+    assert str(info.value) == (
+        f"no sample of {path} fits --max-length 12: the shortest sample is 20 tokens; raise --max-length "
+        "(data.max_length) to at least 20"
+    )
+    assert len(load_samples(DataConfig(path=path, max_length=20), tok).samples) == 1
+
+
 def test_conversation_truncation(tok, write_jsonl):
     full = load_samples(DataConfig(path=write_jsonl([GOOD])), tok).samples[0]
     cut = load_samples(DataConfig(path=write_jsonl([GOOD]), max_length=len(full.input_ids) - 3), tok)

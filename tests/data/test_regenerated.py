@@ -109,6 +109,7 @@ def test_the_regenerated_file_trains_as_ordinary_data(tmp_path, target_dir, writ
     store.close()
     loaded = load_samples(DataConfig(path=path, min_loss_tokens=0), tok)
     assert loaded.skipped_lines == 0 and len(loaded.samples) == 2  # header and the empty one skipped
+    assert loaded.drop_reasons == {"not regenerated": 1}  # the empty one is counted, the header is not
     ids, _ = render_conversation(tok, conv(("q0", "target a0")))
     assert loaded.samples[0].input_ids.tolist() == ids
     assert [m["content"] for m in load_conversations(DataConfig(path=path)).conversations[1]] == [
@@ -149,3 +150,26 @@ def test_chat_template_kwargs_are_validated():
     assert json.dumps(
         DataConfig(path=Path("x"), chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs
     )
+
+
+def test_a_file_whose_every_prompt_is_too_long_stops_before_regenerating(write_jsonl, tok):
+    """No conversation leaves room under max_length for a reply to train: one line naming the shortest
+    prompt and the length that fits it, before anything is generated."""
+    from dflash_pipe.data.regenerated import check_prompts_fit
+    from dflash_pipe.data.render import render_prompt
+
+    rows = [conv(("a much longer question than the other one, " * 3, "x")), conv(("short?", "y"), ("z", "w"))]
+    data = write_jsonl([{"messages": r} for r in rows])
+    source = load_conversations(DataConfig(path=data))
+    lengths = [len(tok(render_prompt(tok, r[:1], {}), add_special_tokens=False)["input_ids"]) for r in rows]
+    shortest = min(lengths)
+    assert lengths[1] == shortest < lengths[0]
+    cfg = DataConfig(path=data, max_length=shortest + 2)  # a reply needs min_loss_tokens + 1 = 3 tokens
+    with pytest.raises(DataError) as info:
+        check_prompts_fit(source, tok, cfg)
+    assert str(info.value) == (
+        f"no sample of {data} fits --max-length {shortest + 2}: the shortest first prompt is {shortest} "
+        f"tokens; raise --max-length (data.max_length) to at least {shortest + 3} (a prompt needs room for "
+        "a reply of 3 tokens to train)"
+    )
+    check_prompts_fit(source, tok, DataConfig(path=data, max_length=shortest + 3))  # one fits: no error

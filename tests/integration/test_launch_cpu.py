@@ -55,10 +55,16 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     final = [r for r in metrics(run_dir) if "real/tau" in r]  # the real eval runs in the final evaluation
     assert len(final) == 1 and final[0]["step"] == 24 and final[0]["real/lossless_mismatches"] == 0
     assert 1.0 <= final[0]["real/tau"] <= 16 and final[0]["real/prompts"] >= 1
+    counted = [r for r in metrics(run_dir) if "data/samples" in r]  # at the launch's start and its end
+    assert [r["step"] for r in counted] == [0, 24] and counted[-1]["data/held_out"] == 16
+    regenerated = counted[-1]["data/samples"] + counted[-1]["data/dropped"]  # so far: samples and voids
+    assert 0 < regenerated <= 3000 - 16 and counted[0]["data/samples"] == 0  # at the start: none yet
+    assert "24 steps in" in first.stderr and "data: " in first.stderr and "samples dropped: " in first.stderr
 
     second = launch("--resume", str(run_dir), "--max-steps", "40")
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from step-00000024" in second.stderr
+    assert "trained 16 steps this launch (step 24 -> 40)" in second.stderr, second.stderr
     state2 = read_trainer_state(latest_checkpoint(run_dir))
     assert state2.step == 40
     ledger2 = Ledger.from_dict(state2.ledger)

@@ -270,3 +270,46 @@ def test_a_checkpoint_of_another_target_or_drafter_shape_is_refused_naming_the_f
         (ckpt / ck.DRAFTER_CONFIG).write_text(json.dumps({**now.to_dict(), field: other}))
         with pytest.raises(RunDirError, match=re.escape(f"the checkpoint's drafter has {field}={other!r}")):
             check_checkpoint_fits(ckpt, now, tmp_path)
+
+
+def test_a_run_that_trained_zero_steps_is_never_complete_and_does_not_export(tmp_path: Path):
+    """A checkpoint at step 0 (an older launch wrote one when it stopped before any step) whose ledger says
+    every epoch is done, or whose regenerated conversations are all voids: never "complete", never exported."""
+    from types import SimpleNamespace
+
+    from dflash_pipe.rundir import NothingTrained, check_open_work, complete_message, record_complete
+
+    run_dir = make_run(tmp_path / "run", steps=(0,), trained=SAMPLES)
+    cfg = resumed(run_dir)
+    assert complete_message(cfg, "step-00000000", 0, epochs_done=True) is None
+    record_complete(run_dir, checkpoint="step-00000000", epochs=1)
+    assert check_resume(cfg) == []  # neither the ledger nor the record makes step 0 complete
+    voids = SimpleNamespace(voids=set(range(SAMPLES)), nothing_to_train=lambda: None)
+    ctx = SimpleNamespace(
+        cfg=cfg, ledger=Ledger(SAMPLES, 1), resume_from=step_dir(run_dir, 0), resume_step=0, regen=voids
+    )
+    with pytest.raises(NothingTrained) as info:
+        check_open_work(ctx)
+    assert str(info.value).startswith(f"{run_dir} trained 0 steps and its data has nothing left to train")
+    ctx.regen = SimpleNamespace(voids=set(), nothing_to_train=lambda: "regeneration left no sample to train")
+    with pytest.raises(NothingTrained, match="trained 0 steps and has nothing to train: regeneration left"):
+        check_open_work(ctx)
+    with pytest.raises(RunDirError) as info:
+        find_checkpoint(run_dir)
+    assert str(info.value) == (
+        f"cannot export {step_dir(run_dir, 0)}: it was trained 0 steps, so its drafter is the untrained "
+        "initialization. Train the run first (dflash-pipe launch --resume RUN_DIR), or export a checkpoint "
+        "with steps."
+    )
+
+
+def test_export_of_a_zero_step_checkpoint_is_one_line_and_exit_2(tmp_path: Path):
+    from click.testing import CliRunner
+
+    from dflash_pipe.cli import main
+
+    run_dir = make_run(tmp_path / "run", steps=(0,))
+    result = CliRunner().invoke(main, ["export", str(run_dir), str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "it was trained 0 steps, so its drafter is the untrained initialization" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()

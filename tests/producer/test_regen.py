@@ -184,8 +184,12 @@ def test_no_trainable_sample_at_all_is_a_clear_error(tmp_path, tok):
             GenerateDone(job=job, results=_answer(job.items, empty=every), seconds=0.1, replica="cpu")
         )
     why = regen.nothing_to_train()
-    # the failed turns count the held-out pair too (the tally is all this process generated)
-    assert why is not None and "all 10 training conversations" in why and "12 empty reply" in why
+    # the reasons are the training conversations' own (not the held-out pair's), and hold on a resume
+    assert why is not None and "all 10 training conversations" in why and "(10 empty reply)" in why
+    assert regen.void_reasons == {"empty reply": 10}
+    regen.store.close()
+    again = _make(tmp_path, tok)  # the same run dir: every conversation read back from the file
+    assert again.nothing_to_train() == why
 
 
 def test_status_gives_the_share_of_target_time_spent_generating(tmp_path, tok):

@@ -96,3 +96,34 @@ def test_resume_with_a_checkpoint_of_another_drafter_names_the_field(tmp_path: P
 def test_resume_of_a_dir_without_a_run(tmp_path: Path):
     with pytest.raises(RunDirError, match="no config.json there"):
         prepare_run(config(tmp_path / "empty"), resume=True, progress=False)
+
+
+def test_a_data_file_too_small_to_hold_out_an_eval_set_says_so(tmp_path: Path):
+    data = tmp_path / "one.jsonl"
+    data.write_text(demo_data_path().read_text().splitlines()[0] + "\n")
+    cfg = config(tmp_path / "r")
+    cfg.data.path = data
+    ctx = prepare_run(cfg, resume=False, progress=False)
+    assert len(ctx.train_samples) == 1 and ctx.eval_samples == []
+    [note] = ctx.notes
+    one_line(ValueError(note), f"{data} has 1 sample(s), too few to hold out an eval set", "no tau")
+    cfg = config(tmp_path / "r2")
+    cfg.data.path, cfg.eval_samples = data, 0  # no eval set asked for: nothing to say
+    assert prepare_run(cfg, resume=False, progress=False).notes == []
+    assert prepare_run(config(tmp_path / "r3"), resume=False, progress=False).notes == []  # 3000 samples
+
+
+def test_regeneration_that_cannot_fit_a_prompt_stops_before_generating(tmp_path: Path):
+    from dflash_pipe.data import DataError
+
+    run_dir = tmp_path / "r"
+    cfg = config(run_dir)
+    cfg.data = DataConfig(path=demo_data_path(), max_length=8, responses="target")
+    with pytest.raises(DataError) as info:
+        prepare_run(cfg, resume=False, progress=False)
+    one_line(
+        info.value,
+        f"no sample of {demo_data_path()} fits --max-length 8: the shortest first prompt is ",
+        "raise --max-length (data.max_length) to at least ",
+    )
+    assert not (run_dir / "regenerated.jsonl").exists() and not (run_dir / "config.json").exists()
