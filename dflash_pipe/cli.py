@@ -274,8 +274,9 @@ def export(checkpoint: Path, out_dir: Path) -> None:
 
     \b
     Writes OUT_DIR/config.json (with dflash_config) and OUT_DIR/model.safetensors, which the
-    reference DFlashDraftModel loads next to the target. The checkpoint is verified against its manifest
-    first; a running run can be exported. Examples:
+    reference DFlashDraftModel loads next to the target, and OUT_DIR/manifest.json (their sizes and
+    sha256, checked by eval and on loading). The checkpoint is verified against its manifest first; a
+    running run can be exported; a checkpoint trained 0 steps is refused. Examples:
       dflash-pipe export runs/q8b out/qwen3-8b-dflash
       dflash-pipe export runs/q8b/checkpoints/step-00001000 out/q8b-step1000
     """
