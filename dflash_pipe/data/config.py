@@ -160,8 +160,8 @@ class RegenConfig:
         metadata=flag(
             "--regen-decoder",
             "Regeneration: auto (the slot engine for dense and MoE Qwen/Llama/Mistral targets, else the plain "
-            "path), engine (the slot engine for hybrid Qwen3.5/3.6 and Qwen3-Next targets too; checked on "
-            "CPU, not yet timed on a GPU) or plain (the model's own forward per step, every family; slower).",
+            "path), engine (the slot engine for hybrid Qwen3.5/3.6 and Qwen3-Next targets too; exact on "
+            "CPU, timed but not yet checked on a GPU) or plain (the model's own forward per step, every family; slower).",
             resume=True,
         ),
     )
