@@ -354,15 +354,18 @@ class ProducerCore:
         """A preemption warning: every worker hears it; rank 0 checkpoints at its next step boundary and the
         run trains on. A step already checkpointed is not written again."""
         peers = [p for p in self.peers.values() if not p.left]
+        if not peers:
+            self.warn(f"{why}: no worker has joined yet, so there is nothing to checkpoint")
+            return
+        if self.step == 0:  # workers write no checkpoint of the untrained initialisation
+            self.warn(
+                f"{why}: nothing is trained yet (step 0), so there is nothing to checkpoint; training goes on"
+            )
+            return
         for peer in peers:
             self.out.send(peer.identity, m.Checkpoint(step=self.step, path=""))
-        if peers:
-            self.save_asked = why
-        self.warn(
-            f"{why}: checkpoint asked at step {self.step}; training goes on"
-            if peers
-            else f"{why}: no worker has joined yet, so there is nothing to checkpoint"
-        )
+        self.save_asked = why
+        self.warn(f"{why}: checkpoint asked at step {self.step}; training goes on")
 
     # --- watching ----------------------------------------------------------------------------------------
 

@@ -43,7 +43,15 @@ def test_a_preemption_warning_asks_every_worker_for_a_checkpoint(tmp_path: Path)
     ]
     core.handle(b"a", _hello("w0"))
     core.handle(b"b", _hello("w1"))
+    core.request_checkpoint("SIGUSR1 (preemption warning)")  # joined, nothing trained yet
+    assert said[-1] == (
+        "SIGUSR1 (preemption warning): nothing is trained yet (step 0), so there is nothing to checkpoint; "
+        "training goes on"
+    )
+    assert [len(out.of(peer, m.Checkpoint)) for peer in (b"a", b"b")] == [0, 0]
+    core.step = 4  # the group's step, as the workers' metrics report it
     core.request_checkpoint("SIGUSR1 (preemption warning)")
+    assert said[-1] == "SIGUSR1 (preemption warning): checkpoint asked at step 4; training goes on"
     assert [len(out.of(peer, m.Checkpoint)) for peer in (b"a", b"b")] == [1, 1]
     core.handle(b"a", m.Checkpoint(step=4, path=str(tmp_path / "checkpoints" / "step-00000004")))
     assert said[-1].startswith("checkpoint written at step 4 (SIGUSR1 (preemption warning))")
