@@ -9,6 +9,7 @@ comes back to the host, so on CUDA the whole step (model included) replays as on
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,6 +17,23 @@ from dflash_pipe.target.decode.stack import DecodeStack, SlotCache
 
 Picker = Callable[[torch.Tensor], torch.Tensor]
 """Logits ``[S, V]`` -> next token per slot ``[S]``."""
+T = TypeVar("T")
+
+
+def capture(fn: Callable[[], T], pool: Any, warmups: int) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn`` run ``warmups`` times on a side stream (allocator, cuBLAS handles, first compiles), then
+    captured into a graph on ``pool``; returns the graph and what the captured call returned (its buffers).
+    thread_local: the producer's other target threads keep working on their GPUs during a capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 class SlotState:
@@ -109,18 +127,9 @@ class StepGraphs:
         tensors = (s.tokens, s.positions, s.count, s.done, s.history)
         saved = [t.clone() for t in tensors]
         cache_saved = self.cache.snapshot() if hasattr(self.cache, "snapshot") else None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._model_step(span)
-        torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the producer's other target threads keep working on their GPUs during a capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._model_step(span)
+        graph, _ = capture(lambda: self._model_step(span), self._pool, warmups=2)
         for live, kept in zip(tensors, saved, strict=True):
             live.copy_(kept)
         if cache_saved is not None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from dflash_pipe.target.decode.engine import SPAN_QUANTUM
+from dflash_pipe.target.decode.slots import capture
 from dflash_pipe.target.decode.stack import DecodeStack
 
 
@@ -68,15 +69,8 @@ class BlockVerifier:
     def _capture(self, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """Warms up on a side stream (first compiles, allocator), then captures. The warm-up writes the
         current block's keys where its replay writes them again: nothing to restore."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._forward(span)
-        torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, features = self._forward(span)
+        graph, (logits, features) = capture(lambda: self._forward(span), self._pool, warmups=1)
         self._graphs[span] = (graph, logits, features)
         return self._graphs[span]
