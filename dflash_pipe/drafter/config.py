@@ -16,8 +16,13 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 MOE_FFN_RATIO = 3
 # KV heads of a drafter for an MLA target (DeepSeek-V3, Kimi): MLA has no GQA count to copy.
 MLA_KV_HEADS = 8
-# Token names tried, in order, for the MASK token when none is given (see resolve_mask_token_id).
-_MASK_TOKEN_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
+# The MASK token's name in the serving engines: SGLang looks it up in the target's tokenizer and refuses a
+# dflash_config.mask_token_id that differs from its id (sgl-project/sglang python/sglang/srt/speculative/
+# dflash_utils.py DEFAULT_DFLASH_MASK_TOKEN; dflash_worker.py DFlashWorker._resolve_mask_token_id).
+ENGINE_MASK_TOKEN = "<|MASK|>"
+# Token names tried, in order, for the MASK token when none is given (see resolve_mask_token_id): the
+# engines' name first, so a tokenizer that has it always gets its id.
+_MASK_TOKEN_NAMES = (ENGINE_MASK_TOKEN, "<|mask|>", "<mask>", "[MASK]")
 _RESERVED_TOKEN_NAMES = ("<|reserved_special_token_0|>", "<|fim_pad|>", "<|reserved_0|>")
 
 
@@ -32,10 +37,16 @@ def gamma_for_block_size(block_size: int) -> float:
     return max(1.0, 7.0 * (block_size - 1) / 15.0)
 
 
+class EngineConflictError(ValueError):
+    """A drafter setting the serving engines cannot serve (a feature layer they cannot capture, a mask token
+    id their tokenizer contradicts), refused before training; one line naming the flag and the fix."""
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """Evenly spread layer ids from 1 to L-3: round(1 + i*(L-4)/(n-1)); a single layer takes L // 2."""
+    """Evenly spread layer ids from 1 to L-3: round(1 + i*(L-4)/(n-1)); a single layer takes L // 2 (L - 2
+    on a 2-layer target). Never the last layer, L - 1, which the engines cannot capture (check_capturable)."""
     if num_draft_layers == 1:
-        return (num_target_layers // 2,)
+        return (min(num_target_layers // 2, max(num_target_layers - 2, 0)),)
     span = num_target_layers - 4
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
@@ -94,10 +105,54 @@ def check_layer_types(
     return types
 
 
+def uncapturable_layers_error(layer_ids: Any, num_target_layers: int) -> str | None:
+    """Why ``layer_ids`` cannot be served, or None. vLLM and SGLang take target layer i's output as the input
+    of layer i + 1 (vLLM: ``eagle_aux_hidden_state_layer_ids`` = id + 1; SGLang: ``set_dflash_layers_to_capture``
+    captures layer id + 1's input), so the last layer, L - 1, has nothing to capture it."""
+    last = num_target_layers - 1
+    if last not in tuple(layer_ids):
+        return None
+    ids = ",".join(str(i) for i in layer_ids)
+    return (
+        f"--target-layer-ids {ids}: {last} is the target's last layer (it has {num_target_layers} layers, ids "
+        f"0-{last}), and vLLM and SGLang capture a feature layer as the input of layer id+1, which the last "
+        f"layer does not have: a drafter trained on it cannot be served. Pick ids in 0-{last - 1}, or leave "
+        "the flag out for the even-spread default"
+    )
+
+
+def check_capturable(layer_ids: Any, num_target_layers: int) -> None:
+    """``EngineConflictError`` when a feature layer is one the serving engines cannot capture (the last)."""
+    problem = uncapturable_layers_error(layer_ids, num_target_layers)
+    if problem is not None:
+        raise EngineConflictError(problem)
+
+
+def mask_token_conflict(tokenizer: Any, mask_token_id: int, vocab_size: int) -> str | None:
+    """Why SGLang would refuse ``mask_token_id`` with this tokenizer, or None: its vocabulary has
+    ENGINE_MASK_TOKEN ("<|MASK|>") under another id, which SGLang checks against dflash_config.mask_token_id."""
+    engine_id = tokenizer.get_vocab().get(ENGINE_MASK_TOKEN)
+    if engine_id is None or int(engine_id) == int(mask_token_id):
+        return None
+    engine_id = int(engine_id)
+    if engine_id < vocab_size:
+        fix = f"pass --mask-token-id {engine_id} (or leave the flag out: the tokenizer's {ENGINE_MASK_TOKEN} is then used)"
+    else:
+        fix = (
+            f"its id is past the target's embedding (vocab_size={vocab_size}), so no mask token id can match "
+            f"it: train with a tokenizer that has no {ENGINE_MASK_TOKEN} token or one inside the embedding"
+        )
+    return (
+        f"--mask-token-id {mask_token_id}: the target's tokenizer has {ENGINE_MASK_TOKEN} as id {engine_id}, and "
+        f"SGLang refuses a drafter whose dflash_config.mask_token_id ({mask_token_id}) differs from it; {fix}"
+    )
+
+
 def resolve_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
     """Pick the MASK token id from the tokenizer, matching what the public DFlash trainers end up with.
 
-    Order: a vocabulary token named "<|mask|>" (or "<|MASK|>", "<mask>", "[MASK]"); the tokenizer's
+    Order: a vocabulary token named "<|MASK|>" (the serving engines' name, ENGINE_MASK_TOKEN; then
+    "<|mask|>", "<mask>", "[MASK]"); the tokenizer's
     `mask_token_id`; then `len(tokenizer)` when that is still a row of the target's embedding (this is the
     id SpecForge gets from `add_special_tokens({"mask_token": "<|MASK|>"})`, e.g. 151669 for Qwen3 as in the
     published z-lab DFlash configs, an embedding row no text ever produces); then a reserved special token
@@ -244,6 +299,8 @@ class DrafterConfig:
         Kimi: ``kv_lora_rank``) gives head_dim = ``v_head_dim``, the target's head count, MLA_KV_HEADS KV
         heads (or the largest divisor of the head count below it). gpt-oss's attention sinks and any
         target's sliding windows are the target's attention, not the drafter's (its layer types are its own).
+        What the serving engines would refuse is refused here (``EngineConflictError``): the target's last
+        layer as a feature layer, and a mask token id that the tokenizer's "<|MASK|>" contradicts.
         """
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = int(tc.num_attention_heads)
@@ -263,8 +320,13 @@ class DrafterConfig:
                     "(a reserved/unused row of the target's embedding)"
                 )
             mask_token_id = resolve_mask_token_id(tokenizer, vocab_size)
+        if tokenizer is not None:
+            problem = mask_token_conflict(tokenizer, int(mask_token_id), vocab_size)
+            if problem is not None:
+                raise EngineConflictError(problem)
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+        check_capturable(target_layer_ids, num_target_layers)
         theta, scaling = read_rope(tc)
         kwargs: dict[str, Any] = dict(
             hidden_size=hidden,

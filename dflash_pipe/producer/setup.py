@@ -19,7 +19,11 @@ import torch
 from dflash_pipe.compute.precision import compute_dtype
 from dflash_pipe.data import DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
-from dflash_pipe.drafter.config import default_target_layer_ids
+from dflash_pipe.drafter.config import (
+    EngineConflictError,
+    default_target_layer_ids,
+    uncapturable_layers_error,
+)
 from dflash_pipe.run.checkpoint import DRAFTER_CONFIG, latest_checkpoint, read_trainer_state
 from dflash_pipe.run.config import DrafterOptions, RunConfig
 from dflash_pipe.run.ledger import Ledger
@@ -232,18 +236,21 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     data = DataFuture(cfg.data, tokenizer, progress=progress) if cfg.data.responses == "dataset" else None
     try:
-        drafter = DrafterConfig.from_target(
-            target_config,
-            tokenizer=tokenizer,
-            num_layers=opts.num_layers,
-            block_size=opts.block_size,
-            mask_token_id=opts.mask_token_id,
-            target_layer_ids=opts.target_layer_ids,
-            attention_backend=opts.attention_backend,
-            max_anchors=opts.max_anchors,
-            layer_types=opts.layer_types,
-            sliding_window=opts.sliding_window,
-        )
+        try:
+            drafter = DrafterConfig.from_target(
+                target_config,
+                tokenizer=tokenizer,
+                num_layers=opts.num_layers,
+                block_size=opts.block_size,
+                mask_token_id=opts.mask_token_id,
+                target_layer_ids=opts.target_layer_ids,
+                attention_backend=opts.attention_backend,
+                max_anchors=opts.max_anchors,
+                layer_types=opts.layer_types,
+                sliding_window=opts.sliding_window,
+            )
+        except EngineConflictError as exc:  # the engines could not serve it (the mask token): before training
+            raise OptionsError(f"{exc} (target: {target_path})") from None
         resume_from, resume_step, saved_ledger = None, 0, None
         if resume:
             resume_from = latest_checkpoint(run_dir)
@@ -300,7 +307,7 @@ def check_target_family(target_config: object, target_path: Path) -> None:
 
 def check_options_fit_target(opts: DrafterOptions, target_config: object, target_path: Path) -> None:
     """--target-layer-ids, --draft-layers and --mask-token-id checked against the target, with errors naming
-    the flag."""
+    the flag; a feature layer the serving engines cannot capture (the last) is refused here too."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     layers, vocab = int(tc.num_hidden_layers), int(tc.vocab_size)
     ids = opts.target_layer_ids
@@ -327,6 +334,9 @@ def check_options_fit_target(opts: DrafterOptions, target_config: object, target
                 f"--target-layer-ids {','.join(map(str, ids))}: give each layer once, in increasing order "
                 f"(e.g. {','.join(map(str, sorted(set(ids))))})"
             )
+        uncapturable = uncapturable_layers_error(ids, layers)
+        if uncapturable is not None:
+            raise OptionsError(f"{uncapturable} (target: {target_path})")
     if opts.mask_token_id is not None and not 0 <= opts.mask_token_id < vocab:
         raise OptionsError(
             f"--mask-token-id {opts.mask_token_id}: the target at {target_path} has a vocabulary of {vocab} "

@@ -127,3 +127,10 @@ def test_regeneration_that_cannot_fit_a_prompt_stops_before_generating(tmp_path:
         "raise --max-length (data.max_length) to at least ",
     )
     assert not (run_dir / "regenerated.jsonl").exists() and not (run_dir / "config.json").exists()
+
+
+def test_target_layer_ids_with_the_last_layer(tmp_path: Path):
+    """The demo target has 6 layers: id 5 has no layer 6 whose input vLLM and SGLang would capture."""
+    with pytest.raises(OptionsError) as info:
+        prepare_run(config(tmp_path / "r", target_layer_ids=(1, 5)), resume=False, progress=False)
+    one_line(info.value, "--target-layer-ids 1,5", "last layer", "6 layers", "vLLM and SGLang", "layer id+1")
