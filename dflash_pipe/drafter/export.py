@@ -42,8 +42,14 @@ class UnverifiedExportWarning(UserWarning):
     """An export without a manifest (written before exports carried one): loaded, but not verified."""
 
 
-def reference_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
+def reference_config(
+    cfg: DrafterConfig, dtype: torch.dtype, *, chat_template_kwargs: dict | None = None
+) -> dict:
     """A Qwen3Config-shaped dict with `dflash_config`, plus the top-level keys older loaders read.
+
+    ``chat_template_kwargs``: the chat template arguments the drafter was trained with (the run's
+    ``data.chat_template_kwargs``), written as ``dflash_config.chat_template_kwargs`` for
+    ``serve-command``; None (unknown, e.g. an export of a model in memory) leaves the key out.
 
     Which engine reads which key is in docs/drafter.md ("What the export writes"). On purpose absent:
     ``is_causal``, ``dflash_config.causal`` and ``dflash_config.use_swa`` (vLLM and the reference then give
@@ -81,6 +87,7 @@ def reference_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
             "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_token_id,
             "num_target_layers": cfg.num_target_layers,
+            **({} if chat_template_kwargs is None else {"chat_template_kwargs": dict(chat_template_kwargs)}),
         },
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
@@ -131,7 +138,11 @@ def validate_state(state: dict[str, torch.Tensor], cfg: DrafterConfig, source: s
 
 
 def _write(
-    state: dict[str, torch.Tensor], cfg: DrafterConfig, out_dir: Path, dtype: torch.dtype | None
+    state: dict[str, torch.Tensor],
+    cfg: DrafterConfig,
+    out_dir: Path,
+    dtype: torch.dtype | None,
+    chat_template_kwargs: dict | None = None,
 ) -> None:
     validate_state(state, cfg, "export")
     out_dir = Path(out_dir)
@@ -139,7 +150,9 @@ def _write(
     tensors = {
         k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in state.items()
     }
-    config = json.dumps(reference_config(cfg, next(iter(tensors.values())).dtype), indent=2) + "\n"
+    dtype_out = next(iter(tensors.values())).dtype
+    config = json.dumps(reference_config(cfg, dtype_out, chat_template_kwargs=chat_template_kwargs), indent=2)
+    config += "\n"
     _replace(out_dir / WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     _replace(out_dir / CONFIG_NAME, lambda tmp: tmp.write_text(config))
     # Last: a re-export cut short leaves the previous manifest, which then refuses the mixed files.
@@ -165,14 +178,21 @@ def export_drafter(model: DFlashDrafter, out_dir: Path, *, dtype: torch.dtype | 
     _write(model.state_dict(), model.cfg, Path(out_dir), dtype)
 
 
-def export_checkpoint(checkpoint_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
-    """Training checkpoint (drafter.safetensors + drafter_config.json) -> reference format; no target needed."""
+def export_checkpoint(
+    checkpoint_dir: Path,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> None:
+    """Training checkpoint (drafter.safetensors + drafter_config.json) -> reference format; no target needed.
+    ``chat_template_kwargs``: the run's, recorded in the export (``reference_config``)."""
     ckpt = Path(checkpoint_dir)
     for name in (CHECKPOINT_WEIGHTS, CHECKPOINT_CONFIG):
         if not (ckpt / name).is_file():
             raise FileNotFoundError(f"{ckpt}: no {name}; is this a dflash-pipe checkpoint directory?")
     cfg = DrafterConfig.from_dict(json.loads((ckpt / CHECKPOINT_CONFIG).read_text()))
-    _write(load_file(str(ckpt / CHECKPOINT_WEIGHTS)), cfg, Path(out_dir), dtype)
+    _write(load_file(str(ckpt / CHECKPOINT_WEIGHTS)), cfg, Path(out_dir), dtype, chat_template_kwargs)
 
 
 def config_from_export(config: dict) -> DrafterConfig:
