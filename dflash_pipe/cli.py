@@ -281,16 +281,66 @@ def export(checkpoint: Path, out_dir: Path) -> None:
       dflash-pipe export runs/q8b/checkpoints/step-00001000 out/q8b-step1000
     """
     from dflash_pipe.drafter import export_checkpoint
+    from dflash_pipe.drafter.serve import plan_from_export, serve_command
     from dflash_pipe.rundir import find_checkpoint
+    from dflash_pipe.rundir.serve import run_settings
 
     try:
         checkpoint = find_checkpoint(checkpoint)
-        export_checkpoint(checkpoint, out_dir)
+        target, template_kwargs = run_settings(checkpoint)
+        export_checkpoint(checkpoint, out_dir, chat_template_kwargs=template_kwargs)
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
     except OSError as exc:  # OUT_DIR not writable, a full disk: one line, no traceback
         raise click.ClickException(f"cannot write the export to {out_dir}: {exc}") from None
     console.print(f"exported {checkpoint} -> {out_dir}")
+    plan = plan_from_export(out_dir, target=target)
+    console.print(
+        f"Serve it with vLLM (for SGLang or the reference: dflash-pipe serve-command {out_dir} --engine "
+        "sglang|reference):",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(serve_command(plan, "vllm"), end="", markup=False, highlight=False, soft_wrap=True)
+
+
+@main.command("serve-command")
+@click.argument(
+    "path", metavar="RUN_OR_EXPORT", type=click.Path(exists=True, file_okay=False, path_type=Path)
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "sglang", "reference"]),
+    default="vllm",
+    show_default=True,
+    help="Which server (or the reference's Python loop) the command is for.",
+)
+@click.option(
+    "--target",
+    help="The target model path or Hub id to serve beside the drafter (default: a run's own target; an "
+    "export does not record it).",
+)
+def serve_command_cmd(path: Path, engine: str, target: str | None) -> None:
+    """Print the exact command that serves a drafter beside its target, every setting from the export.
+
+    \b
+    RUN_OR_EXPORT: a `dflash-pipe export` directory, or a run dir / checkpoint (its latest checkpoint; the
+    export command to run first is printed too). From the export's config.json: the draft-token count
+    (vLLM: block_size - 1, SGLang: block_size), vLLM's V2 model runner for a drafter mixing sliding and full
+    layers, and the chat template arguments it was trained with. Examples:
+      dflash-pipe serve-command out/q8b --target /models/Qwen3-8B
+      dflash-pipe serve-command runs/q8b --engine sglang
+      dflash-pipe serve-command out/q8b --engine reference --target Qwen/Qwen3-8B
+    """
+    from dflash_pipe.drafter.serve import serve_command
+    from dflash_pipe.rundir.serve import plan_from_path
+
+    try:
+        plan = plan_from_path(path, target=target)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(serve_command(plan, engine), nl=False)
 
 
 @main.command()
