@@ -13,7 +13,8 @@ from dflash_pipe.drafter.serve import TARGET_PLACEHOLDER, ServePlan, plan_from_e
 
 def run_settings(checkpoint: Path) -> tuple[str | None, dict | None]:
     """(target path, chat template arguments) of the run a checkpoint belongs to, from the run's config.json
-    (RUN/checkpoints/step-N -> RUN); (None, None) when the checkpoint is not inside a run dir."""
+    (RUN/checkpoints/step-N -> RUN); (None, None) when the checkpoint is not inside a run dir or its config
+    cannot be read."""
     from dflash_pipe.producer.setup import CONFIG_FILE
     from dflash_pipe.run.checkpoint import CHECKPOINTS
 
@@ -23,7 +24,10 @@ def run_settings(checkpoint: Path) -> tuple[str | None, dict | None]:
     run_dir = ckpt.parent.parent
     if ckpt.parent.name != CHECKPOINTS or not (run_dir / CONFIG_FILE).is_file():
         return None, None
-    cfg = load_run_config(run_dir)
+    try:
+        cfg = load_run_config(run_dir)
+    except ValueError:  # a damaged or other-version run config: the checkpoint still exports, unrecorded
+        return None, None
     target = cfg.target_model
     if target is None:  # the built-in demo target, where launch builds it
         from dflash_pipe.target.demo import default_cache_dir
