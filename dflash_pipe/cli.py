@@ -45,6 +45,8 @@ def main() -> None:
       dflash-pipe launch --config launch/node-8gpu.yaml --dry-run
     Curves and summary of a run, finished or running:
       dflash-pipe report runs/qwen3-8b
+    The command that serves its drafter (vLLM, SGLang or the reference), every setting from the export:
+      dflash-pipe serve-command runs/qwen3-8b --engine vllm
 
     \b
     Every command takes --config FILE (YAML, TOML or JSON). Shell completion (bash; zsh/fish alike):
