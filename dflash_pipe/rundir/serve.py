@@ -39,8 +39,9 @@ def run_settings(checkpoint: Path) -> tuple[str | None, dict | None]:
 def plan_from_path(path: Path, *, target: str | None = None) -> ServePlan:
     """An export directory, or a run dir / checkpoint: its latest checkpoint's drafter config and the run's
     target and chat template arguments, served from the export ``dflash-pipe export PATH RUN/export``
-    writes (printed as the step before)."""
+    writes (printed as the step before; a checkpoint outside a run: STEP-export beside it)."""
     from dflash_pipe.drafter.export import CHECKPOINT_CONFIG, WEIGHTS_NAME
+    from dflash_pipe.run.checkpoint import CHECKPOINTS
 
     from .checkpoints import find_checkpoint
 
@@ -50,8 +51,9 @@ def plan_from_path(path: Path, *, target: str | None = None) -> ServePlan:
     ckpt = find_checkpoint(path)
     run_target, kwargs = run_settings(ckpt)
     cfg = DrafterConfig.from_dict(json.loads((ckpt / CHECKPOINT_CONFIG).read_text()))
-    run_dir = ckpt.parent.parent if run_target is not None else ckpt
-    out = run_dir / "export"
+    # RUN/export for a run; beside a lone checkpoint (never inside it) otherwise
+    in_run = ckpt.parent.name == CHECKPOINTS
+    out = ckpt.parent.parent / "export" if in_run else ckpt.with_name(f"{ckpt.name}-export")
     return ServePlan(
         drafter=cfg,
         export_dir=out,
