@@ -1,4 +1,6 @@
-"""Export to the reference DFlashDraftModel format (config.json + model.safetensors) and load it back.
+"""Export to the reference DFlashDraftModel format (config.json + model.safetensors, plus
+modeling_dflash.py and ``auto_map`` for ``AutoModel.from_pretrained(DIR, trust_remote_code=True)``) and load
+it back.
 
 An export carries a manifest (``manifest.json``: each file's size and sha256, as a checkpoint does), and
 loading it checks the manifest first: a damaged export is one ``ExportError`` line naming the file, what is
@@ -30,8 +32,15 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CHECKPOINT_WEIGHTS = "drafter.safetensors"
 CHECKPOINT_CONFIG = "drafter_config.json"
+MODELING_NAME = "modeling_dflash.py"
+"""The drafter as code for ``AutoModel.from_pretrained(EXPORT_DIR, trust_remote_code=True)`` (``auto_map``)."""
 EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
-"""What an export is; its manifest lists these (and only these: other files in OUT_DIR are not the export's)."""
+"""What every export has and a loader needs (exports before ``MODELING_NAME`` have only these)."""
+WRITTEN_FILES = (*EXPORT_FILES, MODELING_NAME)
+"""What an export writes; its manifest lists these (and only these: other files in OUT_DIR are not the
+export's), so each is verified on load."""
+MODELING_SOURCE = Path(__file__).with_name(MODELING_NAME)
+"""The file written as ``MODELING_NAME``: torch and transformers only, run from the export directory."""
 
 
 class ExportError(ValueError):
@@ -59,6 +68,8 @@ def reference_config(
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
+        # AutoModel.from_pretrained(DIR, trust_remote_code=True) builds MODELING_NAME's class (config: Qwen3Config)
+        "auto_map": {"AutoModel": f"{MODELING_NAME.removesuffix('.py')}.DFlashDraftModel"},
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -155,8 +166,10 @@ def _write(
     config += "\n"
     _replace(out_dir / WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     _replace(out_dir / CONFIG_NAME, lambda tmp: tmp.write_text(config))
+    modeling = MODELING_SOURCE.read_bytes()
+    _replace(out_dir / MODELING_NAME, lambda tmp: tmp.write_bytes(modeling))
     # Last: a re-export cut short leaves the previous manifest, which then refuses the mixed files.
-    write_manifest(out_dir, EXPORT_FILES)
+    write_manifest(out_dir, WRITTEN_FILES)
     chmod_from_umask(out_dir / MANIFEST)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from dflash_pipe.drafter.export import (
     CONFIG_NAME,
+    MODELING_NAME,
     WEIGHTS_NAME,
     ExportError,
     UnverifiedExportWarning,
@@ -57,7 +58,7 @@ def test_the_export_writes_a_manifest_of_its_own_files(tmp_path) -> None:
     (tmp_path / "README.md").write_text("not the export's")
     export_drafter(tiny_drafter(), tmp_path)
     manifest = json.loads((tmp_path / MANIFEST).read_text())
-    assert manifest["format"] == 1 and sorted(manifest["files"]) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert manifest["format"] == 1 and sorted(manifest["files"]) == [CONFIG_NAME, WEIGHTS_NAME, MODELING_NAME]
     for name, entry in manifest["files"].items():
         data = (tmp_path / name).read_bytes()
         assert entry == {
@@ -80,8 +81,14 @@ def test_the_export_writes_a_manifest_of_its_own_files(tmp_path) -> None:
         (lambda root: (root / WEIGHTS_NAME).unlink(), f"{WEIGHTS_NAME} is missing (its manifest lists it)"),
         (lambda root: (root / CONFIG_NAME).write_text("{}\n"), f"{CONFIG_NAME} has "),
         (lambda root: (root / MANIFEST).write_text("{"), f"{MANIFEST} is unreadable"),
+        (
+            lambda root: (root / MODELING_NAME).write_text(
+                (root / MODELING_NAME).read_text() + "import os\n"
+            ),
+            f"{MODELING_NAME} has ",  # the code trust_remote_code would run is verified too
+        ),
     ],
-    ids=["flipped-byte", "truncated", "header", "missing-weights", "config", "manifest"],
+    ids=["flipped-byte", "truncated", "header", "missing-weights", "config", "manifest", "modeling-code"],
 )
 def test_a_damaged_export_is_refused_in_one_line(tmp_path, damage, expected) -> None:
     model = tiny_drafter()
@@ -162,7 +169,7 @@ def test_export_files_have_the_mode_the_umask_says(tmp_path, umask) -> None:
     export_drafter(tiny_drafter(), out)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     want = 0o666 & ~umask  # 0644 under 022, not the 0600 safetensors creates
-    assert modes == {CONFIG_NAME: want, WEIGHTS_NAME: want, MANIFEST: want}
+    assert modes == {CONFIG_NAME: want, WEIGHTS_NAME: want, MODELING_NAME: want, MANIFEST: want}
 
 
 def test_the_export_command_writes_a_verified_export_readable_by_others(tmp_path, umask) -> None:
@@ -179,7 +186,11 @@ def test_the_export_command_writes_a_verified_export_readable_by_others(tmp_path
     result = CliRunner().invoke(main, ["export", str(tmp_path / "run"), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     out = tmp_path / "out"
-    assert sorted(json.loads((out / MANIFEST).read_text())["files"]) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert sorted(json.loads((out / MANIFEST).read_text())["files"]) == [
+        CONFIG_NAME,
+        WEIGHTS_NAME,
+        MODELING_NAME,
+    ]
     assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o666 & ~umask}
     again = _load(out, model)
     assert torch.equal(again.fc.weight, model.fc.weight)
