@@ -275,10 +275,12 @@ def export(checkpoint: Path, out_dir: Path) -> None:
     """Export a checkpoint (or the latest of a run dir or its checkpoints/) to the DFlash reference format.
 
     \b
-    Writes OUT_DIR/config.json (with dflash_config) and OUT_DIR/model.safetensors, which the
-    reference DFlashDraftModel loads next to the target, and OUT_DIR/manifest.json (their sizes and
-    sha256, checked by eval and on loading). The checkpoint is verified against its manifest first; a
-    running run can be exported; a checkpoint trained 0 steps is refused. Examples:
+    Writes OUT_DIR/config.json (with dflash_config and auto_map) and OUT_DIR/model.safetensors, which
+    the reference DFlashDraftModel loads next to the target, OUT_DIR/modeling_dflash.py (so that
+    AutoModel.from_pretrained(OUT_DIR, trust_remote_code=True) loads it and its spec_generate speculates)
+    and OUT_DIR/manifest.json (their sizes and sha256, checked by eval and on loading). The checkpoint is
+    verified against its manifest first; a running run can be exported; a checkpoint trained 0 steps is
+    refused. Ends with the vLLM command that serves it (dflash-pipe serve-command for the others). Examples:
       dflash-pipe export runs/q8b out/qwen3-8b-dflash
       dflash-pipe export runs/q8b/checkpoints/step-00001000 out/q8b-step1000
     """
