@@ -44,6 +44,17 @@ def fused_params(hf: Qwen3Config, num_features: int) -> dict[str, tuple[int, ...
     return params
 
 
+def tiles(parts: list[tuple[int, tuple[int, ...]]], shape: tuple[int, ...]) -> bool:
+    """Whether the shards ``(row offset, shape)`` an engine copies into a fused weight of ``shape`` cover
+    its rows exactly, each at its own offset (a q/k/v shard of the wrong size lands over its neighbour)."""
+    at = 0
+    for offset, part in sorted(parts):
+        if offset != at or tuple(part[1:]) != tuple(shape[1:]):
+            return False
+        at += part[0]
+    return at == shape[0]
+
+
 def vllm_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
     assert raw["architectures"] == ["DFlashDraftModel"]  # registry -> qwen3_dflash.DFlashQwen3ForCausalLM
     dflash = hf.dflash_config
@@ -113,18 +124,22 @@ def sglang_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
             window_left = int(hf.sliding_window) - 1  # stored minus one; keys q - k <= window_left
             attention.append((window_left + 1, True))  # DECODER: causal
     params = fused_params(hf, len(ids))
+    d = hf.head_dim
+    hq, hkv = hf.num_attention_heads * d, hf.num_key_value_heads * d
+    # (param, weight, shard id's row offset: QKVParallelLinear / MergedColumnParallelLinear.weight_loader)
     stacked = [
-        ("qkv_proj", "q_proj"),
-        ("qkv_proj", "k_proj"),
-        ("qkv_proj", "v_proj"),
-        ("gate_up_proj", "gate_proj"),
-        ("gate_up_proj", "up_proj"),
+        ("qkv_proj", "q_proj", 0),
+        ("qkv_proj", "k_proj", hq),
+        ("qkv_proj", "v_proj", hq + hkv),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", hf.intermediate_size),
     ]
     filled, ignored = {}, []
     for name, t in tensors.items():
-        for param, weight in stacked:
+        offset = 0
+        for param, weight, at in stacked:
             if f".{weight}." in name:
-                name = name.replace(weight, param)
+                name, offset = name.replace(weight, param), at
                 break
         resolved = name if name in params else None  # (also tries with/without "model.")
         if resolved is None:
@@ -132,7 +147,7 @@ def sglang_loads(raw: dict, hf: Qwen3Config, tensors: dict) -> dict:
             continue
         if resolved == "fc.weight":
             assert tuple(t.shape) == params["fc.weight"], "SGLang raises on a wrong fc.weight shape"
-        filled.setdefault(resolved, []).append(tuple(t.shape))
+        filled.setdefault(resolved, []).append((offset, tuple(t.shape)))
     return dict(
         params=params,
         filled=filled,

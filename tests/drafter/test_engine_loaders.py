@@ -20,7 +20,7 @@ from dflash_pipe.drafter.export import export_drafter, load_exported
 from dflash_pipe.drafter.model import rope_cos_sin
 
 from .conftest import tiny_config, tiny_drafter
-from .engine_loaders import SLIDING, reference_loads, sglang_loads, vllm_loads
+from .engine_loaders import SLIDING, reference_loads, sglang_loads, tiles, vllm_loads
 from .test_rope import VARIANTS
 
 DRAFTERS = {
@@ -51,9 +51,8 @@ def test_vllm_loader(exported) -> None:
     model, _, raw, hf, tensors = exported
     got = vllm_loads(raw, hf, tensors)
     assert set(got["filled"]) == set(got["params"])  # every parameter filled, nothing dropped
-    for name, parts in got["filled"].items():
-        rows = sum(shape[0] for _, shape in parts)
-        assert (rows, *parts[0][1][1:]) == got["params"][name], name  # stacked shards tile the fused weight
+    for name, parts in got["filled"].items():  # stacked shards tile the fused weight, each at its offset
+        assert tiles(parts, got["params"][name]), (name, parts, got["params"][name])
     assert got["attention"] == _training_attention(model.cfg)
     assert got["block_size"] == model.cfg.block_size and got["mask_token_id"] == model.cfg.mask_token_id
     assert got["aux_layers"] == [i + 1 for i in model.cfg.target_layer_ids]
@@ -72,8 +71,8 @@ def test_sglang_loader(exported) -> None:
     model, _, raw, hf, tensors = exported
     got = sglang_loads(raw, hf, tensors)
     assert got["ignored"] == [] and set(got["filled"]) == set(got["params"])
-    for name, shapes in got["filled"].items():
-        assert (sum(s[0] for s in shapes), *shapes[0][1:]) == got["params"][name], name
+    for name, parts in got["filled"].items():
+        assert tiles(parts, got["params"][name]), (name, parts, got["params"][name])
     assert got["attention"] == _training_attention(model.cfg)
     assert got["block_size"] == model.cfg.block_size
     assert got["num_target_layers"] == model.cfg.num_target_layers
