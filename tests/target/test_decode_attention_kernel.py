@@ -62,6 +62,45 @@ def test_kernel_equals_attention_over_each_slots_live_columns(
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "span", "positions"),
+    [
+        (4, 2, 192, [0, 69, 191]),  # split along the columns: two rows' new column is past split 0's
+        (8, 2, 128, [127, 4]),
+    ],
+)
+def test_kernel_writes_each_rows_key_and_value_and_attends_to_them(heads, kv_heads, span, positions):
+    """Decode mode: each row's new key and value land at its position in its own cache row (an idle row
+    at the trash column, which nothing reads), and the row attends to them although that column held
+    garbage when the call began (another split of the row may read it before split 0 stores it)."""
+    torch.manual_seed(1)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    dim, trash = 16, span + 8
+    rows = len(positions) + 1  # the last row is idle
+    q = torch.randn(rows, heads, dim, device=DEVICE).to(dtype)
+    keys = torch.randn(rows, kv_heads, trash + 1, dim, device=DEVICE).to(dtype)
+    values = torch.randn(rows, kv_heads, trash + 1, dim, device=DEVICE).to(dtype)
+    new_k = torch.randn(rows, kv_heads, dim, device=DEVICE).to(dtype)
+    new_v = torch.randn(rows, kv_heads, dim, device=DEVICE).to(dtype)
+    where = torch.tensor(positions + [trash], device=DEVICE)
+    lengths = torch.tensor([p + 1 for p in positions] + [1], device=DEVICE)
+    expected_k, expected_v = keys.clone(), values.clone()
+    for r in range(rows):
+        expected_k[r, :, where[r]] = new_k[r]
+        expected_v[r, :, where[r]] = new_v[r]
+    for r, p in enumerate(positions):
+        keys[r, :, p], values[r, :, p] = 1e3, -1e3  # garbage until the kernel writes it
+    slot_of = torch.arange(rows, device=DEVICE)
+    out, lse = attention_kernel.decode_attention(
+        q, keys, values, lengths, span, dim**-0.5, slot_of, write=(new_k, new_v, where)
+    )
+    torch.testing.assert_close(keys, expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(values, expected_v, rtol=0, atol=0)
+    got = attention_kernel.combine(out, lse, heads // kv_heads, torch.float32).view(rows, heads, dim)
+    want = _reference(q, expected_k, expected_v, lengths, dim**-0.5, slot_of)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the slot stack takes the kernel on CUDA only")
 @torch.inference_mode()
 def test_stack_steps_on_the_kernel_equal_sdpa_steps():

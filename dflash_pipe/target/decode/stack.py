@@ -274,11 +274,26 @@ class DecodeStack:
         h = self.embed(tokens)[:, None]  # [S, 1, H]
         for i, (layer, fused) in enumerate(zip(self.layers, self.fused, strict=True)):
             q, k, v = first(layer, fused, h, cos, sin)
+            if mask is None and not gather:  # one row per cache row: the kernel writes k and v itself
+                out, lse = attention_kernel.decode_attention(
+                    q[:, 0],
+                    cache.keys[i],
+                    cache.values[i],
+                    lengths,
+                    span,
+                    self.math.scaling,
+                    rows,
+                    write=(k[:, 0], v[:, 0], positions),
+                )
+                h = merged(layer, fused, h, out, lse)
+                if i in feature_layers:
+                    captured[i] = h[:, 0]
+                continue
             # the cache is written between the compiled halves: a compiled graph that mutated its input
             # might copy the whole cache back
             cache.keys[i][rows, :, positions] = k[:, 0]
             cache.values[i][rows, :, positions] = v[:, 0]
-            if mask is None:
+            if mask is None:  # a verify block: its rows see each other's keys, written above
                 out, lse = attention_kernel.decode_attention(
                     q[:, 0], cache.keys[i], cache.values[i], lengths, span, self.math.scaling, rows
                 )
