@@ -4,10 +4,10 @@
 # assistant turn as the drafters train (target and drafter workers share GPU 0). The target's vocabulary is
 # the demo tokenizer's, so its replies decode to text; random weights never end a turn, so every reply is
 # --max-new-tokens long. Needs .whl (pyzmq for python 3.12). About 6 minutes.
-# Usage: bash bench/h200_throughput_target_responses.sh OUT_DIR [SECONDS] [MAX_NEW_TOKENS] [REGEN_BATCH]
+# Usage: bash bench/h200_throughput_target_responses.sh OUT_DIR [SECONDS] [MAX_NEW_TOKENS] [REGEN_BATCH (0: auto)]
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-out=${1:?output dir}; seconds=${2:-8}; new_tokens=${3:-128}; regen_batch=${4:-32}
+out=${1:?output dir}; seconds=${2:-8}; new_tokens=${3:-128}; regen_batch=${4:-0}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d)

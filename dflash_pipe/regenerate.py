@@ -101,7 +101,7 @@ def regenerate_file(
                 advance(1, summary.tokens_per_s)
 
             # the plain path decodes a call's conversations as one padded batch: only batch_size of them
-            chunk_size = settings.batch_size * (CHUNK_SLOTS if generator.engine() is not None else 1)
+            chunk_size = generator.batch_size * (CHUNK_SLOTS if generator.engine() is not None else 1)
             for start in range(0, len(todo), chunk_size):
                 chunk = todo[start : start + chunk_size]
                 generator.regenerate([(i, source.conversations[i]) for i in chunk], on_done=done)

@@ -148,13 +148,18 @@ class RegenConfig:
     """Tokens generated per assistant turn at most (also bounded by data.max_length); a turn cut here is
     kept and counted as truncated."""
     batch_size: int = field(
-        default=32,
+        default=0,
         metadata=flag(
-            "--regen-batch", "Regeneration: conversations decoded together (default 32).", resume=True
+            "--regen-batch",
+            "Regeneration: conversations decoded together per target replica (default 0: auto, on a GPU as "
+            "many slots of --max-length tokens as fit in half the memory free once the target is loaded, a "
+            "quarter when drafters share its GPUs, at most 256; else 32).",
+            resume=True,
         ),
     )
     """Conversations generated together: the slots of the slot engine (a job's conversations), or the rows
-    of one batched decode per turn round on the plain path."""
+    of one batched decode per turn round on the plain path. 0: sized from free memory
+    (``target.decode.sizing``)."""
     decoder: Literal["auto", "engine", "plain"] = field(
         default="auto",
         metadata=flag(
@@ -179,8 +184,10 @@ class RegenConfig:
             raise ValueError(f"regen.top_k must be >= 0 (0: no limit), got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"regen.max_new_tokens must be >= 1, got {self.max_new_tokens}; use e.g. 1024")
-        if self.batch_size < 1:
-            raise ValueError(f"regen.batch_size must be >= 1, got {self.batch_size}; use e.g. 32")
+        if self.batch_size < 0:
+            raise ValueError(
+                f"regen.batch_size must be >= 0 (0: auto), got {self.batch_size}; use 0 or e.g. 64"
+            )
         check_choice(self, "decoder", "regen.decoder", "; auto uses the slot engine where it can")
 
     @property

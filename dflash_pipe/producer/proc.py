@@ -151,6 +151,11 @@ class ProducerProc:
         placed = ", ".join("+".join(str(d) for d in core.devices) for core in self._cores)
         self.core.note(f"target: {len(self._cores)} replica(s) on {placed}")
         regen = self.core.regen
+        if regen is not None:
+            shared = bool(self.cfg.layout.shared_gpus())
+            note = regen.size_jobs(self._cores, drafters_share_gpus=shared)  # before any thread takes a job
+            if note is not None:
+                self.core.note(note)
         for core in self._cores:
             thread = TargetThread(
                 core,

@@ -31,6 +31,7 @@ from dflash_pipe.data.formats import FormatError
 from dflash_pipe.data.lines import drop_reason, fit_sample
 from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, SourceConversations
 from dflash_pipe.data.render import render_conversation
+from dflash_pipe.target.decode.sizing import FALLBACK_SLOTS, FREE_SHARE, SHARED_FREE_SHARE
 from dflash_pipe.telemetry import RateMeter
 
 SORT_WINDOW_JOBS = 8
@@ -117,6 +118,9 @@ class Regeneration:
         self.rate = RateMeter()
         """Generated tokens per second."""
         self._generators: dict[int, Any] = {}
+        self.job_size = settings.batch_size or FALLBACK_SLOTS
+        """Conversations per ``GenerateJob``: the replicas' slots (``size_jobs`` when auto)."""
+        self.memory_share = FREE_SHARE
         self.generate_s = 0.0
         """Target-thread seconds spent generating (the jobs' own times, summed over replicas)."""
         self.train_samples: list[Sample | None] = [None] * num_train
@@ -157,8 +161,19 @@ class Regeneration:
                 device=core.device,
                 max_length=self.data.max_length,
                 template_kwargs=self.data.chat_template_kwargs,
+                memory_share=self.memory_share,
             )
         return self._generators[key]
+
+    def size_jobs(self, cores: list[Any], *, drafters_share_gpus: bool) -> str | None:
+        """With an auto ``batch_size`` (0): builds each replica's generator now (its engine sized from the
+        memory free on its GPUs, less when drafters share them) and makes a job as many conversations as
+        the smallest one's slots. Call before the target threads start. Returns the line to log."""
+        if self.settings.batch_size:
+            return None
+        self.memory_share = SHARED_FREE_SHARE if drafters_share_gpus else FREE_SHARE
+        self.job_size = min(self.make_generator(core).batch_size for core in cores)
+        return f"regeneration: {self.job_size} conversations a job per replica (--regen-batch auto)"
 
     def next_job(self) -> GenerateJob | None:
         """The next conversations to regenerate, None when every one is done or handed out.
@@ -170,21 +185,21 @@ class Regeneration:
         epoch 0 still moves through the file in order."""
         if self._eval_todo and (self._jobs > 0 or not (self._todo or self._window)):
             self.started = self.started or time.monotonic()
-            take = min(len(self._eval_todo), self.settings.batch_size)
+            take = min(len(self._eval_todo), self.job_size)
             items = [
                 (i, self.source.conversations[i]) for i in (self._eval_todo.popleft() for _ in range(take))
             ]
             self._jobs += 1
             return GenerateJob(job_id=self._jobs, items=items)
         if not self._window:
-            take = min(len(self._todo), SORT_WINDOW_JOBS * self.settings.batch_size)
+            take = min(len(self._todo), SORT_WINDOW_JOBS * self.job_size)
             window = [self._todo.popleft() for _ in range(take)]
             self._window.extend(sorted(window, key=lambda i: _chars(self.source.conversations[i])))
         if not self._window:
             return None
         self.started = self.started or time.monotonic()
         items = []
-        while self._window and len(items) < self.settings.batch_size:
+        while self._window and len(items) < self.job_size:
             index = self._window.popleft()
             items.append((index, self.source.conversations[index]))
         self._jobs += 1

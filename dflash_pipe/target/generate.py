@@ -8,8 +8,9 @@ prompts of the round are decoded together (left padded, one KV cache), and each 
 end-of-turn token (the template's turn terminator and the model's EOS ids) or at the token limit.
 
 Decoding runs on the slot engine (``target.decode``) when the target's family is one it serves: a static
-cache of ``batch_size`` slots, the decode step captured in a CUDA graph, a conversation's slot taking the
-next conversation as soon as its last turn ends, and turn k+1 prefilling only what follows turn k's cache.
+cache of ``batch_size`` slots (auto: as many as fit in free memory), the decode step captured in a CUDA
+graph, a conversation's slot taking the next conversation as soon as its last turn ends, and turn k+1
+prefilling only what follows turn k's cache.
 Other families decode in rounds with a plain loop over the model's own forward (its own cache: hybrid and
 sliding-window targets get theirs), announced by one log line. On both paths nothing of the checkpoint's
 ``generation_config`` (repetition penalties, default top-k) changes what is generated, and sampling draws
@@ -34,6 +35,7 @@ from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.data.regenerated import Regenerated, TurnFailure
 from dflash_pipe.data.render import render_prompt
 from dflash_pipe.target.decode import EngineStats, GenerationStopped, SlotEngine, TurnRequest
+from dflash_pipe.target.decode.sizing import FALLBACK_SLOTS, FREE_SHARE, auto_slots
 from dflash_pipe.target.packing import FLEX_ATTENTION
 
 log = logging.getLogger("dflash_pipe.target")
@@ -109,10 +111,12 @@ class TurnGenerator:
         max_length: int,
         template_kwargs: dict[str, Any] | None = None,
         engine: bool = True,
+        memory_share: float = FREE_SHARE,
     ) -> None:
         """``max_length``: the longest sample trained (data.max_length); a turn is generated only while its
         prompt leaves room under it, and no longer than that room. ``engine``: False always decodes on the
-        plain path (benches compare the two)."""
+        plain path (benches compare the two). ``memory_share``: of the device's free memory, what an auto
+        ``batch_size`` (0) may fill with slots (``target.decode.sizing``)."""
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
@@ -127,6 +131,7 @@ class TurnGenerator:
         self._keep_one = "logits_to_keep" in params
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self._want_engine = engine
+        self._memory_share = memory_share
         self._engine: SlotEngine | None = None
         self._engine_checked = False
         self.engine_stats = EngineStats()
@@ -151,15 +156,29 @@ class TurnGenerator:
             )
             return None
         stack = build_stack(self.model, self.max_length)
+        slots = self.settings.batch_size
+        if not slots:
+            sizing = auto_slots(stack, share=self._memory_share)
+            log.info("regeneration on %s: %s", stack.device, sizing.why)
+            slots = sizing.slots
         self._engine = SlotEngine(
             stack,
-            slots=self.settings.batch_size,
+            slots=slots,
             max_new=self.max_length,  # generate() may ask more than settings.max_new_tokens
             end_ids=self.end_ids,
             greedy=self.settings.greedy,
             pick=self._pick,
         )
         return self._engine
+
+    @property
+    def batch_size(self) -> int:
+        """Conversations this generator decodes together: its engine's slots, or the settings' batch on the
+        plain path (auto there: ``FALLBACK_SLOTS``). Builds the engine on first use."""
+        engine = self.engine()
+        if engine is not None:
+            return engine.slots
+        return self.settings.batch_size or FALLBACK_SLOTS
 
     def regenerate(
         self,

@@ -201,3 +201,36 @@ def test_status_gives_the_share_of_target_time_spent_generating(tmp_path, tok):
     share = regen.status(2)["target_share"]  # 4 s of 2 replicas x 10 s
     assert 0.19 < share <= 0.2
     assert regen.status(1)["target_share"] == pytest.approx(2 * share, rel=0.01)
+
+
+class _Core:
+    device = "cpu"
+
+    def __init__(self, slots: int):
+        self.model = slots  # what the stand-in generator below reads
+
+
+class _Generator:
+    def __init__(self, slots: int, share: float):
+        self.batch_size, self.share = slots, share
+
+
+def test_auto_jobs_take_the_slots_the_replicas_got(tmp_path, tok, monkeypatch):
+    """``--regen-batch`` auto: each replica's generator is built before the threads start (with the
+    shared-GPU memory share when drafters train on the target's GPUs) and a job is as many conversations as
+    the smallest replica has slots."""
+    built: list[_Generator] = []
+
+    def generator(model, tokenizer, settings, *, memory_share, **_):
+        built.append(_Generator(model, memory_share))
+        return built[-1]
+
+    monkeypatch.setattr("dflash_pipe.target.generate.TurnGenerator", generator)
+    regen = _make(tmp_path, tok, batch=0)
+    note = regen.size_jobs([_Core(5), _Core(3)], drafters_share_gpus=True)
+    assert "3 conversations a job" in note and [g.share for g in built] == [0.25, 0.25]
+    assert [len(regen.next_job().items) for _ in range(3)] == [3, 2, 3]  # the 2 held-out ones second
+    (tmp_path / "b").mkdir()
+    explicit = _make(tmp_path / "b", tok, batch=4)
+    assert explicit.size_jobs([_Core(5)], drafters_share_gpus=False) is None
+    assert len(explicit.next_job().items) == 4

@@ -162,7 +162,7 @@ def test_a_prompt_too_long_is_a_counted_failure_and_keeps_earlier_turns(model, t
         ({"top_p": 0.0}, "regen.top_p must be in (0, 1]"),
         ({"top_p": 1.5}, "regen.top_p must be in (0, 1]"),
         ({"max_new_tokens": 0}, "regen.max_new_tokens must be >= 1"),
-        ({"batch_size": 0}, "regen.batch_size must be >= 1"),
+        ({"batch_size": -1}, "regen.batch_size must be >= 0 (0: auto)"),
         ({"top_k": -1}, "regen.top_k must be >= 0"),
     ],
 )

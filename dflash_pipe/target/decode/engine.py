@@ -130,6 +130,10 @@ class SlotEngine:
     def use_graphs(self) -> bool:
         return self.steps.use_graphs
 
+    @property
+    def slots(self) -> int:
+        return len(self._slots)
+
     @torch.inference_mode()
     def run(
         self,
