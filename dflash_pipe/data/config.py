@@ -164,9 +164,10 @@ class RegenConfig:
         default="auto",
         metadata=flag(
             "--regen-decoder",
-            "Regeneration: auto (the slot engine for dense and MoE Qwen/Llama/Mistral targets, else the plain "
-            "path), engine (the slot engine for hybrid Qwen3.5/3.6 and Qwen3-Next targets too; exact on "
-            "CPU, timed but not yet checked on a GPU) or plain (the model's own forward per step, every family; slower).",
+            "Regeneration: auto (the slot engine for dense and MoE Qwen/Llama/Mistral targets and hybrid "
+            "Qwen3.5/3.6 and Qwen3-Next ones, else the plain path with one log line), engine (the slot "
+            "engine or an error naming why the target cannot have it) or plain (the model's own forward per "
+            "step, every family; slower).",
             resume=True,
         ),
     )

@@ -148,6 +148,11 @@ class TurnGenerator:
         from dflash_pipe.target.decode.choose import build_stack, engine_refusal
 
         reason = engine_refusal(self.model, self.settings.decoder)
+        if reason is not None and self.settings.decoder == "engine":
+            raise ValueError(
+                f"--regen-decoder engine: {type(self.model).__name__} cannot be decoded by the slot engine "
+                f"because {reason}; use --regen-decoder auto (the plain path for it) or plain"
+            )
         if reason is not None:
             log.warning(
                 "regeneration: %s decodes on the plain path (HF forward per step, slower) because %s",

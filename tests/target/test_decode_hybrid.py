@@ -233,27 +233,28 @@ def test_unsupported_models_are_named():
         HybridStack(model, MAX_LEN)
 
 
-def test_regeneration_takes_the_hybrid_stack_only_with_decoder_engine(caplog):
-    """``--regen-decoder engine`` decodes a hybrid on this stack (replies equal HF generate, cut at the first
-    end-of-turn token); ``auto`` keeps it on the plain path and says how to opt in."""
-    import logging
-
+def test_regeneration_decodes_hybrids_on_the_stack_by_default():
+    """``--regen-decoder auto`` decodes a hybrid on this stack (replies equal HF generate, cut at the first
+    end-of-turn token); ``plain`` keeps HF's forward; ``engine`` on a family the stack cannot take is an
+    error naming why, not a silent fallback."""
     from dflash_pipe.data import demo_tokenizer
     from dflash_pipe.data.config import RegenConfig
     from dflash_pipe.target.generate import TurnGenerator
 
     model = _model("qwen3_5-text")
 
-    def generator(decoder: str) -> TurnGenerator:
+    def generator(decoder: str, target: torch.nn.Module = model) -> TurnGenerator:
         settings = RegenConfig(max_new_tokens=8, batch_size=2, decoder=decoder)
-        return TurnGenerator(model, demo_tokenizer(), settings, device="cpu", max_length=MAX_LEN)
+        return TurnGenerator(target, demo_tokenizer(), settings, device="cpu", max_length=MAX_LEN)
 
-    with caplog.at_level(logging.WARNING, logger="dflash_pipe.target"):
-        assert generator("auto").engine() is None
-    assert "--regen-decoder engine" in caplog.text
-    gen = generator("engine")
+    assert generator("plain").engine() is None
+    gen = generator("auto")
     assert isinstance(gen.engine().stack, HybridStack)
     for prompt, reply in zip(PROMPTS, gen.generate(PROMPTS, [8] * len(PROMPTS)), strict=True):
         want = _hf(model, prompt, 8)[0]
         cut = next((i for i, t in enumerate(want) if t in gen.end_ids), None)
         assert (reply.tokens, reply.ended) == ((want, False) if cut is None else (want[:cut], True))
+    odd = _model("qwen3_5-text")
+    odd.model.layers[0].linear_attn.activation = "gelu"
+    with pytest.raises(ValueError, match="--regen-decoder engine: .* activation of layer 0"):
+        generator("engine", odd).engine()

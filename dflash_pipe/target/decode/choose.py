@@ -6,22 +6,22 @@ from typing import Any
 
 from torch import nn
 
-from dflash_pipe.target.decode.hybrid import HybridStack, hybrid_unsupported_reason
+from dflash_pipe.target.decode.hybrid import HYBRID_FAMILIES, HybridStack, hybrid_unsupported_reason
 from dflash_pipe.target.decode.stack import DecodeStack, unsupported_reason
 
 
 def engine_refusal(model: nn.Module, decoder: str) -> str | None:
     """Why ``model`` decodes on the plain path under ``regen.decoder`` = ``decoder`` (None: the slot engine
-    takes it). Hybrids take it only with "engine": their stack equals HF ``generate`` on CPU and runs on
-    an H200 (2.5K tokens/s at the 27B width, batch 64), but its replies are not yet checked there."""
+    takes it). "auto" and "engine" take the same families: dense and MoE Qwen/Llama/Mistral targets and the
+    Qwen3.5/3.6 and Qwen3-Next hybrids, whose greedy fp32 turns equal HF ``generate`` on CPU and on an
+    H200 (tests/target/test_decode_hybrid*.py)."""
     if decoder == "plain":
         return "--regen-decoder plain asks for it"
-    reason = unsupported_reason(model)
-    if reason is None or hybrid_unsupported_reason(model) is not None:
-        return reason
-    if decoder != "engine":
-        return "hybrid targets take the slot engine only with --regen-decoder engine (not yet checked against HF on a GPU)"
-    return None
+    dense, hybrid = unsupported_reason(model), hybrid_unsupported_reason(model)
+    if dense is None or hybrid is None:
+        return None
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    return hybrid if family in HYBRID_FAMILIES else dense
 
 
 def build_stack(model: nn.Module, max_len: int) -> Any:
