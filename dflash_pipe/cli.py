@@ -286,13 +286,13 @@ def export(checkpoint: Path, out_dir: Path) -> None:
     """
     from dflash_pipe.drafter import export_checkpoint
     from dflash_pipe.drafter.serve import plan_from_export, serve_command
-    from dflash_pipe.rundir import find_checkpoint
+    from dflash_pipe.rundir import held_checkpoint
     from dflash_pipe.rundir.serve import run_settings
 
     try:
-        checkpoint = find_checkpoint(checkpoint)
-        target, template_kwargs = run_settings(checkpoint)
-        export_checkpoint(checkpoint, out_dir, chat_template_kwargs=template_kwargs)
+        with held_checkpoint(checkpoint) as checkpoint:  # a running run prunes none of it meanwhile
+            target, template_kwargs = run_settings(checkpoint)
+            export_checkpoint(checkpoint, out_dir, chat_template_kwargs=template_kwargs)
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
     except OSError as exc:  # OUT_DIR not writable, a full disk: one line, no traceback

@@ -9,12 +9,13 @@ written), so a resume or an export can tell an intact checkpoint from one damage
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,39 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+HOLD_PREFIX = ".hold-"
+HOLD_TTL_S = 600.0
+"""A hold older than this is ignored (its reader died): pruning is never blocked for long."""
+
+
+@contextlib.contextmanager
+def hold_checkpoint(ckpt: Path) -> Iterator[None]:
+    """Keeps a live run's pruning off ``ckpt`` while another process reads it (``export`` of a running
+    run): a file ``checkpoints/.hold-step-N-PID`` that ``_prune`` respects for ``HOLD_TTL_S``."""
+    hold = ckpt.parent / f"{HOLD_PREFIX}{ckpt.name}-{os.getpid()}"
+    try:
+        hold.touch()
+    except OSError:  # a read-only folder holds no live run to prune it
+        yield
+        return
+    try:
+        yield
+    finally:
+        hold.unlink(missing_ok=True)
+
+
+def _held(root: Path) -> set[str]:
+    now, names = time.time(), set()
+    for hold in root.glob(f"{HOLD_PREFIX}step-*"):
+        with contextlib.suppress(OSError):
+            if now - hold.stat().st_mtime < HOLD_TTL_S:
+                names.add(hold.name.removeprefix(HOLD_PREFIX).rsplit("-", 1)[0])
+    return names
+
+
 def _prune(root: Path, keep_last: int) -> None:
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    held = _held(root)
     for old in steps[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name not in held:
+            shutil.rmtree(old, ignore_errors=True)

@@ -13,7 +13,7 @@ one, set aside, never deleted), reports a cut-short metrics line, and stops a fi
 saying how to train on. Each problem is one line naming the file and what to do.
 """
 
-from dflash_pipe.rundir.checkpoints import choose_checkpoint, find_checkpoint
+from dflash_pipe.rundir.checkpoints import choose_checkpoint, find_checkpoint, held_checkpoint
 from dflash_pipe.rundir.config import load_run_config, save_run_config
 from dflash_pipe.rundir.lock import OWNER_FILE, RunDirBusy, RunDirLock, read_owner
 from dflash_pipe.rundir.resume import (
@@ -38,6 +38,7 @@ __all__ = [
     "choose_checkpoint",
     "complete_message",
     "find_checkpoint",
+    "held_checkpoint",
     "load_run_config",
     "read_owner",
     "record_complete",

@@ -3,8 +3,10 @@ manifest; a damaged latest falls back to the newest intact older one, set aside,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from dflash_pipe.producer.setup import RunDirError
@@ -14,6 +16,7 @@ from dflash_pipe.run.checkpoint import (
     DRAFTER_WEIGHTS,
     LATEST,
     TRAINER_STATE,
+    hold_checkpoint,
     verify_checkpoint,
 )
 
@@ -21,10 +24,30 @@ DAMAGED_PREFIX = "damaged-"
 """A damaged checkpoint a resume stepped back from is renamed ``damaged-step-N`` (out of pruning's way)."""
 
 
+@contextlib.contextmanager
+def held_checkpoint(path: Path) -> Iterator[Path]:
+    """``find_checkpoint``, held against a running run's pruning until the block ends (``export`` reads a
+    live run: its latest can be pruned while it is verified and read). One pruned before the hold was
+    taken is looked up again: the run has a newer latest by then."""
+    for _ in range(3):
+        ckpt = _locate(Path(path))
+        with hold_checkpoint(ckpt):
+            if ckpt.is_dir():
+                _check(ckpt)
+                yield ckpt
+                return
+    raise RunDirError(f"{path}: its latest checkpoint was pruned 3 times before it could be read; try again")
+
+
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint ``export`` reads: a checkpoint (step-N/), a run's checkpoints/ folder or a run dir (its
     latest), verified (weights and drafter config) against the manifest."""
-    path = Path(path)
+    ckpt = _locate(Path(path))
+    _check(ckpt)
+    return ckpt
+
+
+def _locate(path: Path) -> Path:
     if (path / DRAFTER_WEIGHTS).exists() or (path / TRAINER_STATE).exists():
         ckpt = path
     elif (path / LATEST).exists():
@@ -40,6 +63,10 @@ def find_checkpoint(path: Path) -> Path:
             f"{path} is not a checkpoint: give a run dir (holding {CHECKPOINTS}/), its {CHECKPOINTS}/ folder "
             f"(holding {LATEST}) or one checkpoint (step-N/, holding {DRAFTER_WEIGHTS})."
         )
+    return ckpt
+
+
+def _check(ckpt: Path) -> None:
     problem = verify_checkpoint(ckpt, files=(DRAFTER_WEIGHTS, DRAFTER_CONFIG))
     if problem is not None:
         others = ", ".join(p.name for p in _steps(ckpt.parent) if p != ckpt) or "none"
@@ -52,7 +79,6 @@ def find_checkpoint(path: Path) -> Path:
             f"cannot export {ckpt}: it was trained 0 steps, so its drafter is the untrained initialization. "
             "Train the run first (dflash-pipe launch --resume RUN_DIR), or export a checkpoint with steps."
         )
-    return ckpt
 
 
 def _trained_steps(ckpt: Path) -> int | None:

@@ -117,3 +117,39 @@ def test_the_manifest_records_every_file_as_written(tmp_path):
     assert "optimizer.pt has" in ck.verify_checkpoint(path)
     assert ck.verify_checkpoint(path, files=(ck.DRAFTER_WEIGHTS, ck.DRAFTER_CONFIG)) is None  # export's
     assert "does not exist" in ck.verify_checkpoint(tmp_path / "nope")
+
+
+def test_a_held_checkpoint_outlives_pruning_until_released(tmp_path):
+    """``export`` of a running run holds the checkpoint it reads: the run's pruning keeps it meanwhile (the
+    CI flake this fixes: the latest pruned between export's lookup and its read), drops it after, and a
+    hold left by a dead reader stops counting after ``HOLD_TTL_S``."""
+    import os
+    import time
+
+    from dflash_pipe.rundir import held_checkpoint
+
+    model, opt = make()
+
+    def save(step):
+        return ck.save_checkpoint(
+            tmp_path, step=step, model=model, drafter_config={}, optimizer=opt, ledger={}, keep_last=1
+        )
+
+    save(1)
+    with held_checkpoint(tmp_path) as held:
+        assert held.name == "step-00000001"
+        save(2)
+        save(3)
+        assert held.is_dir()  # kept while held; step 2 was not held and is gone
+        assert sorted(p.name for p in (tmp_path / ck.CHECKPOINTS).glob("step-*")) == [
+            held.name,
+            "step-00000003",
+        ]
+    save(4)
+    assert not held.exists()
+    stale = tmp_path / ck.CHECKPOINTS / f"{ck.HOLD_PREFIX}step-00000004-1"
+    stale.touch()
+    old = time.time() - ck.HOLD_TTL_S - 1
+    os.utime(stale, (old, old))
+    save(5)
+    assert not (tmp_path / ck.CHECKPOINTS / "step-00000004").exists()
