@@ -12,7 +12,8 @@ What each engine reads, from its own code:
   ``--speculative-num-draft-tokens`` = block_size (``python/sglang/srt/speculative/dflash_worker.py``
   ``DFlashWorker.__init__`` reads ``server_args.speculative_num_draft_tokens`` as the block size and warns
   on a mismatch with the config's); chat template arguments travel with each request.
-- The reference (z-lab/dflash ``dflash/model.py``): ``DFlashDraftModel.from_pretrained(EXPORT)`` and
+- The reference (z-lab/dflash ``dflash/model.py``, ``pip install 'dflash[local]'``):
+  ``DFlashDraftModel.from_pretrained(EXPORT)`` and
   ``spec_generate(target=, input_ids=, max_new_tokens=, stop_token_ids=, temperature=)``; it reads the
   block size, feature layers and mask token from the export's config.json itself.
 """
@@ -28,6 +29,8 @@ from pathlib import Path
 from .config import SLIDING_ATTENTION, DrafterConfig
 
 ENGINES = ("vllm", "sglang", "reference")
+REFERENCE_DEVICE = "cuda:0"
+"""The device the reference snippet puts the target and the drafter on (its ``device = ...`` line)."""
 TARGET_PLACEHOLDER = "TARGET_MODEL"
 """Printed where the target is unknown (an export does not record which target it was trained on)."""
 
@@ -144,26 +147,31 @@ def sglang_command(plan: ServePlan) -> list[str]:
 
 
 def reference_command(plan: ServePlan) -> list[str]:
-    """A Python snippet: the reference's ``DFlashDraftModel`` and its ``spec_generate`` next to the target."""
+    """A Python snippet: the reference's ``DFlashDraftModel`` and its ``spec_generate`` next to the target.
+
+    Written for the reference package as published (``dflash==0.1.0``; tests/drafter/test_reference_package.py
+    runs it): its extra is ``local`` (torch, transformers), which has no ``accelerate``, so the models are
+    moved with ``.to(device)`` rather than ``device_map``; transformers 5's ``apply_chat_template`` returns a
+    BatchEncoding, so the prompt is rendered as text and tokenized to a tensor of ids."""
     kwargs = plan.chat_template_kwargs or {}
     template_args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
     lines = [
-        "# pip install 'dflash[transformers]'   (z-lab/dflash, the DFlash reference)",
-        "from dflash.model import DFlashDraftModel",
+        "# pip install 'dflash[local]'   (z-lab/dflash, the DFlash reference; its `local` extra: torch, transformers)",
+        "from dflash import DFlashDraftModel",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f"target = AutoModelForCausalLM.from_pretrained({str(plan.target)!r}, dtype='auto', device_map='cuda:0').eval()",
-        f"draft = DFlashDraftModel.from_pretrained({str(plan.export_dir)!r}, dtype='auto', device_map='cuda:0').eval()",
+        f"device = {REFERENCE_DEVICE!r}",
+        f"target = AutoModelForCausalLM.from_pretrained({str(plan.target)!r}, dtype='auto').to(device).eval()",
+        f"draft = DFlashDraftModel.from_pretrained({str(plan.export_dir)!r}, dtype='auto').to(device).eval()",
         f"tokenizer = AutoTokenizer.from_pretrained({str(plan.target)!r})",
         "messages = [{'role': 'user', 'content': 'How many positive whole-number divisors does 196 have?'}]",
-        "input_ids = tokenizer.apply_chat_template(",
-        f"    messages, return_tensors='pt', add_generation_prompt=True{template_args}",
-        ").to(draft.device)",
+        f"text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True{template_args})",
+        "input_ids = tokenizer(text, return_tensors='pt', add_special_tokens=False).input_ids.to(device)",
         "output = draft.spec_generate(",
         "    target=target, input_ids=input_ids, max_new_tokens=512, temperature=0.0,",
         "    stop_token_ids=[tokenizer.eos_token_id],",
         ")",
-        "print(tokenizer.decode(output[0], skip_special_tokens=False))",
+        "print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=False))",
         f"# the reference reads block_size {plan.drafter.block_size}, the feature layers and the mask token from "
         "the export's config.json",
     ]
