@@ -167,8 +167,9 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     "--data",
     "data_path",
     required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSONL conversations (messages or ShareGPT) whose assistant turns the target answers anew.",
+    type=click.Path(path_type=Path),
+    help="Conversations (messages or ShareGPT) whose assistant turns the target answers anew: a JSONL file, "
+    "parquet/arrow files, a save_to_disk folder or a cached Hub dataset id, as launch --data takes.",
 )
 @click.option(
     "--out",

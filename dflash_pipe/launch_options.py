@@ -19,6 +19,7 @@ from typing import Any
 
 from dflash_pipe.commands.options import config_flags
 from dflash_pipe.data import demo_data_path
+from dflash_pipe.data.sources import found_note
 from dflash_pipe.drafter.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_pipe.drafter.presets import preset_options
 from dflash_pipe.fields import flag_of
@@ -108,7 +109,8 @@ def build_run_config(
         if not demo:
             raise ValueError(
                 "--data (or data.path in the config file) is needed with --target-model: "
-                "a JSONL file of conversations."
+                "a JSONL file of conversations, parquet/arrow files, a save_to_disk folder or a Hub dataset id "
+                "in the local cache."
             )
         data["path"] = demo_data_path()
     values.setdefault("run_dir", Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -270,11 +272,9 @@ def plan_text(cfg: RunConfig, *, resume: bool) -> str:
         row("target", f"{cfg.target_model}" + ("" if found else "  [no config.json there on this machine]"))
         if found:
             row("", _target_line(cfg))
-    data_found = cfg.data.path.exists()
     row(
         "data",
-        f"{cfg.data.path}"
-        + ("" if data_found else "  [not found on this machine]")
+        f"{cfg.data.path}{found_note(cfg.data.path)}"
         + f" (max length {cfg.data.max_length}, token budget {cfg.data.token_budget})",
     )
     if cfg.data.responses == "target":

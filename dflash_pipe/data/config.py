@@ -17,12 +17,18 @@ class DataConfig:
     path: Path = field(
         metadata=flag(
             "--data",
-            "JSONL training data: messages, ShareGPT or input_ids+loss_mask (default with the demo: bundled "
-            "samples).",
+            "Training data: a JSONL file; a parquet or arrow file, or a folder or glob of their shards; a "
+            "datasets save_to_disk folder; or a Hugging Face dataset id ORG/NAME[:SPLIT] read from the local "
+            "cache only, never downloaded (tables need pip install 'dflash-pipe[data]'). Rows or lines in the "
+            "messages, ShareGPT or input_ids+loss_mask format (default with the demo: bundled samples).",
             param="data_path",
         )
     )
-    """JSONL file: one conversation (messages / ShareGPT) or one pre-tokenized sample per line."""
+    """The data (``sources.resolve_source``): a JSONL file (one conversation, messages / ShareGPT, or one
+    pre-tokenized sample per line); parquet or arrow files (a file, a folder or a glob of shards), a
+    ``datasets`` ``save_to_disk`` folder, or a Hub dataset id (``ORG/NAME``, ``ORG/NAME:SPLIT``,
+    ``ORG/NAME:CONFIG:SPLIT``) in the local cache, whose rows have the same formats. Tables are read in
+    record batches (docs/data.md)."""
     max_length: int = field(
         default=3072, metadata=flag("--max-length", "Longer samples are truncated (default 3072; demo 512).")
     )
@@ -38,9 +44,11 @@ class DataConfig:
     """Maximum tokens per batch (sum of sample lengths); a longer single sample gets a batch of its own."""
     skip_bad_lines: bool = field(
         default=False,
-        metadata=flag("--skip-bad-lines", "Skip and count malformed data lines instead of stopping."),
+        metadata=flag(
+            "--skip-bad-lines", "Skip and count malformed data lines (or table rows) instead of stopping."
+        ),
     )
-    """Skip malformed lines (counted per reason) instead of raising ``DataError`` on the first one."""
+    """Skip malformed lines or rows (counted per reason) instead of raising ``DataError`` on the first one."""
     min_loss_tokens: int = 2
     """Samples with fewer trainable anchor positions (p with loss_mask[p] and loss_mask[p+1]) are dropped."""
     tokenize_workers: int | None = field(
@@ -82,7 +90,10 @@ class DataConfig:
         if isinstance(self.path, str):
             self.path = Path(self.path)
         if not isinstance(self.path, Path):
-            raise ValueError(f"DataConfig.path must be a path to a JSONL file, got {self.path!r}")
+            raise ValueError(
+                f"DataConfig.path must be a data path (JSONL, parquet, arrow, a save_to_disk folder) or a Hub "
+                f"dataset id, got {self.path!r}"
+            )
         if self.max_length < 2:
             raise ValueError(f"DataConfig.max_length must be >= 2, got {self.max_length}; use e.g. 3072")
         if self.token_budget < 1:

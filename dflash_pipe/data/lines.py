@@ -87,34 +87,49 @@ def tokenize_piece(
                 )
             if not raw.strip():
                 continue  # blank lines (e.g. a trailing newline) are not samples
+            where = f"{path}:{lineno}"
             try:
-                line = _tokenize_line(raw, tokenizer, vocab_size, path, lineno, cfg.chat_template_kwargs)
+                line = tokenize_object(
+                    decode_line(raw), tokenizer, vocab_size, where, cfg.chat_template_kwargs
+                )
             except FormatError as e:
                 if not cfg.skip_bad_lines:
-                    raise DataError(f"{path}:{lineno}: {e}") from None
+                    raise DataError(f"{where}: {e}") from None
                 out.reasons[e.kind] += 1
                 continue
-            if line is None:
-                continue  # a regenerated file's provenance header
-            if line is NOT_REGENERATED:
-                out.dropped[DROP_NOT_REGENERATED] += 1
-                continue
-            ids, mask, empty_replies = line
-            if len(ids) > cfg.max_length:
-                out.truncated += 1
-            fitted = fit_sample(ids, mask, cfg)
-            if fitted is None:
-                why = drop_reason(mask, cfg, empty_replies=empty_replies)
-                out.dropped[why] += 1
-                if why == DROP_TOO_LONG:
-                    out.shortest_cut = min(len(ids), out.shortest_cut or len(ids))
-                continue
-            out.samples.append(fitted)
+            keep(out, line, cfg)
     return out
 
 
+TokenizedLine = tuple[list[int] | np.ndarray, np.ndarray, bool] | object | None
+"""What ``tokenize_object`` makes of one record: (ids, bool mask, every assistant turn empty), None for a
+regenerated file's provenance header, or ``NOT_REGENERATED``."""
+
+
+def keep(out: Tokenized, line: TokenizedLine, cfg: DataConfig) -> None:
+    """Adds what ``tokenize_object`` made of one line or row to ``out``: a sample cut to ``cfg.max_length``,
+    or a count of why it is left out."""
+    if line is None:
+        return  # a regenerated file's provenance header
+    if line is NOT_REGENERATED:
+        out.dropped[DROP_NOT_REGENERATED] += 1
+        return
+    assert isinstance(line, tuple)
+    ids, mask, empty_replies = line
+    if len(ids) > cfg.max_length:
+        out.truncated += 1
+    fitted = fit_sample(ids, mask, cfg)
+    if fitted is None:
+        why = drop_reason(mask, cfg, empty_replies=empty_replies)
+        out.dropped[why] += 1
+        if why == DROP_TOO_LONG:
+            out.shortest_cut = min(len(ids), out.shortest_cut or len(ids))
+        return
+    out.samples.append(fitted)
+
+
 NOT_REGENERATED = object()
-"""``_tokenize_line``'s answer for a regenerated file's record of a conversation it could not regenerate."""
+"""``tokenize_object``'s answer for a regenerated file's record of a conversation it could not regenerate."""
 
 
 def drop_reason(mask: np.ndarray, cfg: DataConfig, *, empty_replies: bool = False) -> str:
@@ -143,22 +158,27 @@ def fit_sample(
     return np.asarray(ids, dtype=np.int64), np.ascontiguousarray(mask, dtype=bool)
 
 
-def _tokenize_line(
-    raw: bytes,
-    tokenizer: Any,
-    vocab_size: int | None,
-    path: Path,
-    lineno: int,
-    template_kwargs: dict[str, Any],
-) -> tuple[list[int] | np.ndarray, np.ndarray, bool] | object | None:
-    """One line -> (ids, bool mask, every assistant turn empty), None for a regenerated file's provenance
-    header, ``NOT_REGENERATED`` for its record of a conversation left out; ``FormatError`` for a bad line,
-    ``DataError`` for a bad tokenizer."""
+def decode_line(raw: bytes) -> Any:
+    """One JSONL line as its JSON value; ``FormatError("not JSON")`` when it is none."""
     try:
-        obj = json.loads(raw)
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
         raise FormatError("not JSON", detail, "Write one JSON object per line (JSONL)") from None
+
+
+def tokenize_object(
+    obj: Any,
+    tokenizer: Any,
+    vocab_size: int | None,
+    where: str,
+    template_kwargs: dict[str, Any],
+    *,
+    unit: str = "line",
+) -> TokenizedLine:
+    """One decoded JSON line or dataset row (``where``: ``FILE:LINE`` or ``FILE:ROW``, ``unit`` "line" or
+    "row", for errors) -> a ``TokenizedLine``; ``FormatError`` for a bad record, ``DataError`` for a bad
+    tokenizer (it would fail every conversation, so it stops the load even with ``skip_bad_lines``)."""
     if is_bookkeeping(obj):
         info = obj[BOOKKEEPING_KEY]
         return NOT_REGENERATED if isinstance(info, dict) and "failed" in info else None
@@ -176,12 +196,12 @@ def _tokenize_line(
     if tokenizer is None or not has_chat_template(tokenizer):
         what = "no tokenizer was given" if tokenizer is None else "the tokenizer has no chat template"
         raise DataError(
-            f"{path}:{lineno}: this line is a conversation, but {what}. Use the target's chat/instruct "
+            f"{where}: this {unit} is a conversation, but {what}. Use the target's chat/instruct "
             "tokenizer (one with a chat_template) or pre-tokenize the data (input_ids + loss_mask)"
         )
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(
-            f"{path}:{lineno}: rendering conversations needs a fast tokenizer (character offsets), got "
+            f"{where}: rendering conversations needs a fast tokenizer (character offsets), got "
             f"{type(tokenizer).__name__}. Load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
         )
     ids, mask = render_conversation(tokenizer, record.messages, template_kwargs)

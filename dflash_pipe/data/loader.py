@@ -1,9 +1,11 @@
-"""Read a JSONL file into tokenized samples: in-process or in a worker pool, now or in the background.
+"""Read the data (a JSONL file or a table, ``sources.py``) into tokenized samples: in-process or in a
+worker pool, now or in the background.
 
-``load_samples`` tokenizes a file and returns when it is done; ``DataFuture`` runs the same load in a
+``load_samples`` tokenizes the data and returns when it is done; ``DataFuture`` runs the same load in a
 background thread, so a launch can place the target on its devices while the data tokenizes. Big files
-are cut into pieces of lines that worker processes tokenize in parallel (``pool.py``); pieces are merged
-in file order, so sample ids, counts and errors do not depend on how the file was tokenized.
+are cut into pieces of lines (tables: record batches, read a few at a time) that worker processes tokenize
+in parallel (``pool.py``); pieces are merged in file order, so sample ids, counts and errors do not depend
+on how the data was tokenized.
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ from typing import Any
 
 from .config import DataConfig
 from .lines import Piece, Tokenized, tokenize_piece
-from .pool import piece_bytes, tokenized_pieces, worker_pool
+from .pool import piece_bytes, tokenized_batches, tokenized_pieces, worker_pool
+from .rows import tokenize_rows
 from .samples import DROP_NOT_REGENERATED, DataError, LoadedData, Sample
+from .sources import TableSource, resolve_source
+from .tables import record_batches
 
 AUTO_PROGRESS_BYTES = 4 << 20
 """With ``progress=None``, files at least this big show a progress bar (when stderr is a terminal)."""
+AUTO_PROGRESS_ROWS = 20_000
+"""The same for tables, in rows."""
 POOL_MIN_BYTES = 4 << 20
 """Smaller files are tokenized in-process: starting worker processes (each imports transformers and receives
 the tokenizer, 1-2 s) costs more than the pool saves on them."""
@@ -33,9 +40,10 @@ MAX_AUTO_WORKERS = 16
 
 
 def load_samples(cfg: DataConfig, tokenizer: Any, *, progress: bool | None = None) -> LoadedData:
-    """Load ``cfg.path``; sample ids are 0..N-1 in file order over the samples kept.
+    """Load ``cfg.path`` (any source ``resolve_source`` accepts); sample ids are 0..N-1 in file (row) order
+    over the samples kept.
 
-    Bad lines raise ``DataError("FILE:LINE: reason. fix")``, or with ``cfg.skip_bad_lines`` are skipped and
+    Bad lines raise ``DataError("FILE:LINE: reason. fix")`` (tables: ``FILE:ROW``, the row's index), or with ``cfg.skip_bad_lines`` are skipped and
     counted per reason. Samples longer than ``cfg.max_length`` are truncated; samples with fewer than
     ``cfg.min_loss_tokens`` trainable anchor positions (p with loss_mask[p] and loss_mask[p+1]) are dropped.
     ``tokenizer`` (an HF fast tokenizer) is needed for conversation lines and bounds pre-tokenized ids by
@@ -103,10 +111,10 @@ class DataFuture:
 
 
 def _load(cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: threading.Event) -> LoadedData:
-    path = Path(cfg.path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise DataError(f"{path}: the data file {what}. Pass an existing JSONL file as the data path")
+    source = resolve_source(cfg.path)
+    if isinstance(source, TableSource):
+        return _load_table(source, cfg, tokenizer, progress, cancel)
+    path = source.path
     try:
         size = path.stat().st_size
         workers = tokenize_workers(cfg, size)
@@ -125,15 +133,36 @@ def _load(cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: thread
         ) from None
 
 
+def _load_table(
+    source: TableSource, cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: threading.Event
+) -> LoadedData:
+    """A table, batch by batch: in-process, or by worker processes fed a few batches ahead (``pool.py``)."""
+    label = source.label
+    workers = tokenize_workers(cfg, source.size)
+    batches = record_batches(source)
+    with _progress_bar(label, source.rows, progress, unit="rows") as advance:
+        if not workers:
+            done = (
+                (b.num_rows, tokenize_rows(label, first, b, cfg, tokenizer, cancel=cancel))
+                for first, b in batches
+            )
+            return _merge(label, cfg, _advancing(done, advance))
+        with worker_pool(label, cfg, tokenizer, workers) as pool:
+            return _merge(
+                label, cfg, _advancing(tokenized_batches(pool, label, batches, cancel, workers), advance)
+            )
+
+
 def _advancing(
-    pieces: Iterable[tuple[Piece, Tokenized]], advance: Callable[[int], None]
+    pieces: Iterable[tuple[Piece | int, Tokenized]], advance: Callable[[int], None]
 ) -> Iterator[Tokenized]:
+    """The tokenized pieces, advancing the bar by each one's bytes (a ``Piece``) or rows (an int)."""
     for piece, done in pieces:
-        advance(piece.end - piece.start)
+        advance(piece if isinstance(piece, int) else piece.end - piece.start)
         yield done
 
 
-def _merge(path: Path, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedData:
+def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedData:
     """Tokenized pieces, in file order, to one dataset with dense sample ids."""
     import torch  # here, not at the top: the tokenization workers import this package without torch
 
@@ -177,7 +206,7 @@ def _merge(path: Path, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedDa
     )
 
 
-def no_fit_message(path: Path, cfg: DataConfig, shortest: int, *, need: int, what: str) -> str:
+def no_fit_message(path: Path | str, cfg: DataConfig, shortest: int, *, need: int, what: str) -> str:
     """One line for a file none of whose samples fits ``max_length``: the shortest ``what``, and ``need``,
     the length that would fit it."""
     return (
@@ -194,19 +223,31 @@ def _cpu_count() -> int:
 
 
 @contextmanager
-def _progress_bar(path: Path, total: int, show: bool | None) -> Iterator[Callable[[int], None]]:
-    """Yield ``advance(nbytes)``; draws a rich bar on stderr when asked (or automatically for big files)."""
+def _progress_bar(
+    path: Path | str, total: int | None, show: bool | None, *, unit: str = "bytes"
+) -> Iterator[Callable[[int], None]]:
+    """Yield ``advance(n)`` (bytes, or rows of a table, whose total may be unknown); draws a rich bar on
+    stderr when asked (or automatically for big files and tables of ``AUTO_PROGRESS_ROWS`` rows)."""
     if show is None:
-        show = total >= AUTO_PROGRESS_BYTES and sys.stderr.isatty()
+        big = AUTO_PROGRESS_BYTES if unit == "bytes" else AUTO_PROGRESS_ROWS
+        show = (total is None or total >= big) and sys.stderr.isatty()
     if not show:
         yield lambda n: None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
-    columns = (TextColumn("loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
+    columns = (TextColumn("loading {task.description}"), BarColumn(), count, TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(path.name, total=total)
+        task = bar.add_task(Path(path).name if unit == "bytes" else str(path), total=total)
         pending = 0
 
         def advance(n: int) -> None:

@@ -1,4 +1,5 @@
 """Tokenize a big data file in worker processes: pieces of lines in, tokenized pieces out, in file order.
+Tables go the same way, their record batches as the pieces (``tokenized_batches``).
 
 The file is cut into byte ranges that end at line ends (``split_lines``; the parent counts the newlines, so
 each piece knows its first line number). Worker processes (spawn context: no forked torch or tokenizer
@@ -13,8 +14,9 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import threading
-from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,11 +25,15 @@ from typing import Any
 from .config import DataConfig
 from .lines import LoadCancelled, Piece, Tokenized, tokenize_piece
 from .samples import DataError
+from .tables import from_bytes, to_bytes
 
 MIN_PIECE_BYTES = 64 << 10
 MAX_PIECE_BYTES = 1 << 20
 """A piece is small enough that stopping the pool (which lets started pieces finish) is quick."""
 PIECES_PER_WORKER = 8
+BATCHES_AHEAD = 4
+"""Record batches per worker read ahead of the one the merge waits for: a table's rows are in the parent's
+memory until tokenized, so only this many are (a JSONL piece is only a byte range)."""
 """Enough pieces per worker that uneven lines still keep every worker busy to the end."""
 _POLL_S = 0.1
 
@@ -77,27 +83,58 @@ def tokenized_pieces(
         _check_cancel(cancel, path)
         submitted.append((piece, pool.submit(_tokenize_in_worker, piece)))
     for piece, future in submitted:
-        while not wait([future], timeout=_POLL_S, return_when=FIRST_COMPLETED).done:
-            _check_cancel(cancel, path)
-        try:
-            done = future.result()
-        except BrokenProcessPool as e:
-            raise DataError(
-                f"{path}: a tokenization worker process died ({e}). Tokenize in-process with "
-                "--tokenize-workers 1, or use fewer workers if the machine ran out of memory"
-            ) from None
-        yield piece, done
+        yield piece, _result(future, cancel, path)
 
 
-def _check_cancel(cancel: threading.Event, path: Path) -> None:
+def tokenized_batches(
+    pool: ProcessPoolExecutor,
+    label: str,
+    batches: Iterable[tuple[int, Any]],
+    cancel: threading.Event,
+    workers: int,
+) -> Iterator[tuple[int, Tokenized]]:
+    """Every ``(first_row, record batch)`` of a table tokenized by ``pool``, in order, as ``(rows,
+    Tokenized)``; at most ``workers * BATCHES_AHEAD`` batches are read and not yet merged."""
+    pending: deque[tuple[int, Future]] = deque()
+    for first, batch in batches:
+        _check_cancel(cancel, label)
+        pending.append((batch.num_rows, pool.submit(_tokenize_rows_in_worker, first, to_bytes(batch))))
+        if len(pending) >= workers * BATCHES_AHEAD:
+            n, future = pending.popleft()
+            yield n, _result(future, cancel, label)
+    while pending:
+        n, future = pending.popleft()
+        yield n, _result(future, cancel, label)
+
+
+def _result(future: Future, cancel: threading.Event, path: Path | str) -> Tokenized:
+    """A piece's result once done (``cancel`` checked meanwhile); a dead worker is a ``DataError``."""
+    while not wait([future], timeout=_POLL_S, return_when=FIRST_COMPLETED).done:
+        _check_cancel(cancel, path)
+    try:
+        return future.result()
+    except BrokenProcessPool as e:
+        raise DataError(
+            f"{path}: a tokenization worker process died ({e}). Tokenize in-process with "
+            "--tokenize-workers 1, or use fewer workers if the machine ran out of memory"
+        ) from None
+
+
+def _check_cancel(cancel: threading.Event, path: Path | str) -> None:
     if cancel.is_set():
         raise LoadCancelled(f"{path}: loading stopped: the run stopped waiting for it")
 
 
 def _init_worker(path: str, cfg: DataConfig, tokenizer: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops the pool
-    _worker.update(path=Path(path), cfg=cfg, tokenizer=tokenizer)
+    _worker.update(path=Path(path), label=path, cfg=cfg, tokenizer=tokenizer)
 
 
 def _tokenize_in_worker(piece: Piece) -> Tokenized:
     return tokenize_piece(_worker["path"], piece, _worker["cfg"], _worker["tokenizer"])
+
+
+def _tokenize_rows_in_worker(first_row: int, batch: bytes) -> Tokenized:
+    from .rows import tokenize_rows
+
+    return tokenize_rows(_worker["label"], first_row, from_bytes(batch), _worker["cfg"], _worker["tokenizer"])

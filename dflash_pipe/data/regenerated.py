@@ -2,8 +2,9 @@
 
 The file (``RUN_DIR/regenerated.jsonl`` in a run, ``--out`` for ``dflash-pipe regenerate``) is in the
 messages format, so it trains as ``--data FILE --responses dataset``. Its first line is the provenance
-header ``{"dflash_pipe": {"regenerated": {...}}}`` (target, settings, source file); each later line is one
-conversation, keyed by its index in the source (the order of its conversations, bad lines skipped):
+header ``{"dflash_pipe": {"regenerated": {...}}}`` (target, settings, source data); each later line is one
+conversation, keyed by its index in the source (the order of its conversations, bad lines or rows skipped;
+``conversations.py`` reads them):
 
 - ``{"messages": [...], "regen": {"index": 3, "turns": 2, "truncated": 0, "new_tokens": 118, "failed": null}}``
 - ``{"dflash_pipe": {"index": 7, "failed": {...}}}`` when not one turn could be generated (every reader
@@ -31,8 +32,14 @@ from typing import Any
 from dflash_pipe.diskspace import is_no_space, no_space_error
 
 from .config import DataConfig, RegenConfig
-from .formats import BOOKKEEPING_KEY, Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
+from .conversations import (  # noqa: F401 -- their home is conversations.py; callers import them here too
+    SourceConversations,
+    check_prompts_fit,
+    load_conversations,
+)
+from .formats import BOOKKEEPING_KEY
 from .samples import DataError
+from .sources import Source, TableSource, resolve_source
 
 FILE_VERSION = 1
 REGEN_FILE = "regenerated.jsonl"
@@ -102,98 +109,6 @@ def _failure_dict(f: TurnFailure) -> dict[str, Any]:
     return {"turn": f.turn, "reason": f.reason, "skipped_turns": f.skipped_turns}
 
 
-@dataclass(slots=True)
-class SourceConversations:
-    """The conversations of a data file, in file order, ready to regenerate."""
-
-    path: Path
-    conversations: list[list[dict[str, str]]]
-    skipped_lines: int = 0
-    skip_reasons: dict[str, int] = field(default_factory=dict)
-
-    def assistant_turns(self, indexes: Iterable[int] | None = None) -> int:
-        picked = self.conversations if indexes is None else (self.conversations[i] for i in indexes)
-        return sum(sum(m["role"] == "assistant" for m in c) for c in picked)
-
-
-def load_conversations(cfg: DataConfig) -> SourceConversations:
-    """The conversations of ``cfg.path`` (messages or ShareGPT lines; a regenerated file's bookkeeping lines
-    are skipped). Pre-tokenized lines have no turns to regenerate: a ``DataError`` naming the line. Bad lines
-    raise ``DataError`` or, with ``cfg.skip_bad_lines``, are counted per reason."""
-    path = Path(cfg.path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise DataError(f"{path}: the data file {what}. Pass an existing JSONL file as the data path")
-    out = SourceConversations(path=path, conversations=[])
-    reasons: Counter[str] = Counter()
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-                if is_bookkeeping(obj):
-                    continue
-                record = parse_record(obj)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                if not cfg.skip_bad_lines:
-                    raise DataError(
-                        f"{path}:{lineno}: not JSON: {e}. Write one JSON object per line"
-                    ) from None
-                reasons["not JSON"] += 1
-                continue
-            except FormatError as e:
-                if not cfg.skip_bad_lines:
-                    raise DataError(f"{path}:{lineno}: {e}") from None
-                reasons[e.kind] += 1
-                continue
-            if isinstance(record, PreTokenized):
-                raise DataError(
-                    f"{path}:{lineno}: this line is pre-tokenized (input_ids + loss_mask), so it has no turns "
-                    "for the target to regenerate. Use --responses target with conversations (messages or "
-                    "ShareGPT format), or train this file as it is with --responses dataset"
-                )
-            assert isinstance(record, Conversation)
-            out.conversations.append(record.messages)
-    out.skipped_lines = sum(reasons.values())
-    out.skip_reasons = dict(reasons)
-    if not out.conversations:
-        raise DataError(
-            f"{path}: no conversations to regenerate ({out.skipped_lines} bad lines skipped). Check that the "
-            "file has conversations with assistant replies"
-        )
-    return out
-
-
-def check_prompts_fit(source: SourceConversations, tokenizer: Any, cfg: DataConfig) -> None:
-    """Before anything is generated: ``DataError`` (one line: the shortest prompt and the length to ask for)
-    when no conversation's first prompt leaves room under ``cfg.max_length`` for a reply of
-    ``cfg.min_loss_tokens + 1`` tokens, so the target would regenerate the whole file for nothing to train.
-    Returns at the first conversation that fits (the usual case: one prompt rendered)."""
-    from .loader import no_fit_message
-    from .render import render_prompt
-
-    room = cfg.min_loss_tokens + 1
-    shortest: int | None = None
-    for messages in source.conversations:
-        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        if first == 0:
-            return  # no prompt before the reply
-        try:
-            text = render_prompt(tokenizer, messages[:first], cfg.chat_template_kwargs)
-        except Exception:  # a template error: regeneration reports it per conversation
-            continue
-        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if length + room <= cfg.max_length:
-            return
-        shortest = length if shortest is None else min(shortest, length)
-    if shortest is not None:
-        raise DataError(
-            no_fit_message(source.path, cfg, shortest, need=shortest + room, what="first prompt")
-            + f" (a prompt needs room for a reply of {room} tokens to train)"
-        )
-
-
 def file_digest(path: Path) -> dict[str, Any]:
     """Size and sha256 of a file (the source data, the target's config): what provenance compares."""
     h = hashlib.sha256()
@@ -201,6 +116,20 @@ def file_digest(path: Path) -> dict[str, Any]:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return {"path": str(Path(path).resolve()), "bytes": Path(path).stat().st_size, "sha256": h.hexdigest()}
+
+
+def source_digest(source: Source) -> dict[str, Any]:
+    """What provenance records of the data: a JSONL file's ``file_digest`` (as before tables were read), or
+    a table's files (names and sizes) and one sha256 over their contents in order."""
+    if not isinstance(source, TableSource):
+        return file_digest(source.path)
+    h = hashlib.sha256()
+    for path in source.files:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    files = [[p.name, p.stat().st_size] for p in source.files]
+    return {"path": source.label, "files": files, "sha256": h.hexdigest()}
 
 
 def target_identity(target_path: Path) -> dict[str, Any]:
@@ -220,7 +149,7 @@ def target_identity(target_path: Path) -> dict[str, Any]:
 
 
 def provenance(target_path: Path, data: DataConfig, settings: RegenConfig) -> dict[str, Any]:
-    """Where a regenerated file comes from: the target, the generation settings, the source file."""
+    """Where a regenerated file comes from: the target, the generation settings, the source data."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -234,7 +163,7 @@ def provenance(target_path: Path, data: DataConfig, settings: RegenConfig) -> di
             "max_length": data.max_length,
             "chat_template_kwargs": data.chat_template_kwargs,
         },
-        "source": file_digest(data.path),
+        "source": source_digest(resolve_source(data.path)),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dflash_pipe": tool,
     }

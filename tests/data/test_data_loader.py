@@ -169,8 +169,12 @@ def test_conversation_truncation(tok, write_jsonl):
 
 
 def test_missing_file_and_directory(tmp_path, tok):
-    for path, what in [(tmp_path / "nope.jsonl", "does not exist"), (tmp_path, "is a directory")]:
-        with pytest.raises(DataError, match=f"^{path}: the data file {what}. Pass an existing JSONL"):
+    cases = [
+        (tmp_path / "nope.jsonl", "the data path does not exist. Pass a JSONL file"),
+        (tmp_path, "the folder has no .parquet or .arrow files"),  # an empty folder: no shards in it
+    ]
+    for path, what in cases:
+        with pytest.raises(DataError, match=f"^{path}: {what}"):
             load_samples(DataConfig(path=path), tok)
 
 

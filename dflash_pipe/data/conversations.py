@@ -1,0 +1,119 @@
+"""The conversations of the source data, in order, ready to regenerate: what ``--responses target`` and
+``dflash-pipe regenerate`` hand the target, by index (the sample ids of the regenerated run).
+
+Any source ``sources.resolve_source`` accepts: JSONL lines or table rows, parsed by the same
+``formats.parse_record`` and with the same ``FILE:LINE`` / ``FILE:ROW`` errors as the training loader.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import DataConfig
+from .formats import Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
+from .lines import decode_line
+from .samples import DataError
+from .sources import Source, TableSource, resolve_source
+from .tables import table_rows
+
+
+@dataclass(slots=True)
+class SourceConversations:
+    """The conversations of a data file, in file order, ready to regenerate."""
+
+    path: Path
+    conversations: list[list[dict[str, str]]]
+    skipped_lines: int = 0
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+
+    def assistant_turns(self, indexes: Iterable[int] | None = None) -> int:
+        picked = self.conversations if indexes is None else (self.conversations[i] for i in indexes)
+        return sum(sum(m["role"] == "assistant" for m in c) for c in picked)
+
+
+def load_conversations(cfg: DataConfig) -> SourceConversations:
+    """The conversations of ``cfg.path`` (messages or ShareGPT lines, or rows of a table; a regenerated
+    file's bookkeeping lines are skipped), indexed in file (row) order over those kept. Pre-tokenized
+    records have no turns to regenerate: a ``DataError`` naming the line. Bad lines raise ``DataError`` or,
+    with ``cfg.skip_bad_lines``, are counted per reason. All conversations are held in memory (regeneration
+    hands them out by index, in length-sorted windows)."""
+    source = resolve_source(cfg.path)
+    out = SourceConversations(path=Path(source.label), conversations=[])
+    reasons: Counter[str] = Counter()
+    for where, unit, raw in _records(source):
+        try:
+            obj = decode_line(raw) if unit == "line" else raw
+            if is_bookkeeping(obj):
+                continue
+            record = parse_record(obj)
+        except FormatError as e:
+            if not cfg.skip_bad_lines:
+                raise DataError(f"{where}: {e}") from None
+            reasons[e.kind] += 1
+            continue
+        if isinstance(record, PreTokenized):
+            raise DataError(
+                f"{where}: this {unit} is pre-tokenized (input_ids + loss_mask), so it has no turns "
+                "for the target to regenerate. Use --responses target with conversations (messages or "
+                "ShareGPT format), or train this data as it is with --responses dataset"
+            )
+        assert isinstance(record, Conversation)
+        out.conversations.append(record.messages)
+    out.skipped_lines = sum(reasons.values())
+    out.skip_reasons = dict(reasons)
+    if not out.conversations:
+        raise DataError(
+            f"{source.label}: no conversations to regenerate ({out.skipped_lines} bad lines skipped). Check "
+            "that the data has conversations with assistant replies"
+        )
+    return out
+
+
+def _records(source: Source) -> Iterator[tuple[str, str, Any]]:
+    """``(FILE:LINE or FILE:ROW, "line" or "row", raw line or row)`` for every record of ``source``."""
+    if isinstance(source, TableSource):
+        for index, row in table_rows(source):
+            yield f"{source.label}:{index}", "row", row
+        return
+    try:
+        with open(source.path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if raw.strip():
+                    yield f"{source.path}:{lineno}", "line", raw
+    except OSError as e:
+        raise DataError(
+            f"{source.path}: cannot read the data file ({e.strerror or e}). Check its permissions"
+        ) from None
+
+
+def check_prompts_fit(source: SourceConversations, tokenizer: Any, cfg: DataConfig) -> None:
+    """Before anything is generated: ``DataError`` (one line: the shortest prompt and the length to ask for)
+    when no conversation's first prompt leaves room under ``cfg.max_length`` for a reply of
+    ``cfg.min_loss_tokens + 1`` tokens, so the target would regenerate the whole file for nothing to train.
+    Returns at the first conversation that fits (the usual case: one prompt rendered)."""
+    from .loader import no_fit_message
+    from .render import render_prompt
+
+    room = cfg.min_loss_tokens + 1
+    shortest: int | None = None
+    for messages in source.conversations:
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        if first == 0:
+            return  # no prompt before the reply
+        try:
+            text = render_prompt(tokenizer, messages[:first], cfg.chat_template_kwargs)
+        except Exception:  # a template error: regeneration reports it per conversation
+            continue
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if length + room <= cfg.max_length:
+            return
+        shortest = length if shortest is None else min(shortest, length)
+    if shortest is not None:
+        raise DataError(
+            no_fit_message(source.path, cfg, shortest, need=shortest + room, what="first prompt")
+            + f" (a prompt needs room for a reply of {room} tokens to train)"
+        )

@@ -1,0 +1,161 @@
+"""Tables through the ``datasets`` library: the optional ``data`` extra, ``save_to_disk`` folders, and Hub
+dataset ids resolved from the local cache only.
+
+``datasets`` is imported here and only when ``--data`` names a table, so JSONL runs never pay for it (or
+need it installed). It is used to find the files (a ``DatasetDict``'s splits, the cache layout of a Hub id);
+the rows are then read from those files in record batches (``tables.py``), never loaded whole. A run never
+downloads: Hub ids are looked up with offline mode on and ``local_files_only``, and one that is not in the
+cache is one error line naming the id, the cache dir and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .samples import DataError
+from .sources import ARROW, PARQUET, HubSpec, TableSource
+
+INSTALL = "pip install 'dflash-pipe[data]'"
+
+
+def require_datasets(label: str) -> Any:
+    """The ``datasets`` module, or a one-line ``DataError`` saying how to install it."""
+    try:
+        import datasets
+        import pyarrow  # noqa: F401 -- datasets depends on it; the readers use it directly
+    except ImportError as exc:
+        raise DataError(
+            f"{label}: reading parquet, arrow or Hugging Face datasets needs the datasets library "
+            f"({exc.name or 'datasets'} is not installed). Install it with {INSTALL}, or pass a JSONL file"
+        ) from None
+    return datasets
+
+
+def file_source(label: str, files: tuple[Path, ...], kind: str) -> TableSource:
+    """Parquet or arrow files named directly (a file, a folder of shards or a glob), in this order."""
+    require_datasets(label)
+    rows = _parquet_rows(files) if kind == PARQUET else None
+    many = f"{len(files)} {kind} shards" if len(files) > 1 else f"{kind} file"
+    return TableSource(label=label, files=files, kind=kind, rows=rows, what=many)
+
+
+def disk_source(label: str, folder: Path) -> TableSource:
+    """A ``Dataset.save_to_disk`` folder, or a ``DatasetDict``'s (its ``train`` split, or its only one)."""
+    datasets = require_datasets(label)
+    try:
+        loaded = datasets.load_from_disk(str(folder))  # memory-maps the files: nothing is read yet
+    except (OSError, ValueError) as exc:
+        raise DataError(
+            f"{label}: not a readable datasets save_to_disk folder ({_first_line(exc)}). Save it again with "
+            "Dataset.save_to_disk, or pass its parquet/arrow files"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        split = pick_split(label, list(loaded), f"pass the split's folder, e.g. {folder / 'SPLIT'}")
+        return _dataset_source(label, loaded[split], f"save_to_disk folder, split {split}")
+    return _dataset_source(label, loaded, "save_to_disk folder")
+
+
+def hub_source(label: str, spec: HubSpec) -> TableSource:
+    """A Hub dataset id as the local ``datasets`` cache holds it (what ``load_dataset(id)`` once prepared
+    there, online). Never downloads; not cached: a ``DataError`` naming the id, the cache and the fix."""
+    datasets = require_datasets(label)
+    cache = datasets_cache_dir()
+    with offline(datasets):
+        try:
+            loaded = datasets.load_dataset(
+                spec.repo_id,
+                spec.config,
+                split=spec.split,
+                cache_dir=str(cache),
+                download_mode="reuse_dataset_if_exists",
+                download_config=datasets.DownloadConfig(local_files_only=True),
+            )
+        except (ConnectionError, FileNotFoundError) as exc:
+            raise DataError(not_cached_message(label, spec, cache, exc)) from None
+        except ValueError as exc:  # cached, but not this config or split
+            raise DataError(
+                f"{label}: the cached dataset {spec.repo_id} has no such config or split ({_first_line(exc)}). "
+                "Name one it has: --data ORG/NAME:SPLIT or ORG/NAME:CONFIG:SPLIT"
+            ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        split = pick_split(label, list(loaded), f"name one: --data {spec.repo_id}:SPLIT")
+        loaded = loaded[split]
+    else:
+        split = spec.split
+    return _dataset_source(
+        label, loaded, f"Hub dataset {spec.repo_id}, split {split}, from the cache {cache}"
+    )
+
+
+def not_cached_message(label: str, spec: HubSpec, cache: Path, exc: BaseException) -> str:
+    """One line: the id is not in the cache; runs never download; how to get it there, or what else to pass."""
+    args = repr(spec.repo_id) + (f", {spec.config!r}" if spec.config else "")
+    return (
+        f"{label}: the Hugging Face dataset {spec.repo_id} is not in the local datasets cache {cache} "
+        f"({_first_line(exc)}); dflash-pipe never downloads data during a run. Download it once beforehand "
+        f'(online, with the same HF_HOME / HF_DATASETS_CACHE): python -c "import datasets; '
+        f'datasets.load_dataset({args})", or pass a local path (parquet, arrow, a save_to_disk folder, JSONL)'
+    )
+
+
+def pick_split(label: str, splits: list[str], how: str) -> str:
+    """``train`` when the dataset has it, its only split otherwise, else a ``DataError`` listing them."""
+    if "train" in splits:
+        return "train"
+    if len(splits) == 1:
+        return splits[0]
+    raise DataError(f"{label}: the dataset has splits {', '.join(splits)} and none is 'train'; {how}")
+
+
+def datasets_cache_dir() -> Path:
+    """Where ``datasets`` keeps prepared datasets, from the environment now (``datasets.config`` reads it
+    once, at its import): HF_DATASETS_CACHE, else HF_HOME/datasets, else ~/.cache/huggingface/datasets."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    return Path(home).expanduser() / "datasets"
+
+
+@contextlib.contextmanager
+def offline(datasets: Any) -> Iterator[None]:
+    """``datasets`` in offline mode (no Hub request at all) and quiet (its cache notes are not ours)."""
+    config = datasets.config
+    saved = config.HF_HUB_OFFLINE, config.HF_DATASETS_OFFLINE
+    verbosity = datasets.logging.get_verbosity()
+    config.HF_HUB_OFFLINE = config.HF_DATASETS_OFFLINE = True
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        config.HF_HUB_OFFLINE, config.HF_DATASETS_OFFLINE = saved
+        datasets.logging.set_verbosity(verbosity)
+
+
+def _dataset_source(label: str, ds: Any, what: str) -> TableSource:
+    """A ``datasets.Dataset`` backed by arrow files, as those files (read later in record batches)."""
+    files = tuple(Path(f["filename"]) for f in ds.cache_files)
+    if not files or ds._indices is not None:  # in memory, or a selection over its files: not its files' rows
+        raise DataError(
+            f"{label}: this dataset's rows are not its arrow files' rows in order (it holds an index "
+            "mapping or lives in memory). Write it out with Dataset.save_to_disk and pass that folder"
+        )
+    return TableSource(label=label, files=files, kind=ARROW, rows=ds.num_rows, what=what)
+
+
+def _parquet_rows(files: tuple[Path, ...]) -> int | None:
+    import pyarrow.parquet as pq
+
+    try:
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    except Exception:  # a damaged file: the reader reports it with its name
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
