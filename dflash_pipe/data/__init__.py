@@ -1,12 +1,13 @@
-"""Data: JSONL/ShareGPT/pre-tokenized loading, chat-template rendering, token-budget batching.
+"""Data: JSONL/ShareGPT/pre-tokenized loading (JSONL files, or parquet/arrow/``datasets`` tables read in
+record batches: ``sources.py``), chat-template rendering, token-budget batching.
 
 Public API (the rest of the package imports only these names):
 
 - ``DataConfig``: where the data is and how to cut it (path, max_length, token_budget, skip_bad_lines).
 - ``Sample``: one tokenized sequence with its stable ``sample_id`` and ``loss_mask``.
-- ``load_samples(cfg, tokenizer) -> LoadedData``: read and tokenize a file (big files in a pool of worker
-  processes, same result); bad lines raise ``DataError`` naming file, line and reason (or are skipped and
-  counted with ``skip_bad_lines``).
+- ``load_samples(cfg, tokenizer) -> LoadedData``: read and tokenize the data (big data in a pool of worker
+  processes, same result); bad lines (rows) raise ``DataError`` naming file, line (row) and reason (or are
+  skipped and counted with ``skip_bad_lines``).
 - ``DataFuture(cfg, tokenizer)``: the same load in a background thread; ``result()`` waits, ``close()`` stops.
 - ``plan_batches(lengths, token_budget, *, seed, epoch, exclude) -> list[list[int]]``: the epoch's
   batches as lists of sample ids, shuffled deterministically by (seed, epoch), skipping ``exclude``.

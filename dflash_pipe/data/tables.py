@@ -2,7 +2,8 @@
 holds a few batches, never the whole dataset.
 
 Only the columns a sample can come from are read (``COLUMNS``): a wide dataset's other columns (ids,
-sources, long metadata) cost nothing. Parquet is read by ``ParquetFile.iter_batches``; arrow files (IPC
+sources, long metadata) cost nothing. Parquet is read by ``ParquetFile.iter_batches`` without pre-buffering
+(which would read ahead the column chunks of every row group: memory that grows with the file); arrow files (IPC
 stream, as ``datasets`` writes them, or IPC file) through a plain file, not a memory map, so the pages read
 are freed with their batch instead of staying in the process's resident set.
 """
@@ -65,7 +66,7 @@ def _file_batches(source: TableSource, path: Path, batch_rows: int) -> Iterator[
 def _parquet_batches(source: TableSource, path: Path, batch_rows: int) -> Iterator[Any]:
     import pyarrow.parquet as pq
 
-    with pq.ParquetFile(path) as f:
+    with pq.ParquetFile(path, pre_buffer=False) as f:  # pre-buffering reads ahead every row group
         columns = _columns(source, path, f.schema_arrow.names)
         yield from f.iter_batches(batch_size=batch_rows, columns=columns)
 
