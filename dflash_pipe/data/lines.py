@@ -12,6 +12,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +88,29 @@ def tokenize_piece(
                 )
             if not raw.strip():
                 continue  # blank lines (e.g. a trailing newline) are not samples
-            where = f"{path}:{lineno}"
-            try:
-                line = tokenize_object(
-                    decode_line(raw), tokenizer, vocab_size, where, cfg.chat_template_kwargs
-                )
-            except FormatError as e:
-                if not cfg.skip_bad_lines:
-                    raise DataError(f"{where}: {e}") from None
-                out.reasons[e.kind] += 1
-                continue
-            keep(out, line, cfg)
+            add_record(out, partial(decode_line, raw), tokenizer, vocab_size, f"{path}:{lineno}", cfg)
     return out
+
+
+def add_record(
+    out: Tokenized,
+    load: Callable[[], Any],
+    tokenizer: Any,
+    vocab_size: int | None,
+    where: str,
+    cfg: DataConfig,
+    unit: str = "line",
+) -> None:
+    """One record (``load()``: a JSONL line's object or a table's row) tokenized into ``out``: kept, dropped
+    by reason, or a bad record skipped (``cfg.skip_bad_lines``) or raised as ``DataError("WHERE: reason")``."""
+    try:
+        line = tokenize_object(load(), tokenizer, vocab_size, where, cfg.chat_template_kwargs, unit=unit)
+    except FormatError as e:
+        if not cfg.skip_bad_lines:
+            raise DataError(f"{where}: {e}") from None
+        out.reasons[e.kind] += 1
+        return
+    keep(out, line, cfg)
 
 
 TokenizedLine = tuple[list[int] | np.ndarray, np.ndarray, bool] | object | None

@@ -12,9 +12,7 @@ import threading
 from typing import Any
 
 from .config import DataConfig
-from .formats import FormatError
-from .lines import LoadCancelled, Tokenized, keep, tokenize_object
-from .samples import DataError
+from .lines import LoadCancelled, Tokenized, add_record
 from .tables import rows
 
 
@@ -35,13 +33,5 @@ def tokenize_rows(
     vocab_size = len(tokenizer) if tokenizer is not None else None
     out = Tokenized()
     for row_index, row in enumerate(rows(batch), start=first_row):
-        where = f"{label}:{row_index}"
-        try:
-            line = tokenize_object(row, tokenizer, vocab_size, where, cfg.chat_template_kwargs, unit="row")
-        except FormatError as e:
-            if not cfg.skip_bad_lines:
-                raise DataError(f"{where}: {e}") from None
-            out.reasons[e.kind] += 1
-            continue
-        keep(out, line, cfg)
+        add_record(out, lambda row=row: row, tokenizer, vocab_size, f"{label}:{row_index}", cfg, unit="row")
     return out
