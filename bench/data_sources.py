@@ -8,10 +8,14 @@ data's vocabulary (3-30 words a message), written once as JSONL and once as parq
 ``--row-group`` rows), streamed to disk so generation holds no whole dataset. Each case runs in a fresh
 process (so its peak RSS is its own):
 
-- ``jsonl`` / ``parquet``: ``load_samples`` with the bundled demo tokenizer, then ``plan_batches`` and the
-  first batch's samples: the time a run waits before its first batch, and the process's peak RSS. Both
-  keep every tokenized sample in memory (the trainer plans epochs over all of them), so the figure is
-  mostly the samples; the two must give the same samples (checked by a digest), or the bench fails.
+- ``jsonl`` / ``parquet``: ``load_samples`` with the bundled demo tokenizer into an on-disk sample store
+  (``data/store.py``, as a run does in ``RUN_DIR/samples``), then ``plan_batches`` and the first batch's
+  samples: the time a run waits before its first batch, and the process's peak RSS. The two must give the
+  same samples (checked by a digest of the stores' files), or the bench fails.
+- ``jsonl, store reused`` / ``parquet, store reused``: the same in a new process over the store the case
+  before built (a resumed run): nothing is tokenized (checked: the store is not rewritten).
+- ``jsonl in memory`` / ``parquet in memory`` (only with ``--in-memory``): ``load_samples`` without a
+  store, every sample a pair of tensors in memory (the code before the store).
 - ``parquet read only`` / ``jsonl read only``: every row read and decoded (parquet: record batches to
   dicts; JSONL: ``json.loads`` per line), nothing kept: what the reader alone holds.
 """
@@ -35,7 +39,15 @@ from rich.console import Console
 from dflash_pipe.bench.result import BenchResult
 from dflash_pipe.bench.save import save_result, show_result
 
-CASES = ("jsonl", "parquet", "jsonl read only", "parquet read only")
+CASES = (
+    "jsonl",
+    "jsonl, store reused",
+    "parquet",
+    "parquet, store reused",
+    "jsonl read only",
+    "parquet read only",
+)
+IN_MEMORY = ("jsonl in memory", "parquet in memory")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-budget", type=int, default=4096)
     p.add_argument("--tokenize-workers", type=int, default=None, help="as --tokenize-workers (default auto)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--in-memory", action="store_true", help="also the in-memory load (no store), for comparison"
+    )
     p.add_argument("--measure", nargs=2, metavar=("CASE", "PATH"), help=argparse.SUPPRESS)  # child process
     return p.parse_args(argv)
 
@@ -87,7 +102,8 @@ def _schema(pa):
 
 def measure(case: str, path: Path, args: argparse.Namespace) -> dict:
     """One case in this (fresh) process: seconds and peak RSS, after the imports a run has anyway."""
-    from dflash_pipe.data import DataConfig, demo_tokenizer, load_samples, plan_batches
+    from dflash_pipe.data import DataConfig, demo_tokenizer, load_samples, plan_batches, sample_lengths
+    from dflash_pipe.data.store import META
 
     tokenizer = demo_tokenizer()
     row: dict = {"case": case, "rss_imports_mib": _peak_rss_mib()}
@@ -95,25 +111,28 @@ def measure(case: str, path: Path, args: argparse.Namespace) -> dict:
         from dflash_pipe.data.hub import require_datasets
 
         require_datasets(str(path))
+    store = None if case.endswith(("in memory", "read only")) else store_dir(path)
+    built = (store / META).stat().st_mtime_ns if store is not None and case.endswith("reused") else None
     base_mib = _peak_rss_mib()
     start = time.perf_counter()
     if case.endswith("read only"):
         row["rows"] = _read_only(case, path)
     else:
         cfg = DataConfig(path=path, token_budget=args.token_budget, tokenize_workers=args.tokenize_workers)
-        data = load_samples(cfg, tokenizer, progress=False)
+        data = load_samples(cfg, tokenizer, progress=False, store=store)
         loaded = time.perf_counter() - start
-        first = plan_batches(data.lengths(), cfg.token_budget, seed=0, epoch=0)[0]
+        first = plan_batches(sample_lengths(data.samples), cfg.token_budget, seed=0, epoch=0)[0]
         batch = [data.samples[i] for i in first]
         row.update(
-            rows=len(data.samples),
-            tokens=data.num_tokens,
-            load_s=loaded,
-            first_batch_samples=len(batch),
-            digest=_digest(data),
+            rows=len(data.samples), tokens=data.num_tokens, load_s=loaded, first_batch_samples=len(batch)
         )
     row["seconds"] = time.perf_counter() - start
     row["peak_rss_mib"] = _peak_rss_mib()
+    if built is not None and (store / META).stat().st_mtime_ns != built:
+        raise SystemExit(f"data_sources: case {case!r} rebuilt the store instead of reusing it")
+    if not case.endswith("read only"):  # after the clock: not part of the time to the first batch
+        row["digest"] = _digest(data)
+        row["store_mib"] = _store_mib(store)
     row["rss_before_mib"] = base_mib
     row["rss_growth_mib"] = row["peak_rss_mib"] - base_mib
     row["rss_extra_imports_mib"] = base_mib - row.pop("rss_imports_mib")
@@ -134,12 +153,26 @@ def _read_only(case: str, path: Path) -> int:
     return sum(1 for _ in table_rows(resolve_source(path)))
 
 
+def store_dir(path: Path) -> Path:
+    """The store of one data file's cases (built by the first, reused by the second)."""
+    return path.with_name(path.stem + "-samples")
+
+
 def _digest(data) -> str:
-    h = hashlib.sha256()
+    """The samples' token ids, masks and lengths, the same for a store and a list of tensors."""
+    import numpy as np
+
+    from dflash_pipe.data import sample_lengths
+
+    h = hashlib.sha256(sample_lengths(data.samples).tobytes())
     for s in data.samples:
-        h.update(s.input_ids.numpy().tobytes())
-        h.update(s.loss_mask.numpy().tobytes())
+        h.update(s.input_ids.numpy().astype(np.int64).tobytes())
+        h.update(np.packbits(s.loss_mask.numpy()).tobytes())
     return h.hexdigest()
+
+
+def _store_mib(store: Path | None) -> float | None:
+    return None if store is None else sum(f.stat().st_size for f in store.iterdir()) / 2**20
 
 
 def _peak_rss_mib() -> float:
@@ -169,10 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         jsonl, parquet = write_data(Path(tmp), args.conversations, args.seed, args.row_group)
         made_s = time.perf_counter() - t0
         sizes = {"jsonl_bytes": jsonl.stat().st_size, "parquet_bytes": parquet.stat().st_size}
-        rows = [run_case(case, jsonl if case.startswith("jsonl") else parquet, passed) for case in CASES]
+        cases = CASES + (IN_MEMORY if args.in_memory else ())
+        rows = [run_case(case, jsonl if case.startswith("jsonl") else parquet, passed) for case in cases]
     full = {r["case"]: r for r in rows if "digest" in r}
-    if full["jsonl"]["digest"] != full["parquet"]["digest"]:
-        raise SystemExit("data_sources: parquet gave other samples than JSONL for the same conversations")
+    if len({r["digest"] for r in full.values()}) != 1:
+        raise SystemExit("data_sources: the cases gave different samples for the same conversations")
     for r in rows:
         r.pop("digest", None)
     result = BenchResult(
@@ -196,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                 "each case in a fresh process; seconds count from after the imports and the tokenizer load",
                 "rss_before_mib: after those imports (parquet: with datasets/pyarrow, rss_extra_imports_mib); "
                 "rss_growth_mib: peak RSS above it, what reading (and keeping the samples) took",
-                "first batch = load_samples (every sample tokenized) + plan_batches + the batch's samples",
+                "first batch = load_samples (every sample tokenized into the store, or the store reused) + "
+                "plan_batches + the batch's samples; the samples' digest is taken after the clock",
             ],
         },
         chart={"x": "case", "y": "peak_rss_mib", "title": f"{args.conversations:,} conversations"},

@@ -5,10 +5,13 @@ Public API (the rest of the package imports only these names):
 
 - ``DataConfig``: where the data is and how to cut it (path, max_length, token_budget, skip_bad_lines).
 - ``Sample``: one tokenized sequence with its stable ``sample_id`` and ``loss_mask``.
-- ``load_samples(cfg, tokenizer) -> LoadedData``: read and tokenize the data (big data in a pool of worker
-  processes, same result); bad lines (rows) raise ``DataError`` naming file, line (row) and reason (or are
-  skipped and counted with ``skip_bad_lines``).
-- ``DataFuture(cfg, tokenizer)``: the same load in a background thread; ``result()`` waits, ``close()`` stops.
+- ``load_samples(cfg, tokenizer, store=None) -> LoadedData``: read and tokenize the data (big data in a pool
+  of worker processes, same result); bad lines (rows) raise ``DataError`` naming file, line (row) and reason
+  (or are skipped and counted with ``skip_bad_lines``). With ``store`` (a folder, a run's ``SAMPLE_STORE``)
+  the samples are kept on disk, memory-mapped, and reused by the next load of the same data and settings.
+- ``DataFuture(cfg, tokenizer, store=None)``: the same load in a background thread; ``result()`` waits,
+  ``close()`` stops.
+- ``sample_lengths(samples)``: token count per sample (a store's from its offsets, no sample read).
 - ``plan_batches(lengths, token_budget, *, seed, epoch, exclude) -> list[list[int]]``: the epoch's
   batches as lists of sample ids, shuffled deterministically by (seed, epoch), skipping ``exclude``.
 - ``demo_tokenizer()`` / ``demo_data_path()``: the bundled tokenizer and sample dataset of the embedded demo.
@@ -18,16 +21,20 @@ from .batching import plan_batches
 from .config import DataConfig
 from .demo import demo_data_path, demo_tokenizer
 from .loader import DataFuture, load_samples
-from .samples import DataError, LoadedData, Sample
+from .samples import DataError, LoadedData, Sample, sample_lengths
+from .store import SAMPLE_STORE, StoredSamples
 
 __all__ = [
     "DataConfig",
     "DataError",
     "DataFuture",
     "LoadedData",
+    "SAMPLE_STORE",
     "Sample",
+    "StoredSamples",
     "demo_data_path",
     "demo_tokenizer",
     "load_samples",
     "plan_batches",
+    "sample_lengths",
 ]

@@ -20,12 +20,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from dflash_pipe.diskspace import DiskFullError
+
 from .config import DataConfig
 from .lines import Piece, Tokenized, tokenize_piece
-from .pool import piece_bytes, tokenized_batches, tokenized_pieces, worker_pool
+from .pool import MAX_PIECE_BYTES, piece_bytes, split_lines, tokenized_batches, tokenized_pieces, worker_pool
 from .rows import tokenize_rows
 from .samples import DROP_NOT_REGENERATED, DataError, LoadedData, Sample
-from .sources import TableSource, resolve_source
+from .sources import Source, TableSource, resolve_source
+from .store import StoreWriter, open_store, store_key
 from .tables import record_batches
 
 AUTO_PROGRESS_BYTES = 4 << 20
@@ -39,7 +44,9 @@ MAX_AUTO_WORKERS = 16
 """``tokenize_workers=None`` uses one worker per CPU core but one, at most this many."""
 
 
-def load_samples(cfg: DataConfig, tokenizer: Any, *, progress: bool | None = None) -> LoadedData:
+def load_samples(
+    cfg: DataConfig, tokenizer: Any, *, progress: bool | None = None, store: Path | None = None
+) -> LoadedData:
     """Load ``cfg.path`` (any source ``resolve_source`` accepts); sample ids are 0..N-1 in file (row) order
     over the samples kept.
 
@@ -49,9 +56,11 @@ def load_samples(cfg: DataConfig, tokenizer: Any, *, progress: bool | None = Non
     ``tokenizer`` (an HF fast tokenizer) is needed for conversation lines and bounds pre-tokenized ids by
     ``len(tokenizer)``; it may be None for pre-tokenized data. Files of at least ``POOL_MIN_BYTES`` are
     tokenized by ``tokenize_workers(cfg, size)`` worker processes (the result is the same). ``progress``:
-    show a rich progress bar (None: when stderr is a terminal and the file is large).
+    show a rich progress bar (None: when stderr is a terminal and the file is large). ``store``: a folder
+    to keep the samples in on disk (``store.py``; a run's ``RUN_DIR/samples``), memory-mapped instead of
+    held as tensors, and reused as they are when the data, settings and tokenizer have not changed.
     """
-    return _load(cfg, tokenizer, progress, threading.Event())
+    return _load(cfg, tokenizer, progress, threading.Event(), store)
 
 
 def tokenize_workers(cfg: DataConfig, size: int) -> int:
@@ -74,18 +83,20 @@ class DataFuture:
     thread; it is safe to call twice and after ``result()``. Use it as a context manager.
     """
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, *, progress: bool | None = None) -> None:
+    def __init__(
+        self, cfg: DataConfig, tokenizer: Any, *, progress: bool | None = None, store: Path | None = None
+    ) -> None:
         self.path = cfg.path
         self._cancel = threading.Event()
         self._outcome: LoadedData | BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(cfg, tokenizer, progress), name="dflash-tokenize", daemon=True
+            target=self._run, args=(cfg, tokenizer, progress, store), name="dflash-tokenize", daemon=True
         )
         self._thread.start()
 
-    def _run(self, cfg: DataConfig, tokenizer: Any, progress: bool | None) -> None:
+    def _run(self, cfg: DataConfig, tokenizer: Any, progress: bool | None, store: Path | None) -> None:
         try:
-            self._outcome = _load(cfg, tokenizer, progress, self._cancel)
+            self._outcome = _load(cfg, tokenizer, progress, self._cancel, store)
         except BaseException as e:  # handed to the thread that calls result()
             self._outcome = e
 
@@ -110,23 +121,47 @@ class DataFuture:
         self.close()
 
 
-def _load(cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: threading.Event) -> LoadedData:
+def _load(
+    cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: threading.Event, store: Path | None
+) -> LoadedData:
     source = resolve_source(cfg.path)
+    if store is None:
+        return _tokenize(source, cfg, tokenizer, progress, cancel, _ListSink())
+    key = store_key(source, cfg, tokenizer)
+    reused = open_store(store, key)
+    if reused is not None:
+        return reused
+    with StoreWriter(store, key, label=source.label, tokenizer=tokenizer) as writer:
+        return _tokenize(source, cfg, tokenizer, progress, cancel, writer)
+
+
+def _tokenize(
+    source: Source,
+    cfg: DataConfig,
+    tokenizer: Any,
+    progress: bool | None,
+    cancel: threading.Event,
+    sink: Sink,
+) -> LoadedData:
     if isinstance(source, TableSource):
-        return _load_table(source, cfg, tokenizer, progress, cancel)
+        return _load_table(source, cfg, tokenizer, progress, cancel, sink)
     path = source.path
     try:
         size = path.stat().st_size
         workers = tokenize_workers(cfg, size)
         with _progress_bar(path, size, progress) as advance:
-            if not workers:
-                whole = tokenize_piece(
-                    path, Piece(0, None, 1), cfg, tokenizer, advance=advance, cancel=cancel
+            if not workers:  # in pieces too, so a big file's samples reach the store a piece at a time
+                pieces = (
+                    tokenize_piece(path, piece, cfg, tokenizer, advance=advance, cancel=cancel)
+                    for piece in split_lines(path, MAX_PIECE_BYTES)
                 )
-                return _merge(path, cfg, [whole])
+                return _merge(path, cfg, pieces, sink)
             target = piece_bytes(size, workers)
             with worker_pool(path, cfg, tokenizer, min(workers, math.ceil(size / target))) as pool:
-                return _merge(path, cfg, _advancing(tokenized_pieces(pool, path, target, cancel), advance))
+                done = _advancing(tokenized_pieces(pool, path, target, cancel), advance)
+                return _merge(path, cfg, done, sink)
+    except DiskFullError:
+        raise  # the store's disk, already named
     except OSError as e:
         raise DataError(
             f"{path}: cannot read the data file ({e.strerror or e}). Check its permissions"
@@ -134,7 +169,12 @@ def _load(cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: thread
 
 
 def _load_table(
-    source: TableSource, cfg: DataConfig, tokenizer: Any, progress: bool | None, cancel: threading.Event
+    source: TableSource,
+    cfg: DataConfig,
+    tokenizer: Any,
+    progress: bool | None,
+    cancel: threading.Event,
+    sink: Sink,
 ) -> LoadedData:
     """A table, batch by batch: in-process, or by worker processes fed a few batches ahead (``pool.py``)."""
     label = source.label
@@ -146,11 +186,10 @@ def _load_table(
                 (b.num_rows, tokenize_rows(label, first, b, cfg, tokenizer, cancel=cancel))
                 for first, b in batches
             )
-            return _merge(label, cfg, _advancing(done, advance))
+            return _merge(label, cfg, _advancing(done, advance), sink)
         with worker_pool(label, cfg, tokenizer, workers) as pool:
-            return _merge(
-                label, cfg, _advancing(tokenized_batches(pool, label, batches, cancel, workers), advance)
-            )
+            done = _advancing(tokenized_batches(pool, label, batches, cancel, workers), advance)
+            return _merge(label, cfg, done, sink)
 
 
 def _advancing(
@@ -162,24 +201,44 @@ def _advancing(
         yield done
 
 
-def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized]) -> LoadedData:
-    """Tokenized pieces, in file order, to one dataset with dense sample ids."""
-    import torch  # here, not at the top: the tokenization workers import this package without torch
+class _ListSink:
+    """The samples as a list of tensors in memory (``load_samples`` without a store)."""
 
-    samples: list[Sample] = []
+    def __init__(self) -> None:
+        self.samples: list[Sample] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.samples)
+
+    def add(self, samples: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        import torch  # here, not at the top: the tokenization workers import this package without torch
+
+        for ids, mask in samples:
+            self.samples.append(
+                Sample(
+                    sample_id=len(self.samples),
+                    input_ids=torch.from_numpy(ids),  # [S] int64
+                    loss_mask=torch.from_numpy(mask),  # [S] bool
+                )
+            )
+
+    def commit(self, left_out: dict[str, Any]) -> list[Sample]:
+        return self.samples
+
+
+Sink = _ListSink | StoreWriter
+"""Where merged samples go: a list in memory or a store on disk (``store.py``)."""
+
+
+def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized], sink: Sink) -> LoadedData:
+    """Tokenized pieces, in file order, to one dataset with dense sample ids (in ``sink``)."""
     reasons: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     truncated = 0
     shortest_cut: int | None = None
     for part in pieces:
-        for ids, mask in part.samples:
-            samples.append(
-                Sample(
-                    sample_id=len(samples),
-                    input_ids=torch.from_numpy(ids),  # [S] int64
-                    loss_mask=torch.from_numpy(mask),  # [S] bool
-                )
-            )
+        sink.add(part.samples)
         reasons.update(part.reasons)
         dropped.update(part.dropped)
         truncated += part.truncated
@@ -187,7 +246,7 @@ def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized]) -> Lo
             shortest_cut = min(part.shortest_cut, shortest_cut or part.shortest_cut)
     skipped = sum(reasons.values())
     dropped_short = sum(n for why, n in dropped.items() if why != DROP_NOT_REGENERATED)
-    if not samples:
+    if not sink.count:
         if shortest_cut is not None:
             raise DataError(no_fit_message(path, cfg, shortest_cut, need=shortest_cut, what="sample"))
         left_out = ", ".join(f"{n} {why}" for why, n in sorted(dropped.items())) or "none"
@@ -196,14 +255,14 @@ def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized]) -> Lo
             f"needs min_loss_tokens={cfg.min_loss_tokens} trainable positions). Check that the file has "
             "conversations with assistant replies (or pre-tokenized lines with a non-zero loss_mask)"
         )
-    return LoadedData(
-        samples=samples,
-        skipped_lines=skipped,
-        truncated=truncated,
-        dropped_short=dropped_short,
-        skip_reasons=dict(reasons),
-        drop_reasons=dict(dropped),
-    )
+    counts: dict[str, Any] = {
+        "skipped_lines": skipped,
+        "truncated": truncated,
+        "dropped_short": dropped_short,
+        "skip_reasons": dict(reasons),
+        "drop_reasons": dict(dropped),
+    }
+    return LoadedData(samples=sink.commit(counts), **counts)
 
 
 def no_fit_message(path: Path | str, cfg: DataConfig, shortest: int, *, need: int, what: str) -> str:

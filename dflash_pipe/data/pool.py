@@ -78,11 +78,12 @@ def tokenized_pieces(
 ) -> Iterator[tuple[Piece, Tokenized]]:
     """Every piece of ``path`` tokenized by ``pool``, in file order. A piece's ``DataError`` is raised when
     its turn comes (so the first bad line of the file is the one reported)."""
-    submitted = []
+    submitted: deque[tuple[Piece, Future]] = deque()
     for piece in split_lines(path, target_bytes):  # the workers start on the first pieces meanwhile
         _check_cancel(cancel, path)
         submitted.append((piece, pool.submit(_tokenize_in_worker, piece)))
-    for piece, future in submitted:
+    while submitted:  # popped, so a merged piece's samples are not held here until the end
+        piece, future = submitted.popleft()
         yield piece, _result(future, cancel, path)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:  # the tokenization workers import this package and need no torch (2 s per start)
     import torch
@@ -36,7 +39,8 @@ class Sample:
 class LoadedData:
     """The samples of one file plus what was left out, so a run can report it."""
 
-    samples: list[Sample]
+    samples: Sequence[Sample]
+    """A list, or with a store (``load_samples(..., store=DIR)``) a ``StoredSamples`` reading them from disk."""
     skipped_lines: int
     """Bad lines skipped (only with ``skip_bad_lines``); per reason in ``skip_reasons``."""
     truncated: int
@@ -51,8 +55,17 @@ class LoadedData:
 
     def lengths(self) -> list[int]:
         """Token count of every sample, indexed by ``sample_id`` (the input of ``plan_batches``)."""
-        return [int(s.input_ids.shape[0]) for s in self.samples]
+        return sample_lengths(self.samples).tolist()
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.lengths())
+        return int(sample_lengths(self.samples).sum())
+
+
+def sample_lengths(samples: Sequence[Sample]) -> np.ndarray:
+    """Token count per sample ([N] int64): a store's from its offsets (no sample read), a list's per sample."""
+    from .store import StoredSamples
+
+    if isinstance(samples, StoredSamples):
+        return samples.lengths()
+    return np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))

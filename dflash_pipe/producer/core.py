@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dflash_pipe.data import plan_batches
+from dflash_pipe.data import plan_batches, sample_lengths
 from dflash_pipe.diskspace import DiskFullError, human
 from dflash_pipe.producer.display import log_worker_metrics
 from dflash_pipe.producer.handshake import Peer, admit
@@ -141,7 +141,7 @@ class ProducerCore:
     def _plan_epoch(self, epoch: int, exclude: set[int]) -> Iterable[list[int] | None]:
         if self.regen is not None:
             return self.regen.epoch0(exclude) if epoch == 0 else self.regen.later_epoch(epoch, exclude)
-        lengths = [int(s.input_ids.numel()) for s in self.ctx.train_samples]
+        lengths = sample_lengths(self.ctx.train_samples)
         return plan_batches(
             lengths, self.cfg.data.token_budget, seed=self.cfg.train.seed, epoch=epoch, exclude=exclude
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_pipe.data import sample_lengths
 from dflash_pipe.producer.core import RunAborted
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.wire.cuda_ipc import CudaIpcRing
@@ -46,7 +47,7 @@ def ring_shape(ctx: RunContext) -> tuple[int, int]:
     longest = (
         cfg.data.max_length  # regenerated samples: not known yet, at most max_length
         if ctx.regen is not None
-        else max(int(s.input_ids.numel()) for s in ctx.train_samples)
+        else int(sample_lengths(ctx.train_samples).max())
     )
     tokens = max(cfg.data.token_budget, longest)
     k, width = len(ctx.drafter.target_layer_ids), ctx.drafter.feature_size

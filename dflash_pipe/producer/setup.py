@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_pipe.compute.precision import compute_dtype
-from dflash_pipe.data import DataFuture, LoadedData, Sample
+from dflash_pipe.data import SAMPLE_STORE, DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.drafter.config import (
     EngineConflictError,
@@ -53,8 +54,9 @@ class RunContext:
     target_path: Path
     tokenizer: object
     data: LoadedData
-    train_samples: list[Sample]
-    eval_samples: list[Sample]
+    train_samples: Sequence[Sample]
+    """A run's ``StoredSamples`` (read from ``RUN_DIR/samples``), or a list."""
+    eval_samples: Sequence[Sample]
     drafter: DrafterConfig
     target_dtype: torch.dtype
     ledger: Ledger
@@ -234,7 +236,9 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
     opts = cfg.drafter
     check_options_fit_target(opts, target_config, target_path)
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    data = DataFuture(cfg.data, tokenizer, progress=progress) if cfg.data.responses == "dataset" else None
+    data = None
+    if cfg.data.responses == "dataset":  # on disk in the run dir (reused on resume), not in memory
+        data = DataFuture(cfg.data, tokenizer, progress=progress, store=run_dir / SAMPLE_STORE)
     try:
         try:
             drafter = DrafterConfig.from_target(

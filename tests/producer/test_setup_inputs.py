@@ -104,7 +104,7 @@ def test_a_data_file_too_small_to_hold_out_an_eval_set_says_so(tmp_path: Path):
     cfg = config(tmp_path / "r")
     cfg.data.path = data
     ctx = prepare_run(cfg, resume=False, progress=False)
-    assert len(ctx.train_samples) == 1 and ctx.eval_samples == []
+    assert len(ctx.train_samples) == 1 and len(ctx.eval_samples) == 0
     [note] = ctx.notes
     one_line(ValueError(note), f"{data} has 1 sample(s), too few to hold out an eval set", "no tau")
     cfg = config(tmp_path / "r2")
