@@ -43,8 +43,17 @@ def _reference(q, keys, values, lengths, scale, slots):
         (3, 4, 2, 16, 128, [40, 41, 42, 43, 7], [2, 2, 2, 2, 0]),  # a block of 4 rows on slot 2 (verify)
     ],
 )
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,  # config_for(rows)
+        attention_kernel.KernelConfig(splits=1),  # the attention written directly, no combine
+        attention_kernel.KernelConfig(block=32, splits=3, stages=3),
+    ],
+    ids=["default", "one-split", "three-splits-of-32"],
+)
 def test_kernel_equals_attention_over_each_slots_live_columns(
-    slots, heads, kv_heads, dim, span, lengths, rows_of
+    slots, heads, kv_heads, dim, span, lengths, rows_of, config
 ):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
@@ -55,8 +64,14 @@ def test_kernel_equals_attention_over_each_slots_live_columns(
     keys[:, :, span:] = 1e4  # columns past the span: never read
     lengths_t = torch.tensor(lengths, device=DEVICE)
     slot_of = torch.tensor(rows_of or list(range(rows)), device=DEVICE)
-    out, lse = attention_kernel.decode_attention(q, keys, values, lengths_t, span, dim**-0.5, slot_of)
-    assert out.shape[2] == attention_kernel.splits_for(rows, kv_heads, span)
+    out, lse = attention_kernel.decode_attention(
+        q, keys, values, lengths_t, span, dim**-0.5, slot_of, config=config
+    )
+    splits = (config and config.splits) or attention_kernel.splits_for(rows, kv_heads, span)
+    if splits == 1:
+        assert lse is None and out.shape == (rows, heads * dim) and out.dtype == dtype
+    else:
+        assert out.shape[2] == splits and lse is not None
     got = attention_kernel.combine(out, lse, heads // kv_heads, torch.float32).view(rows, heads, dim)
     want = _reference(q, keys, values, lengths_t, dim**-0.5, slot_of)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

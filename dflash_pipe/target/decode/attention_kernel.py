@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,26 @@ BLOCK_N = 64
 """Key columns per inner iteration."""
 MIN_PROGRAMS = 264
 """Programs (slot x KV head x split) wanted at least: two per SM of an H100/H200."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Launch settings (``bench/decode_kernels.py`` sweeps them); ``splits`` None: ``splits_for``."""
+
+    block: int = BLOCK_N
+    warps: int = 4
+    stages: int = 2
+    splits: int | None = None
+
+
+DEFAULT = KernelConfig()
+
+
+def config_for(rows: int) -> KernelConfig:
+    """The sweep's best on the H200 (``bench/results/h200_decode_static_step/``): three pipeline stages up to 64
+    rows (7% faster than two at the Qwen3-1.7B and 8B shapes, batch 64, span 768), two above (5% faster
+    at 256 rows)."""
+    return KernelConfig(stages=3) if rows <= 64 else DEFAULT
 
 
 def supported(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
@@ -73,6 +94,7 @@ def _kernel() -> Any:
         D: tl.constexpr,
         BLOCK: tl.constexpr,
         WRITE: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):
         s = tl.program_id(0)
         kh = tl.program_id(1)
@@ -120,18 +142,23 @@ def _kernel() -> Any:
             m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        row = (s * heads_kv + kh) * SPLITS + sp  # out [S, kvh, SPLITS, G_PAD, D], lse [S, kvh, SPLITS, G_PAD]
-        tl.store(out_ptr + (row * G_PAD + g)[:, None] * D + d[None, :], out)
-        tl.store(lse_ptr + row * G_PAD + g, lse)
+        if DIRECT:  # one split: the attention itself, [S, heads * D] in the model's dtype
+            head = kh * G + g
+            where = out_ptr + (s * heads_kv * G + head)[:, None] * D + d[None, :]
+            tl.store(where, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+        else:
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            row = (s * heads_kv + kh) * SPLITS + sp  # out [S, kvh, SPLITS, G_PAD, D], lse [.., G_PAD]
+            tl.store(out_ptr + (row * G_PAD + g)[:, None] * D + d[None, :], out)
+            tl.store(lse_ptr + row * G_PAD + g, lse)
 
     return decode_attention_kernel
 
 
-def splits_for(slots: int, kv_heads: int, span: int) -> int:
+def splits_for(slots: int, kv_heads: int, span: int, block: int = BLOCK_N) -> int:
     """Column splits per (slot, KV head): enough programs to fill the GPU, never an empty split by span."""
     wanted = math.ceil(MIN_PROGRAMS / max(1, slots * kv_heads))
-    return max(1, min(wanted, math.ceil(span / BLOCK_N)))
+    return max(1, min(wanted, math.ceil(span / block)))
 
 
 def decode_attention(
@@ -143,11 +170,14 @@ def decode_attention(
     scale: float,
     slot_of: torch.Tensor,
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Query row ``s`` of q ``[S, heads, D]`` against the first ``lengths[s]`` columns (``<= span``) of cache
     row ``slot_of[s]`` of ``keys`` and ``values`` ``[slots, kvh, L+1, D]`` (several rows may read one slot:
-    a block of tokens being verified, each at its own position). Returns the splits' outputs ``[S, kvh, splits, G', D]`` and log-sum-exps
-    ``[S, kvh, splits, G']`` (fp32; G' = the group size padded to 16) for ``combine``.
+    a block of tokens being verified, each at its own position). With one split (enough programs without
+    splitting the columns) it returns the attention ``[S, heads * D]`` in q's dtype and None; otherwise the
+    splits' outputs ``[S, kvh, splits, G', D]`` and log-sum-exps ``[S, kvh, splits, G']`` (fp32; G' = the
+    group size padded to 16) for ``combine``, which costs a kernel of its own.
 
     ``write``: (new keys, new values ``[S, kvh, D]``, positions ``[S]``): row ``s``'s key and value are
     stored at column ``positions[s]`` of its cache row (whatever the column: idle rows write the trash
@@ -155,13 +185,20 @@ def decode_attention(
     cache before the call costs (7% of a decode step). Only when no two rows read one cache row: a row
     would not see another's column, which its own kernel program stores."""
     rows, heads, dim = q.shape
+    config = config or config_for(rows)
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     g_pad = max(16, triton_next_power_of_2(groups))
-    splits = splits_for(rows, kv_heads, span)
-    chunk = math.ceil(span / splits / BLOCK_N) * BLOCK_N
-    out = torch.empty((rows, kv_heads, splits, g_pad, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((rows, kv_heads, splits, g_pad), dtype=torch.float32, device=q.device)
+    block = config.block
+    splits = config.splits or splits_for(rows, kv_heads, span, block)
+    chunk = math.ceil(span / splits / block) * block
+    direct = splits == 1
+    if direct:
+        out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
+        lse = out  # not written
+    else:
+        out = torch.empty((rows, kv_heads, splits, g_pad, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((rows, kv_heads, splits, g_pad), dtype=torch.float32, device=q.device)
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention needs the head dim contiguous in q, keys and values")
     new_k, new_v, positions = write if write is not None else (q, q, lengths)  # unread when not writing
@@ -196,16 +233,20 @@ def decode_attention(
         G=groups,
         G_PAD=g_pad,
         D=dim,
-        BLOCK=BLOCK_N,
+        BLOCK=block,
         WRITE=write is not None,
-        num_warps=4,
-        num_stages=2,
+        DIRECT=direct,
+        num_warps=config.warps,
+        num_stages=config.stages,
     )
-    return out, lse
+    return out, None if direct else lse
 
 
-def combine(out: torch.Tensor, lse: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """The splits of ``decode_attention`` merged by their log-sum-exps: ``[S, heads * D]`` in ``dtype``."""
+def combine(out: torch.Tensor, lse: torch.Tensor | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The splits of ``decode_attention`` merged by their log-sum-exps: ``[S, heads * D]`` in ``dtype`` (the
+    output as it is when the kernel ran one split)."""
+    if lse is None:
+        return out.to(dtype)
     weight = torch.exp(lse - lse.amax(dim=2, keepdim=True))  # [S, kvh, splits, G']
     merged = (out * weight[..., None]).sum(dim=2) / weight.sum(dim=2)[..., None]  # [S, kvh, G', D]
     return merged[:, :, :groups].reshape(out.shape[0], -1).to(dtype)

@@ -203,10 +203,15 @@ class DecodeStack:
 
     def _layer_fn(self, fn: Callable, compiled: bool, size: int) -> Callable:
         """``fn`` for this stack's layers: eager, or compiled (its first call per size class under the
-        process-wide compile lock: target replicas are threads, and compiling is not thread-safe)."""
+        process-wide compile lock: target replicas are threads, and compiling is not thread-safe). Decode
+        steps (``size`` 1) on the Triton kernel compile with static sizes: one graph per slot count (and
+        per verify block size), whose kernels know their shapes. Prefill keeps dynamic sizes (its row
+        counts and lengths vary), and so do the sdpa and matmul steps, whose span is an argument."""
         if not compiled:
             return functools.partial(fn, self.math)
-        return functools.partial(call_compiled, compile_layer_fn(fn, self.math), size, self.device)
+        static = size == 1 and self.decode_attention == "triton"
+        graph = compile_layer_fn(fn, self.math, not static)
+        return functools.partial(call_compiled, graph, size, self.device)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, D]
