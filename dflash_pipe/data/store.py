@@ -75,12 +75,11 @@ def open_store(root: Path, key: str) -> LoadedData | None:
     built from other data or settings, or its files are torn (then it is rebuilt)."""
     try:
         meta = json.loads((root / META).read_text())
-        samples = StoredSamples(root)
-    except (OSError, ValueError, KeyError, TypeError):
+        if meta.get("key") != key:
+            return None
+        return LoadedData(samples=StoredSamples(root), **meta["left_out"])
+    except (OSError, ValueError, KeyError, TypeError):  # torn: no meta, sizes off, fields missing
         return None
-    if meta.get("key") != key:
-        return None
-    return LoadedData(samples=samples, **meta["left_out"])
 
 
 class StoreWriter:
@@ -212,7 +211,10 @@ class StoredSamples(Sequence[Sample]):
             start, stop, step = index.indices(len(self))
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
-            return StoredSamples(self.root, self._start + start, self._start + max(start, stop))
+            view = object.__new__(StoredSamples)  # the same maps, another range (copy would reopen them)
+            view.__dict__.update(self.__dict__)
+            view._start, view._stop = self._start + start, self._start + max(start, stop)
+            return view
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
