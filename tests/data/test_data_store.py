@@ -156,7 +156,9 @@ def test_the_store_is_rebuilt_when_data_or_settings_change(tmp_path, tok, tokeni
     same(load_samples(cfg, tokenizer), got)
 
 
-@pytest.mark.parametrize("damage", ["ids cut short", "mask cut short", "no meta", "meta not JSON"])
+@pytest.mark.parametrize(
+    "damage", ["ids cut short", "mask cut short", "no meta", "meta not JSON", "meta without its counts"]
+)
 def test_a_torn_store_is_rebuilt(tmp_path, tok, tokenizations, damage):
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     want = load(data, tok)
@@ -168,8 +170,12 @@ def test_a_torn_store_is_rebuilt(tmp_path, tok, tokenizations, damage):
         os.truncate(root / MASK, 0)
     elif damage == "no meta":
         (root / META).unlink()
-    else:
+    elif damage == "meta not JSON":
         (root / META).write_text('{"key": ')
+    else:  # the right key, a field missing
+        meta = json.loads((root / META).read_text())
+        del meta["left_out"]
+        (root / META).write_text(json.dumps(meta))
     same(want, load(data, tok, root))
     assert len(tokenizations) == 3  # in memory, the store, the store again
     assert not (tmp_path / "samples.partial").exists()
