@@ -85,11 +85,16 @@ def _row(shape: str, path: str, batch: int, tokens: int | None, seconds: float |
 
 
 def _generator(
-    model: Any, batch: int, new_tokens: int, max_length: int, tokenizer: Any = None
+    model: Any, batch: int, new_tokens: int, max_length: int, tokenizer: Any = None, prefill: str = "padded"
 ) -> TurnGenerator:
+    """``prefill``: the dense stack's ``prefill_layout`` (hybrid stacks have one layout)."""
     settings = RegenConfig(max_new_tokens=new_tokens, batch_size=batch, decoder="engine")  # hybrids too
     tokenizer = tokenizer or demo_tokenizer()
-    return TurnGenerator(model, tokenizer, settings, device=model.device, max_length=max_length)
+    gen = TurnGenerator(model, tokenizer, settings, device=model.device, max_length=max_length)
+    engine = gen.engine()
+    if prefill != "padded" and engine is not None and hasattr(engine.stack, "prefill_layout"):
+        engine.stack.prefill_layout = prefill
+    return gen
 
 
 def speed_rows(shape: str, device: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -110,7 +115,7 @@ def speed_rows(shape: str, device: str, args: argparse.Namespace) -> list[dict[s
         state_per_slot = 2 * (len(types) - full) * per_layer
     mean_context = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens / 2
     for batch in args.batch_sizes:
-        gen = _generator(model, batch, args.new_tokens, max_length)
+        gen = _generator(model, batch, args.new_tokens, max_length, prefill=args.prefill_layout)
         t0 = time.perf_counter()
         gen.generate(prompts[:batch], [args.new_tokens] * batch)  # warm-up: graphs for every span
         _sync(device)
@@ -306,6 +311,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns-conversations", type=int, default=64, help="conversations of the multi-turn rows")
     p.add_argument("--user-words", type=int, default=48)
     p.add_argument("--bandwidth-tb-s", type=float, default=4.8)
+    p.add_argument(
+        "--prefill-layout",
+        choices=("padded", "packed"),
+        default="padded",
+        help="fresh prompts of the engine rows: right-padded rows (SDPA) or back to back in one row (flex)",
+    )
     p.add_argument(
         "--trace-batches", default="", help="batches whose one wave is profiled (CUDA): DIR/trace_*"
     )

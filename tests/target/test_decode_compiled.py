@@ -32,9 +32,9 @@ def _decode(stack: DecodeStack, prompts: list[list[int]], steps: int) -> tuple[l
     fed = [len(p) for p in prompts]
     fed[0] += 3
     fed[1] += 1
-    tokens = torch.tensor([int(out[0][i].argmax()) for i in slots] + [0])
+    tokens = torch.tensor([int(out[0][i].argmax()) for i in slots] + [0], device=stack.device)
     tokens[0], tokens[1] = out[1][0].argmax(), out[2][0].argmax()
-    positions = torch.tensor([*fed, cache.trash])
+    positions = torch.tensor([*fed, cache.trash], device=stack.device)
     picked = []
     for step in range(steps):
         span = 48 if step < steps // 2 else 64
@@ -137,3 +137,39 @@ def test_the_triton_kernel_is_refused_where_it_would_not_be_exact_or_run():
     assert DecodeStack(_model(), MAX_LEN).decode_attention == "matmul"  # the CPU default
     with pytest.raises(ValueError, match="needs bf16/fp16 on CUDA.*use 'sdpa' or 'matmul'"):
         DecodeStack(_model(), MAX_LEN, decode_attention="triton")
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(
+    "compiled",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="flex compiles on CUDA only"),
+        ),
+    ],
+    ids=["eager", "compiled"],
+)
+def test_packed_prefill_equals_hf_forward_per_prompt_and_decodes_as_padded(compiled):
+    """Fresh prompts back to back in one row (flex attention through a block mask): each prompt's last
+    logits equal HF's own forward on that prompt alone, and what follows (an extend and greedy steps on
+    the cache the packed prefill wrote) equals the padded prefill's."""
+    model = _model().to("cuda" if compiled else "cpu")
+    prompts = [list(range(3, 3 + n)) for n in (17, 9, 30)]
+    packed = DecodeStack(model, MAX_LEN, compile_layers=compiled, prefill_layout="packed")
+    got, got_tokens = _decode(packed, prompts, steps=4)
+    for row, prompt in enumerate(prompts):
+        want = model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1]
+        torch.testing.assert_close(got[0][row], want, rtol=1e-4, atol=1e-4)
+    padded, padded_tokens = _decode(DecodeStack(model, MAX_LEN, compile_layers=False), prompts, steps=4)
+    for a, b in zip(got, padded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert got_tokens == padded_tokens
+
+
+def test_an_unknown_prefill_layout_and_packed_compiled_on_cpu_are_refused():
+    with pytest.raises(ValueError, match="prefill_layout must be one of"):
+        DecodeStack(_model(), MAX_LEN, prefill_layout="ragged")
+    with pytest.raises(ValueError, match="compiled flex attention needs CUDA"):
+        DecodeStack(_model(), MAX_LEN, compile_prefill=True, prefill_layout="packed")

@@ -144,6 +144,24 @@ def prefill_out(m: LayerMath, layer: nn.Module, fused: FusedLayer, h, q, k, v) -
     return _finish(layer, fused, h, _prefill_attend(m, q, k.transpose(1, 2), v.transpose(1, 2), None))
 
 
+def packed_out(m: LayerMath, layer: nn.Module, fused: FusedLayer, h, q, k, v, block_mask) -> torch.Tensor:
+    """Fresh slots' prompts back to back in one row ``[1, T, ...]``: flex attention through ``block_mask``
+    (causal within each prompt, nothing across: ``target.packing.packed_block_mask``), so no padding
+    token is computed; then the rest of the layer."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    t = q.shape[1]
+    attended = flex_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=block_mask,
+        scale=m.scaling,
+        enable_gqa=m.gqa,
+    )  # [1, heads, T, D]
+    return _finish(layer, fused, h, attended.transpose(1, 2).reshape(1, t, -1))
+
+
 def extend_out(
     m: LayerMath, layer: nn.Module, fused: FusedLayer, h, q, keys, values, mask: torch.Tensor
 ) -> torch.Tensor:

@@ -11,6 +11,9 @@ result against HF's own ``generate``, token for token.
 Families served here are dense full-attention decoders with rotary positions (Qwen3, Qwen2, Llama,
 Mistral without a sliding window) and their MoE variants (Qwen3-MoE, Qwen2-MoE: the MLP block is called as
 it is). ``unsupported_reason`` names why another model is not, and the caller falls back to HF's forward.
+
+Why one file past 400 lines: decode steps, verify blocks and both prefill layouts are one class over one
+cache layout, one set of layer functions and one compile policy; split, each half reads the other's state.
 """
 
 from __future__ import annotations
@@ -32,15 +35,17 @@ from dflash_pipe.target.decode.layer import (
     decode_out,
     extend_out,
     layer_in,
+    packed_out,
     prefill_out,
 )
 from dflash_pipe.target.layers import find_decoder_layers
-from dflash_pipe.target.packing import call_compiled
+from dflash_pipe.target.packing import FLEX_PAD_TO, call_compiled, packed_block_mask
 
 DENSE_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 """Families whose decode step is captured whole in a CUDA graph."""
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 """Families served eagerly: HF's expert dispatch picks experts on the host (data-dependent shapes)."""
+PREFILL_LAYOUTS = ("padded", "packed")
 POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn", None)
 """RoPE types whose cos/sin depend on the position alone (so one table serves every step)."""
 
@@ -136,6 +141,7 @@ class DecodeStack:
         decode_attention: str | None = None,
         compile_layers: bool | None = None,
         compile_prefill: bool | None = None,
+        prefill_layout: str = "padded",
     ) -> None:
         """``decode_attention``: "triton" (``attention_kernel``: each slot's live columns only, bf16/fp16 on
         CUDA), "sdpa" (``scaled_dot_product_attention`` with a boolean mask over the whole span) or "matmul"
@@ -145,7 +151,14 @@ class DecodeStack:
         (Inductor fuses the norms, RoPE, residual adds and softmax: an eager step is ~800 kernels, a third of
         its time in elementwise ones); one graph serves all layers, so it compiles in seconds, not the
         minutes a whole-step graph took. Default: on CUDA for families ``graph_safe`` accepts.
-        ``compile_prefill``: the same for prefill calls (default: as ``compile_layers``)."""
+        ``compile_prefill``: the same for prefill calls (default: as ``compile_layers``).
+        ``prefill_layout``: how fresh prompts (nothing cached before them) are prefilled: "padded" (right-
+        padded rows, SDPA causal) or "packed" (back to back in one row, flex attention through a block
+        mask: no pad token computed; the producer's feature forward runs the same way). Uncompiled, flex
+        materialises the whole score matrix: "packed" is meant for compiled prefill (CUDA)."""
+        if prefill_layout not in PREFILL_LAYOUTS:
+            raise ValueError(f"prefill_layout must be one of {PREFILL_LAYOUTS}, got {prefill_layout!r}")
+        self.prefill_layout = prefill_layout
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot be decoded by the slot engine: {reason}")
@@ -193,6 +206,11 @@ class DecodeStack:
             compile_layers = self.device.type == "cuda" and self.graph_safe
         self.compile_layers = compile_layers
         self.compile_prefill = compile_layers if compile_prefill is None else compile_prefill
+        if prefill_layout == "packed" and self.compile_prefill and self.device.type != "cuda":
+            raise ValueError(
+                f"prefill_layout='packed' with compiled prefill: compiled flex attention needs CUDA (this "
+                f"model is on {self.device}); use compile_prefill=False or prefill_layout='padded'"
+            )
 
     @property
     def decode_attention(self) -> str:
@@ -319,9 +337,40 @@ class DecodeStack:
     ) -> torch.Tensor:
         """Writes ``seqs[r]`` into slot ``slots[r]`` from position ``starts[r]`` on (the slot's cache keeps
         positions ``< starts[r]``) and returns the logits after each one's last token ``[k, V]`` (fp32)."""
+        if self.prefill_layout == "packed" and not any(starts):
+            return self._logits(self._packed(cache, slots, seqs))
         h, lengths, _ = self._rows(cache, slots, seqs, starts, ())
         last = h[torch.arange(len(seqs), device=self.device), lengths - 1]  # [k, H]
         return self._logits(last)
+
+    def _packed(self, cache: SlotCache, slots: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        """Fresh prompts back to back in one row: the last layer's output after each one's last token
+        ``[k, H]``. The row is padded to whole flex tiles when compiled (fewer shape variants); the pad
+        tokens are a sample of their own and write to the trash column."""
+        dev = self.device
+        lengths = [len(seq) for seq in seqs]
+        total = sum(lengths)
+        pad = -total % FLEX_PAD_TO if self.compile_prefill else 0
+        ids = torch.as_tensor([t for seq in seqs for t in seq] + [0] * pad, dtype=torch.long)
+        counts = torch.as_tensor(lengths + [pad])
+        sample = torch.repeat_interleave(torch.arange(len(seqs) + 1), counts)  # [T]: the prompt of each token
+        first_of = torch.cumsum(counts, 0) - counts  # where each prompt starts in the row
+        where = torch.arange(total + pad) - first_of[sample]  # position in its own slot
+        where[total:] = cache.trash
+        slot_of = torch.as_tensor(slots + [slots[0]])[sample]
+        ids, sample, where, slot_of = (t.to(dev) for t in (ids, sample, where, slot_of))
+        mask = packed_block_mask(sample, compile=self.compile_prefill)
+        cos, sin = self._rope(where[None])
+        first = self._layer_fn(layer_in, self.compile_prefill, total + pad)
+        attend = self._layer_fn(packed_out, self.compile_prefill, total + pad)
+        h = self.embed(ids)[None]  # [1, T, H]
+        for i, (layer, fused) in enumerate(zip(self.layers, self.fused, strict=True)):
+            q, k, v = first(layer, fused, h, cos, sin)
+            cache.keys[i][slot_of, :, where] = k[0]
+            cache.values[i][slot_of, :, where] = v[0]
+            h = attend(layer, fused, h, q, k, v, mask)
+        last = torch.cumsum(torch.as_tensor(lengths, device=dev), 0) - 1
+        return h[0, last]
 
     def extend(
         self, cache: SlotCache, slot: int, tokens: list[int], start: int, feature_layers: Sequence[int] = ()
