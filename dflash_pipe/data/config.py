@@ -19,7 +19,7 @@ class DataConfig:
             "--data",
             "Training data: a JSONL file; a parquet or arrow file, or a folder or glob of their shards; a "
             "datasets save_to_disk folder; or a Hugging Face dataset id ORG/NAME[:SPLIT] read from the local "
-            "cache only, never downloaded (tables need pip install 'dflash-pipe[data]'). Rows or lines in the "
+            "datasets or Hub file cache only, never downloaded (tables need pip install 'dflash-pipe[data]'). Rows or lines in the "
             "messages, ShareGPT or input_ids+loss_mask format (default with the demo: bundled samples).",
             param="data_path",
         )
@@ -27,7 +27,7 @@ class DataConfig:
     """The data (``sources.resolve_source``): a JSONL file (one conversation, messages / ShareGPT, or one
     pre-tokenized sample per line); parquet or arrow files (a file, a folder or a glob of shards), a
     ``datasets`` ``save_to_disk`` folder, or a Hub dataset id (``ORG/NAME``, ``ORG/NAME:SPLIT``,
-    ``ORG/NAME:CONFIG:SPLIT``) in the local cache, whose rows have the same formats. Tables are read in
+    ``ORG/NAME:CONFIG:SPLIT``) in the local ``datasets`` or Hub file cache, whose rows have the same formats. Tables are read in
     record batches (docs/data.md)."""
     max_length: int = field(
         default=3072, metadata=flag("--max-length", "Longer samples are truncated (default 3072; demo 512).")

@@ -1,5 +1,6 @@
 """Tables through the ``datasets`` library: the optional ``data`` extra, ``save_to_disk`` folders, and Hub
-dataset ids resolved from the local cache only.
+dataset ids resolved from the local caches only (the ``datasets`` cache that ``load_dataset`` prepares,
+then the Hub file cache that ``hf download --repo-type dataset`` fills).
 
 ``datasets`` is imported here and only when ``--data`` names a table, so JSONL runs never pay for it (or
 need it installed). It is used to find the files (a ``DatasetDict``'s splits, the cache layout of a Hub id);
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from .samples import DataError
 from .sources import ARROW, PARQUET, HubSpec, TableSource
 
 INSTALL = "pip install 'dflash-pipe[data]'"
+SPLIT_NAMES = ("train", "validation", "valid", "dev", "test", "eval")
+"""Folder names and file-name words that name a split in a Hub repo's data files."""
 
 
 def require_datasets(label: str) -> Any:
@@ -75,6 +79,9 @@ def hub_source(label: str, spec: HubSpec) -> TableSource:
                 download_config=datasets.DownloadConfig(local_files_only=True),
             )
         except (ConnectionError, FileNotFoundError) as exc:
+            files = hub_file_source(label, spec)
+            if files is not None:
+                return files
             raise DataError(not_cached_message(label, spec, cache, exc)) from None
         except ValueError as exc:  # cached, but not this config or split
             raise DataError(
@@ -92,14 +99,72 @@ def hub_source(label: str, spec: HubSpec) -> TableSource:
 
 
 def not_cached_message(label: str, spec: HubSpec, cache: Path, exc: BaseException) -> str:
-    """One line: the id is not in the cache; runs never download; how to get it there, or what else to pass."""
+    """One line: the id is in neither cache; runs never download; how to get it there, or what else to pass."""
     args = repr(spec.repo_id) + (f", {spec.config!r}" if spec.config else "")
     return (
         f"{label}: the Hugging Face dataset {spec.repo_id} is not in the local datasets cache {cache} "
-        f"({_first_line(exc)}); dflash-pipe never downloads data during a run. Download it once beforehand "
-        f'(online, with the same HF_HOME / HF_DATASETS_CACHE): python -c "import datasets; '
-        f'datasets.load_dataset({args})", or pass a local path (parquet, arrow, a save_to_disk folder, JSONL)'
+        f"({_first_line(exc)}) nor in the Hub file cache {hub_cache_dir()}; dflash-pipe never downloads data "
+        "during a run. Download it once beforehand (online, with the same HF_HOME): hf download "
+        f'--repo-type dataset {spec.repo_id}, or python -c "import datasets; datasets.load_dataset({args})", '
+        "or pass a local path (parquet, arrow, a save_to_disk folder, JSONL)"
     )
+
+
+def hub_file_source(label: str, spec: HubSpec) -> TableSource | None:
+    """The id's parquet shards as ``hf download --repo-type dataset`` leaves them in the Hub file cache
+    (the snapshot ``refs/main`` points at), for the asked split (default: ``train``, or the only one); None
+    when the cache holds no snapshot of the id. A file's split is a folder of its path or its name's
+    first word (``data/train-00000-of-00002.parquet``, ``test/0.parquet``), as the Hub's viewer reads it."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        root = Path(
+            snapshot_download(
+                spec.repo_id, repo_type="dataset", cache_dir=str(hub_cache_dir()), local_files_only=True
+            )
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        return None
+    shards = sorted(p for p in root.rglob("*.parquet") if p.is_file())
+    if spec.config is not None:
+        shards = [p for p in shards if spec.config in p.relative_to(root).parts[:-1]]
+    by_split: dict[str, list[Path]] = {}
+    for shard in shards:
+        by_split.setdefault(_split_of(shard.relative_to(root)), []).append(shard)
+    where = f"the Hub file cache's snapshot {root}"
+    if not by_split:
+        raise DataError(
+            f"{label}: {where} holds no parquet files{' for config ' + spec.config if spec.config else ''}. "
+            "Pass its data files as a local path (a file, a folder or a glob)"
+        )
+    split = spec.split or pick_split(label, sorted(by_split), f"name one: --data {spec.repo_id}:SPLIT")
+    if split not in by_split:
+        raise DataError(
+            f"{label}: {where} has no split {split!r} (it has {', '.join(sorted(by_split))}). "
+            f"Name one it has: --data {spec.repo_id}:SPLIT"
+        )
+    return file_source(label, tuple(by_split[split]), PARQUET)
+
+
+def _split_of(relative: Path) -> str:
+    """``data/train-00000-of-00001.parquet`` -> train, ``default/test/0000.parquet`` -> test; a file that
+    names no split is ``train`` (as the Hub reads a repo without split names)."""
+    for part in relative.parts[:-1]:
+        if part in SPLIT_NAMES:
+            return part
+    word = re.split(r"[-_.]", relative.name)[0]
+    return word if word in SPLIT_NAMES else "train"
+
+
+def hub_cache_dir() -> Path:
+    """Where ``huggingface_hub`` keeps downloaded repo files, from the environment now: HF_HUB_CACHE,
+    else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    return Path(home).expanduser() / "hub"
 
 
 def pick_split(label: str, splits: list[str], how: str) -> str:

@@ -299,6 +299,32 @@ def test_an_uncached_hub_id_is_one_line_naming_id_cache_and_fix(hub_cache, tok):
         load("org/chat_set:nope", tok)
 
 
+def test_a_hub_id_fetched_with_hf_download_resolves_from_the_hub_file_cache(hub_cache, tmp_path, tok):
+    """``hf download --repo-type dataset org/files_set`` leaves its files under HF_HOME/hub, not in the
+    datasets cache: the id resolves to its snapshot's parquet shards, per split, offline."""
+    rows = [r for r in mixed_rows() if "input_ids" not in r]
+    repo = tmp_path / "hf" / "hub" / "datasets--org--files_set"
+    snapshot = repo / "snapshots" / "abc123"
+    (snapshot / "data").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    pq.write_table(table(rows[:4]), snapshot / "data" / "train-00000-of-00002.parquet")
+    pq.write_table(table(rows[4:]), snapshot / "data" / "train-00001-of-00002.parquet")
+    pq.write_table(table(rows[:2]), snapshot / "data" / "test-00000-of-00001.parquet")
+    want = load(write_jsonl(tmp_path / "c.jsonl", rows), tok)
+    same(load("org/files_set", tok), want)  # both train shards, in order
+    assert len(load("org/files_set:test", tok).samples) == 2
+    with pytest.raises(
+        DataError, match=r"org/files_set:dev: the Hub file cache's snapshot .* has no split 'dev'"
+    ):
+        load("org/files_set:dev", tok)
+    with pytest.raises(DataError) as info:
+        load("org/missing", tok)
+    assert str(tmp_path / "hf" / "hub") in str(info.value) and "hf download --repo-type dataset" in str(
+        info.value
+    )
+
+
 def test_local_paths_are_not_taken_for_hub_ids(tmp_path, tok, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
