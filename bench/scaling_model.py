@@ -14,7 +14,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_pipe.bench.scaling import Case, Drafter, Protocol, RunShape, Target, drafter_params, model
+from dflash_pipe.bench.scaling import Case, Drafter, Gpu, Protocol, RunShape, Target, drafter_params, model
 
 # ---------------------------------------------------------------------------------------------------------
 # the two cases of issue 31
@@ -204,6 +204,11 @@ _ROWS: list[tuple[str, tuple[str, ...], object]] = [
         _num(1),
     ),
     ("messages/s at the coordinator", ("coordinator.coordinator_msgs_s",), _num(0)),
+    (
+        "one silent host's stall / one cold start (compile), share of the run",
+        ("silent_host_share_of_run", "cold_start_share_of_run"),
+        _num(3),
+    ),
     ("hand-over state (fp32 weights + AdamW), bytes", ("recovery.handover_state_bytes",), _si),
     ("recover from a killed node's processes, s", ("recovery.killed_process_s",), _num(1)),
     ("recover from a silent (lost) host, s", ("recovery.silent_host_s",), _num(1)),
@@ -267,6 +272,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
     ap.add_argument("--training-tokens", type=float, default=defaults.training_tokens)
     ap.add_argument("--epochs", type=int, default=defaults.epochs)
+    ap.add_argument(
+        "--busbw-gb-s",
+        type=float,
+        default=Gpu().internode_busbw_gb_s,
+        help="all-reduce bus bandwidth per GPU",
+    )
     args = ap.parse_args(argv)
     run = RunShape(
         nodes=args.nodes,
@@ -274,7 +285,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         training_tokens=args.training_tokens,
         epochs=args.epochs,
     )
-    results = [model(replace(case(), run=run)) for case in (hybrid_27b, moe_1t)]
+    gpu = Gpu(internode_busbw_gb_s=args.busbw_gb_s)
+    results = [model(replace(case(), run=run, gpu=gpu)) for case in (hybrid_27b, moe_1t)]
     checked = checks()
     text = markdown(results) + "\n" + checks_markdown(checked)
     print(text, end="")

@@ -326,6 +326,11 @@ def recovery(c: Case, split: dict, link: dict) -> dict:
     }
 
 
+def out_recovery_s(c: Case, split: dict) -> float:
+    """Seconds the whole group stands still for one silent host."""
+    return recovery(c, split, links(c, split))["silent_host_s"]
+
+
 def model(c: Case) -> dict:
     """Every figure for one case, with and without regeneration."""
     out: dict = {"case": c.name, "inputs": asdict(c), "layers_run": layers_run(c.target)}
@@ -339,6 +344,8 @@ def model(c: Case) -> dict:
             "coordinator": coordinator(c, split, link),
             "recovery": recovery(c, split, link),
             "hours_for_training_tokens": hours,
+            "silent_host_share_of_run": out_recovery_s(c, split) / (hours * 3600),
+            "cold_start_share_of_run": c.protocol.cold_first_step_s / (hours * 3600),
         }
     # regeneration writes each sample's responses once (epoch 0); later epochs reuse them
     epoch = c.run.training_tokens / c.run.epochs
