@@ -151,6 +151,17 @@ _ROWS: list[tuple[str, tuple[str, ...], object]] = [
     ("split scope", ("split.scope",), str),
     ("GPUs per target replica", ("split.replica_gpus",), str),
     ("target / drafter GPUs (per node, or cluster)", ("split.target_gpus", "split.drafter_gpus"), str),
+    (
+        "target tokens/s per GPU: features / decoding",
+        ("split.target_feature_tokens_per_gpu_s", "split.target_decode_tokens_per_gpu_s"),
+        _num(0),
+    ),
+    (
+        "supply per target GPU / demand per drafter GPU, trained tokens/s",
+        ("split.supply_per_target_gpu", "split.demand_per_drafter_gpu"),
+        _num(0),
+    ),
+    ("lockstep share (mean / max batch tokens)", ("split.lockstep_share",), _num(3)),
     ("balanced target share (continuous)", ("split.balanced_target_share",), _num(2)),
     ("target / drafter GPUs, whole run", ("split.target_gpus_total", "split.drafter_gpus_total"), str),
     (
