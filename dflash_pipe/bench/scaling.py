@@ -271,7 +271,8 @@ def coordinator(c: Case, split: dict, link: dict) -> dict:
     p = c.protocol
     steps_s = link["steps_per_s"]
     beat = 1.0 / p.heartbeat_s
-    worker_out = steps_s * p.worker_msgs_per_step + beat + steps_s / p.log_every  # ACK+READY, beat, METRICS
+    worker_out = steps_s * p.worker_msgs_per_step + beat  # ACK + READY each step, a heartbeat
+    # (rank 0 alone adds METRICS every log_every steps: counted once, at the coordinator)
     worker_in = steps_s + beat  # one BATCH per step, the producer's heartbeat
     drafters = split["drafter_gpus_total"]
     # one producer process per node holds all its replicas; a replica over nodes is a producer of its own
@@ -286,7 +287,9 @@ def coordinator(c: Case, split: dict, link: dict) -> dict:
         "workers_per_producer": workers_per_producer,
         "producer_msgs_s_with_workers": workers_per_producer * (worker_in + worker_out),
         "producer_msgs_s_with_coordinator": batches_s / producers * p.coordinator_msgs_per_batch + 2 * beat,
-        "coordinator_msgs_s": batches_s * p.coordinator_msgs_per_batch + producers * 2 * beat,
+        "coordinator_msgs_s": batches_s * p.coordinator_msgs_per_batch
+        + producers * 2 * beat
+        + steps_s / p.log_every,
         "batches_s": batches_s,
     }
 
