@@ -176,3 +176,15 @@ def test_main_writes_markdown_and_json(tmp_path):
     assert len(data["checks"]) == 4 and "| checked here |" in text
     assert "51.20 KB" in text and "| ledger |" in text
     assert data["cases"][0]["inputs"]["run"]["nodes"] == 4
+
+
+def test_docs_scaling_pastes_the_current_output(tmp_path):
+    """docs/scaling.md's tables are the script's output at the defaults, not typed by hand: rerun it and
+    find every line in the doc (rerun `python bench/scaling_model.py --out bench/results/scaling_model`
+    and paste again when the model changes)."""
+    scaling_model.main(["--out", str(tmp_path)])
+    doc = (ROOT / "docs" / "scaling.md").read_text().splitlines()
+    missing = [line for line in (tmp_path / "scaling_model.md").read_text().splitlines() if line not in doc]
+    assert not missing, missing[:3]
+    recorded = (ROOT / "bench" / "results" / "scaling_model" / "scaling_model.md").read_text()
+    assert recorded == (tmp_path / "scaling_model.md").read_text()
