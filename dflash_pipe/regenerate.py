@@ -73,7 +73,7 @@ def regenerate_file(
 
     from dflash_pipe.target.generate import TurnGenerator
 
-    source = load_conversations(data)
+    source = load_conversations(data, spill_dir=Path(out).parent)
     store = RegenStore(out, provenance(target_path, data, settings))
     try:
         todo = [i for i in range(len(source.conversations)) if i not in store.done]

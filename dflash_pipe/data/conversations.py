@@ -8,7 +8,7 @@ Any source ``sources.resolve_source`` accepts: JSONL lines or table rows, parsed
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,8 @@ class SourceConversations:
     """The conversations of a data file, in file order, ready to regenerate."""
 
     path: Path
-    conversations: list[list[dict[str, str]]]
+    conversations: Sequence[list[dict[str, str]]]
+    """In memory, or on disk (``spill.SpilledConversations``) when loaded with a ``spill_dir``."""
     skipped_lines: int = 0
     skip_reasons: dict[str, int] = field(default_factory=dict)
 
@@ -35,14 +36,20 @@ class SourceConversations:
         return sum(sum(m["role"] == "assistant" for m in c) for c in picked)
 
 
-def load_conversations(cfg: DataConfig) -> SourceConversations:
+def load_conversations(cfg: DataConfig, spill_dir: Path | None = None) -> SourceConversations:
     """The conversations of ``cfg.path`` (messages or ShareGPT lines, or rows of a table; a regenerated
     file's bookkeeping lines are skipped), indexed in file (row) order over those kept. Pre-tokenized
     records have no turns to regenerate: a ``DataError`` naming the line. Bad lines raise ``DataError`` or,
-    with ``cfg.skip_bad_lines``, are counted per reason. All conversations are held in memory (regeneration
-    hands them out by index, in length-sorted windows)."""
+    with ``cfg.skip_bad_lines``, are counted per reason. Regeneration hands them out by index, in
+    length-sorted windows: they are held in memory, or with ``spill_dir`` in an anonymous file there (a run
+    passes its run dir: a big set then costs 8 bytes a conversation of memory)."""
+    from .spill import SpilledConversations
+
     source = resolve_source(cfg.path)
-    out = SourceConversations(path=Path(source.label), conversations=[])
+    kept: MutableSequence[list[dict[str, str]]] | SpilledConversations = (
+        [] if spill_dir is None else SpilledConversations(spill_dir)
+    )
+    out = SourceConversations(path=Path(source.label), conversations=kept)
     reasons: Counter[str] = Counter()
     for where, unit, raw in _records(source):
         try:
@@ -62,7 +69,7 @@ def load_conversations(cfg: DataConfig) -> SourceConversations:
                 "ShareGPT format), or train this data as it is with --responses dataset"
             )
         assert isinstance(record, Conversation)
-        out.conversations.append(record.messages)
+        kept.append(record.messages)
     out.skipped_lines = sum(reasons.values())
     out.skip_reasons = dict(reasons)
     if not out.conversations:

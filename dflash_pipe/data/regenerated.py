@@ -24,10 +24,12 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dflash_pipe.diskspace import is_no_space, no_space_error
 
@@ -187,7 +189,8 @@ class RegenStore:
         (else ``RegenFileError`` naming the difference); a torn last line (a kill mid-write) is cut off."""
         self.path = Path(path)
         self.provenance = provenance
-        self.done: dict[int, Regenerated] = {}
+        self.done = DoneRecords(self.path)
+        """Every conversation in the file, read back by index on demand (not held in memory)."""
         self.torn_bytes = 0
         """Bytes of a torn last line cut off when the file was opened."""
         if self.path.exists() and self.path.stat().st_size > 0:
@@ -195,24 +198,46 @@ class RegenStore:
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._write_header()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close()
+        self._file = open(self.path, "ab")  # noqa: SIM115 -- closed by close()
+        self._size = self.path.stat().st_size
+        self.done.open()
 
     def _write_header(self) -> None:
         header = {BOOKKEEPING_KEY: {"regenerated": {"version": FILE_VERSION, **self.provenance}}}
         self.path.write_text(json.dumps(header) + "\n")
 
     def _read_existing(self) -> None:
-        raw = self.path.read_bytes()
-        lines = raw.split(b"\n")
-        complete_end = len(raw) - len(lines[-1])  # bytes up to the last newline
-        if lines[-1].strip():  # no newline at the end: the write of that line was cut short
-            self.torn_bytes = len(lines[-1])
-        lines = lines[:-1]
-        if not lines:  # killed while writing the header: nothing was generated yet
-            self._write_header()
-            return
+        """The header checked, then every complete line's index and byte range (a line at a time: the
+        file may be bigger than memory); a torn last line is cut off."""
+        with open(self.path, "rb") as f:
+            first = f.readline()
+            if not first.endswith(b"\n"):  # killed while writing the header: nothing was generated yet
+                self._write_header()
+                return
+            self._check_header(first)
+            start, n = len(first), 1
+            for line in f:
+                n += 1
+                if not line.endswith(b"\n"):  # no newline at the end: the write of that line was cut short
+                    self.torn_bytes = len(line)
+                    break
+                if line.strip():
+                    try:
+                        record = Regenerated.from_line(json.loads(line))
+                    except (ValueError, TypeError, KeyError) as e:
+                        raise RegenFileError(
+                            f"{self.path}:{n}: damaged line ({e}). Delete the file to regenerate everything, "
+                            "or cut the lines from this one on to keep the rest"
+                        ) from None
+                    self.done.add(record.index, start, len(line))
+                start += len(line)
+        if self.torn_bytes:
+            with open(self.path, "r+b") as f:
+                f.truncate(start)
+
+    def _check_header(self, first: bytes) -> None:
         try:
-            header = json.loads(lines[0])[BOOKKEEPING_KEY]["regenerated"]
+            header = json.loads(first)[BOOKKEEPING_KEY]["regenerated"]
         except (IndexError, ValueError, KeyError, TypeError):
             raise RegenFileError(
                 f"{self.path}: not a regenerated-conversations file (its first line is not the dflash-pipe "
@@ -226,33 +251,19 @@ class RegenStore:
                     "its conversations are not what this run's target and settings would say. Delete the file "
                     "(it is regenerated), or run with the settings it was made with"
                 )
-        for n, line in enumerate(lines[1:], start=2):
-            if not line.strip():
-                continue
-            try:
-                record = Regenerated.from_line(json.loads(line))
-            except (ValueError, TypeError, KeyError) as e:
-                raise RegenFileError(
-                    f"{self.path}:{n}: damaged line ({e}). Delete the file to regenerate everything, or cut "
-                    "the lines from this one on to keep the rest"
-                ) from None
-            self.done[record.index] = record
-        if self.torn_bytes:
-            with open(self.path, "r+b") as f:
-                f.truncate(complete_end)
 
     def append(self, records: Iterable[Regenerated]) -> None:
         """Writes the records and flushes them to disk (one job's worth at a time). A full disk is
         ``DiskFullError``; what was written before stays, a torn last line is cut off when the file reopens."""
         records = list(records)
-        lines = [json.dumps(r.to_line(), ensure_ascii=False) + "\n" for r in records]
+        lines = [(json.dumps(r.to_line(), ensure_ascii=False) + "\n").encode() for r in records]
         try:
             for line in lines:
                 self._file.write(line)
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as exc:
-            needed = sum(len(line.encode()) for line in lines)
+            needed = sum(len(line) for line in lines)
             if is_no_space(exc, self.path, needed):
                 raise no_space_error(
                     self.path,
@@ -262,13 +273,65 @@ class RegenStore:
                     "file stays and is not generated again",
                 ) from None
             raise
-        for record in records:
-            self.done[record.index] = record
+        for record, line in zip(records, lines, strict=True):
+            self.done.add(record.index, self._size, len(line))
+            self._size += len(line)
 
     def close(self) -> None:
+        self.done.close()
         if not self._file.closed:
             with contextlib.suppress(OSError):  # a full disk was already reported by append
                 self._file.close()
+
+
+class DoneRecords(Mapping[int, Regenerated]):
+    """The conversations of a regenerated file by index: each one's byte range (16 bytes an index), the
+    record parsed from the file when asked for, so a run over 10M conversations does not hold their
+    replies in memory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._start = np.full(0, -1, dtype=np.int64)
+        self._length = np.zeros(0, dtype=np.int64)
+        self._count = 0
+        self._fd: int | None = None
+
+    def add(self, index: int, start: int, length: int) -> None:
+        if index >= len(self._start):
+            grow = max(index + 1, 2 * len(self._start), 1024)
+            self._start = np.concatenate([self._start, np.full(grow - len(self._start), -1, dtype=np.int64)])
+            self._length = np.concatenate([self._length, np.zeros(grow - len(self._length), dtype=np.int64)])
+        self._count += int(self._start[index] < 0)
+        self._start[index], self._length[index] = start, length
+
+    def open(self) -> None:
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, int) and 0 <= index < len(self._start) and self._start[index] >= 0
+
+    def __getitem__(self, index: int) -> Regenerated:
+        if index not in self:
+            raise KeyError(index)
+        start, length = int(self._start[index]), int(self._length[index])
+        if self._fd is not None:
+            raw = os.pread(self._fd, length, start)
+        else:
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                raw = f.read(length)
+        return Regenerated.from_line(json.loads(raw))
+
+    def __iter__(self) -> Iterator[int]:
+        return (int(i) for i in np.flatnonzero(self._start >= 0))
+
+    def __len__(self) -> int:
+        return self._count
 
 
 def _content(value: Any) -> Any:

@@ -84,7 +84,7 @@ def data_report(core: ProducerCore) -> dict[str, Any]:
     ctx, data = core.ctx, core.ctx.data
     if core.regen is not None:
         regen = core.regen
-        samples = sum(s is not None for s in regen.train_samples)
+        samples = regen.samples_ready
         held_out, dropped = len(regen.eval_indexes), dict(regen.void_reasons)
     else:
         samples, held_out = len(ctx.train_samples), len(ctx.eval_samples)

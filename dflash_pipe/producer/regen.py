@@ -21,8 +21,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash_pipe.data import DataConfig, Sample, plan_batches
@@ -31,6 +33,7 @@ from dflash_pipe.data.formats import FormatError
 from dflash_pipe.data.lines import drop_reason, fit_sample
 from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, SourceConversations
 from dflash_pipe.data.render import render_conversation
+from dflash_pipe.data.spill import SpilledSamples
 from dflash_pipe.target.decode.sizing import FALLBACK_SLOTS, FREE_SHARE, SHARED_FREE_SHARE
 from dflash_pipe.telemetry import RateMeter
 
@@ -104,7 +107,10 @@ class Regeneration:
         tokenizer: Any,
         *,
         seed: int,
+        spill_dir: Path | None = None,
     ) -> None:
+        """``spill_dir``: where the samples made of the replies are kept (``data.spill``: an anonymous file,
+        a few bytes of memory a sample), the run dir in a run; None: in memory (tests, small data)."""
         self.source = source
         self.num_train = num_train
         self.store = store
@@ -123,7 +129,11 @@ class Regeneration:
         self.memory_share = FREE_SHARE
         self.generate_s = 0.0
         """Target-thread seconds spent generating (the jobs' own times, summed over replicas)."""
-        self.train_samples: list[Sample | None] = [None] * num_train
+        self.train_samples: SpilledSamples | list[Sample | None] = (
+            [None] * num_train if spill_dir is None else SpilledSamples(spill_dir, num_train)
+        )
+        self._lengths = np.zeros(num_train, dtype=np.int64)
+        """Tokens of each training sample (0: none yet, or a void): plans read these, not the samples."""
         self.voids: set[int] = set()
         self.void_reasons: Counter[str] = Counter()
         """Why each void has nothing to train (its first turn's failure, or the loader's drop reason)."""
@@ -242,7 +252,13 @@ class Regeneration:
             self.void_reasons[made] += 1
             return None
         self.train_samples[record.index] = made
+        self._lengths[record.index] = made.input_ids.numel()
         return made
+
+    @property
+    def samples_ready(self) -> int:
+        """Training samples made so far (now or from the file)."""
+        return int(np.count_nonzero(self._lengths))
 
     def nothing_to_train(self) -> str | None:
         """Once every training conversation is regenerated (now or in the file): why no sample came out of
@@ -286,7 +302,7 @@ class Regeneration:
         """Epoch 0's batches: first the samples that exist (minus ``exclude``), then batches of the replies
         as they arrive (a batch once ``token_budget`` tokens have come, the rest at the end); ``None`` while
         nothing can be planned yet but conversations are still being generated."""
-        ready = [i for i, s in enumerate(self.train_samples) if s is not None and i not in exclude]
+        ready = [int(i) for i in np.flatnonzero(self._lengths) if int(i) not in exclude]
         self._arrived.clear()  # what arrived before now is in `ready`
         yield from self._plan(ready, hold_back=False)
         while True:
@@ -300,20 +316,20 @@ class Regeneration:
 
     def later_epoch(self, epoch: int, exclude: set[int]) -> list[list[int]]:
         """Any epoch after the first: every sample, planned as dataset responses are (voids left out)."""
-        lengths = [0 if s is None else int(s.input_ids.numel()) for s in self.train_samples]
+        lengths = self._lengths.tolist()
         return plan_batches(
             lengths, self.data.token_budget, seed=self.seed, epoch=epoch, exclude=set(exclude) | self.voids
         )
 
     def _arrived_tokens(self) -> int:
-        return sum(int(self.train_samples[i].input_ids.numel()) for i in self._arrived)  # type: ignore[union-attr]
+        return int(self._lengths[self._arrived].sum())
 
     def _plan(self, ids: list[int], *, hold_back: bool) -> Iterator[list[int]]:
         """``ids`` packed by the token budget; with ``hold_back`` the least-filled batch waits for the next
         arrivals instead of going out short."""
         if not ids:
             return
-        lengths = [int(self.train_samples[i].input_ids.numel()) for i in ids]  # type: ignore[union-attr]
+        lengths = self._lengths[ids].tolist()
         planned = plan_batches(lengths, self.data.token_budget, seed=self.seed, epoch=0)
         if hold_back and len(planned) > 1:
             short = min(range(len(planned)), key=lambda b: sum(lengths[j] for j in planned[b]))

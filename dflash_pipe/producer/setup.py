@@ -155,7 +155,7 @@ class PendingRun:
         )
         from dflash_pipe.producer.regen import Regeneration
 
-        source = load_conversations(self.cfg.data)
+        source = load_conversations(self.cfg.data, spill_dir=self.cfg.run_dir)
         check_prompts_fit(
             source, self.tokenizer, self.cfg.data
         )  # before the file is opened or any is generated
@@ -171,6 +171,7 @@ class PendingRun:
             self.cfg.data,
             self.tokenizer,
             seed=self.cfg.train.seed,
+            spill_dir=self.cfg.run_dir,
         )
 
     def close(self) -> None:
