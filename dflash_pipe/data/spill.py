@@ -22,6 +22,8 @@ import msgpack
 import numpy as np
 import torch
 
+from dflash_pipe.diskspace import is_no_space, no_space_error
+
 from .samples import Sample
 
 IDS = np.uint32
@@ -33,20 +35,33 @@ class _AppendFile:
     moves a writer's position, so target threads read while the main thread appends)."""
 
     def __init__(self, directory: Path, prefix: str) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.directory, self.prefix = Path(directory), prefix
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._file = tempfile.TemporaryFile(dir=directory, prefix=prefix)  # noqa: SIM115 -- close()
         self._fd = self._file.fileno()
         self.size = 0
         self._lock = threading.Lock()
 
     def append(self, data: bytes) -> int:
-        """Writes ``data`` at the end; returns where it starts."""
+        """Writes ``data`` at the end; returns where it starts. A full disk is one ``DiskFullError`` line
+        naming the directory (the end does not move: the next append writes over what this one left)."""
         with self._lock:
             start = self.size
             view = memoryview(data)
-            while view:
-                written = os.pwrite(self._fd, view, start + len(data) - len(view))
-                view = view[written:]
+            try:
+                while view:
+                    written = os.pwrite(self._fd, view, start + len(data) - len(view))
+                    view = view[written:]
+            except OSError as exc:
+                if is_no_space(exc, self.directory, len(data)):
+                    raise no_space_error(
+                        self.directory,
+                        len(data),
+                        what=f"regeneration's working files ({self.prefix.rstrip('-')})",
+                        fix="Free space there or move the run dir to a larger disk, then resume: the "
+                        "regenerated file keeps every conversation written",
+                    ) from None
+                raise
             self.size += len(data)
             return start
 
@@ -74,8 +89,13 @@ class SpilledSamples(Sequence[Sample | None]):
         ids = sample.input_ids.numpy().astype(IDS, copy=False)
         if ids.size and int(sample.input_ids.max()) >= 2**32:
             raise ValueError(f"sample {index}: a token id does not fit 32 bits")
-        start = self._ids.append(ids.tobytes()) // ids.itemsize
-        self._mask.append(sample.loss_mask.numpy().astype(np.uint8).tobytes())
+        start_byte = self._ids.append(ids.tobytes())
+        try:
+            self._mask.append(sample.loss_mask.numpy().astype(np.uint8).tobytes())
+        except Exception:
+            self._ids.size = start_byte  # both files stay in step: the next sample writes over it
+            raise
+        start = start_byte // ids.itemsize
         self._length[index] = ids.size
         self._start[index] = start  # last: a reader sees the slot only once its bytes are written
 

@@ -86,3 +86,34 @@ def test_done_records_are_read_from_the_file_not_held(tmp_path):
     assert sorted(again.done) == [0, 3, 9] and again.done[3].messages == records[0].messages
     assert isinstance(again.done._start, np.ndarray)  # byte ranges, not records
     again.close()
+
+
+def test_a_full_disk_is_one_line_naming_the_run_dir_and_the_files_stay_in_step(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from dflash_pipe.diskspace import DiskFullError
+
+    spilled = SpilledSamples(tmp_path, 3)
+    spilled[0] = _sample(0, 9)
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def full(fd, data, offset):  # the mask write of the next sample finds the disk full
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    try:
+        spilled[1] = _sample(1, 4)
+    except DiskFullError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError("no DiskFullError")
+    assert text.startswith(f"{tmp_path}: no space left for regeneration's working files") and "\n" not in text
+    assert spilled[1] is None
+    spilled[2] = _sample(2, 5)  # space again: it lands where the failed one would have
+    assert torch.equal(spilled[2].loss_mask, _sample(2, 5).loss_mask)
+    assert torch.equal(spilled[0].input_ids, _sample(0, 9).input_ids)
