@@ -158,13 +158,8 @@ def _split_of(relative: Path) -> str:
 
 
 def hub_cache_dir() -> Path:
-    """Where ``huggingface_hub`` keeps downloaded repo files, from the environment now: HF_HUB_CACHE,
-    else HF_HOME/hub, else ~/.cache/huggingface/hub."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
-    return Path(home).expanduser() / "hub"
+    """Where ``huggingface_hub`` keeps downloaded repo files: HF_HUB_CACHE, else HF_HOME/hub."""
+    return _hf_cache("HF_HUB_CACHE", "hub")
 
 
 def pick_split(label: str, splits: list[str], how: str) -> str:
@@ -177,13 +172,18 @@ def pick_split(label: str, splits: list[str], how: str) -> str:
 
 
 def datasets_cache_dir() -> Path:
-    """Where ``datasets`` keeps prepared datasets, from the environment now (``datasets.config`` reads it
-    once, at its import): HF_DATASETS_CACHE, else HF_HOME/datasets, else ~/.cache/huggingface/datasets."""
-    if os.environ.get("HF_DATASETS_CACHE"):
-        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
+    """Where ``datasets`` keeps prepared datasets: HF_DATASETS_CACHE, else HF_HOME/datasets."""
+    return _hf_cache("HF_DATASETS_CACHE", "datasets")
+
+
+def _hf_cache(variable: str, folder: str) -> Path:
+    """``$variable``, else ``HF_HOME/folder`` (HF_HOME: else ``$XDG_CACHE_HOME/huggingface``, else
+    ``~/.cache/huggingface``), read from the environment now: the libraries read it once, at import."""
+    if os.environ.get(variable):
+        return Path(os.environ[variable]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
     home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
-    return Path(home).expanduser() / "datasets"
+    return Path(home).expanduser() / folder
 
 
 @contextlib.contextmanager

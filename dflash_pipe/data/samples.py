@@ -65,9 +65,7 @@ class LoadedData:
 def sample_lengths(samples: Sequence[Sample]) -> np.ndarray:
     """Token count per sample ([N] int64): a store's from its offsets (no sample read; 0 for a spilled slot
     not yet made), a list's per sample."""
-    from .spill import SpilledSamples
-    from .store import StoredSamples
-
-    if isinstance(samples, (StoredSamples, SpilledSamples)):
-        return samples.lengths()
+    lengths = getattr(samples, "lengths", None)  # StoredSamples, SpilledSamples: from their offsets
+    if callable(lengths):
+        return np.asarray(lengths(), dtype=np.int64)
     return np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))

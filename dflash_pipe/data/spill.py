@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -137,21 +138,14 @@ class SpilledConversations(Sequence[list[dict[str, str]]]):
 
     def __init__(self, directory: Path) -> None:
         self._file = _AppendFile(directory, "conversations-")
-        self._ends = np.zeros(0, dtype=np.int64)
-        self._pending: list[int] = []
+        self._ends = array("q")  # where each conversation's bytes end: 8 bytes of memory a conversation
 
     def append(self, messages: list[dict[str, str]]) -> None:
         data = msgpack.packb(messages, use_bin_type=True)
-        self._pending.append(self._file.append(data) + len(data))
-
-    def _sealed(self) -> np.ndarray:
-        if self._pending:
-            self._ends = np.concatenate([self._ends, np.asarray(self._pending, dtype=np.int64)])
-            self._pending = []
-        return self._ends
+        self._ends.append(self._file.append(data) + len(data))
 
     def __len__(self) -> int:
-        return len(self._ends) + len(self._pending)
+        return len(self._ends)
 
     @overload
     def __getitem__(self, index: int) -> list[dict[str, str]]: ...
@@ -161,12 +155,10 @@ class SpilledConversations(Sequence[list[dict[str, str]]]):
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        ends = self._sealed()
-        if not -len(ends) <= index < len(ends):
-            raise IndexError(f"conversation {index} of {len(ends)}")
-        index %= len(ends)
-        start = int(ends[index - 1]) if index else 0
-        return msgpack.unpackb(self._file.read(start, int(ends[index]) - start), raw=False)
+        end = self._ends[index]  # IndexError past either end, negative indexes as a list's
+        index %= len(self._ends)
+        start = self._ends[index - 1] if index else 0
+        return msgpack.unpackb(self._file.read(start, end - start), raw=False)
 
     def __iter__(self) -> Iterator[list[dict[str, str]]]:
         return (self[i] for i in range(len(self)))
