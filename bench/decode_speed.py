@@ -85,14 +85,15 @@ def _row(shape: str, path: str, batch: int, tokens: int | None, seconds: float |
 
 
 def _generator(
-    model: Any, batch: int, new_tokens: int, max_length: int, tokenizer: Any = None, prefill: str = "padded"
+    model: Any, batch: int, new_tokens: int, max_length: int, tokenizer: Any = None, prefill: str = "auto"
 ) -> TurnGenerator:
-    """``prefill``: the dense stack's ``prefill_layout`` (hybrid stacks have one layout)."""
+    """``prefill``: the dense stack's ``prefill_layout``, or "auto" for the one it picks (hybrid stacks
+    have one layout)."""
     settings = RegenConfig(max_new_tokens=new_tokens, batch_size=batch, decoder="engine")  # hybrids too
     tokenizer = tokenizer or demo_tokenizer()
     gen = TurnGenerator(model, tokenizer, settings, device=model.device, max_length=max_length)
     engine = gen.engine()
-    if prefill != "padded" and engine is not None and hasattr(engine.stack, "prefill_layout"):
+    if prefill != "auto" and engine is not None and hasattr(engine.stack, "prefill_layout"):
         engine.stack.prefill_layout = prefill
     return gen
 
@@ -313,9 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bandwidth-tb-s", type=float, default=4.8)
     p.add_argument(
         "--prefill-layout",
-        choices=("padded", "packed"),
-        default="padded",
-        help="fresh prompts of the engine rows: right-padded rows (SDPA) or back to back in one row (flex)",
+        choices=("auto", "padded", "packed"),
+        default="auto",
+        help="fresh prompts of the engine rows: right-padded rows (SDPA), back to back in one row (flex), "
+        "or auto: what the engine picks (packed where prefill is compiled on CUDA)",
     )
     p.add_argument(
         "--trace-batches", default="", help="batches whose one wave is profiled (CUDA): DIR/trace_*"

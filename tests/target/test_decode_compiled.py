@@ -15,9 +15,9 @@ from tests.tiny_models import tiny_qwen3_config
 MAX_LEN = 96
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, head_dim: int = 8):
     torch.manual_seed(seed)
-    config = tiny_qwen3_config(vocab_size=128, max_position_embeddings=MAX_LEN)
+    config = tiny_qwen3_config(vocab_size=128, max_position_embeddings=MAX_LEN, head_dim=head_dim)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
@@ -155,9 +155,10 @@ def test_packed_prefill_equals_hf_forward_per_prompt_and_decodes_as_padded(compi
     """Fresh prompts back to back in one row (flex attention through a block mask): each prompt's last
     logits equal HF's own forward on that prompt alone, and what follows (an extend and greedy steps on
     the cache the packed prefill wrote) equals the padded prefill's."""
-    model = _model().to("cuda" if compiled else "cpu")
+    model = _model(head_dim=16).to("cuda" if compiled else "cpu")  # compiled flex takes head dims >= 16
     prompts = [list(range(3, 3 + n)) for n in (17, 9, 30)]
     packed = DecodeStack(model, MAX_LEN, compile_layers=compiled, prefill_layout="packed")
+    assert packed.prefill_layout == "packed"
     got, got_tokens = _decode(packed, prompts, steps=4)
     for row, prompt in enumerate(prompts):
         want = model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, -1]
@@ -171,5 +172,23 @@ def test_packed_prefill_equals_hf_forward_per_prompt_and_decodes_as_padded(compi
 def test_an_unknown_prefill_layout_and_packed_compiled_on_cpu_are_refused():
     with pytest.raises(ValueError, match="prefill_layout must be one of"):
         DecodeStack(_model(), MAX_LEN, prefill_layout="ragged")
-    with pytest.raises(ValueError, match="compiled flex attention needs CUDA"):
-        DecodeStack(_model(), MAX_LEN, compile_prefill=True, prefill_layout="packed")
+    with pytest.raises(ValueError, match="needs CUDA and a head dim >= 16.*on cpu with head dim 16"):
+        DecodeStack(_model(head_dim=16), MAX_LEN, compile_prefill=True, prefill_layout="packed")
+
+
+@pytest.mark.parametrize(
+    ("device", "head_dim", "compiled", "want"),
+    [
+        ("cpu", 16, False, "padded"),  # eager flex materialises the whole score matrix
+        ("cpu", 16, True, "padded"),  # compiled flex needs CUDA
+        pytest.param(
+            "cuda", 16, True, "packed", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+        ),
+        pytest.param(
+            "cuda", 8, True, "padded", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+        ),  # below compiled flex's smallest head dim
+    ],
+)
+def test_the_default_layout_is_packed_only_where_compiled_flex_runs(device, head_dim, compiled, want):
+    stack = DecodeStack(_model(head_dim=head_dim).to(device), MAX_LEN, compile_layers=compiled)
+    assert stack.prefill_layout == want

@@ -46,6 +46,8 @@ DENSE_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 """Families served eagerly: HF's expert dispatch picks experts on the host (data-dependent shapes)."""
 PREFILL_LAYOUTS = ("padded", "packed")
+FLEX_MIN_HEAD_DIM = 16
+"""Inductor lowers flex attention for head dims of at least 16 only (torch 2.11: a LoweringException)."""
 POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn", None)
 """RoPE types whose cos/sin depend on the position alone (so one table serves every step)."""
 
@@ -141,7 +143,7 @@ class DecodeStack:
         decode_attention: str | None = None,
         compile_layers: bool | None = None,
         compile_prefill: bool | None = None,
-        prefill_layout: str = "padded",
+        prefill_layout: str | None = None,
     ) -> None:
         """``decode_attention``: "triton" (``attention_kernel``: each slot's live columns only, bf16/fp16 on
         CUDA), "sdpa" (``scaled_dot_product_attention`` with a boolean mask over the whole span) or "matmul"
@@ -155,10 +157,11 @@ class DecodeStack:
         ``prefill_layout``: how fresh prompts (nothing cached before them) are prefilled: "padded" (right-
         padded rows, SDPA causal) or "packed" (back to back in one row, flex attention through a block
         mask: no pad token computed; the producer's feature forward runs the same way). Uncompiled, flex
-        materialises the whole score matrix: "packed" is meant for compiled prefill (CUDA)."""
-        if prefill_layout not in PREFILL_LAYOUTS:
+        materialises the whole score matrix: "packed" is meant for compiled prefill (CUDA). None: packed
+        where prefill is compiled on CUDA and the head dim is one compiled flex takes, else padded (packed
+        is 4-10% faster at the Qwen3-1.7B shape on the H200: ``docs/performance.md``)."""
+        if prefill_layout is not None and prefill_layout not in PREFILL_LAYOUTS:
             raise ValueError(f"prefill_layout must be one of {PREFILL_LAYOUTS}, got {prefill_layout!r}")
-        self.prefill_layout = prefill_layout
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"{type(model).__name__} cannot be decoded by the slot engine: {reason}")
@@ -206,11 +209,17 @@ class DecodeStack:
             compile_layers = self.device.type == "cuda" and self.graph_safe
         self.compile_layers = compile_layers
         self.compile_prefill = compile_layers if compile_prefill is None else compile_prefill
-        if prefill_layout == "packed" and self.compile_prefill and self.device.type != "cuda":
+        compiled_cuda = self.compile_prefill and self.device.type == "cuda"
+        flex_ok = head_dim >= FLEX_MIN_HEAD_DIM
+        if prefill_layout is None:
+            prefill_layout = "packed" if compiled_cuda and flex_ok else "padded"
+        if prefill_layout == "packed" and self.compile_prefill and not (compiled_cuda and flex_ok):
             raise ValueError(
-                f"prefill_layout='packed' with compiled prefill: compiled flex attention needs CUDA (this "
-                f"model is on {self.device}); use compile_prefill=False or prefill_layout='padded'"
+                f"prefill_layout='packed' with compiled prefill needs CUDA and a head dim >= "
+                f"{FLEX_MIN_HEAD_DIM} (compiled flex attention's smallest); this model is on {self.device} "
+                f"with head dim {head_dim}: use compile_prefill=False or prefill_layout='padded'"
             )
+        self.prefill_layout = prefill_layout
 
     @property
     def decode_attention(self) -> str:
