@@ -5,6 +5,7 @@
 # the demo tokenizer's, so its replies decode to text; random weights never end a turn, so every reply is
 # --max-new-tokens long. Needs .whl (pyzmq for python 3.12). About 6 minutes.
 # Usage: bash bench/h200_throughput_target_responses.sh OUT_DIR [SECONDS] [MAX_NEW_TOKENS] [REGEN_BATCH (0: auto)]
+# On two GPUs (the real layout: target and drafters apart): TARGET_GPUS=0 DRAFTER_GPUS=1 bash ...
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 out=${1:?output dir}; seconds=${2:-8}; new_tokens=${3:-128}; regen_batch=${4:-0}
@@ -30,7 +31,7 @@ model.save_pretrained(sys.argv[1])
 demo_tokenizer().save_pretrained(sys.argv[1])
 print(f"random qwen3-1.7b shape, vocab {config.vocab_size}, in {sys.argv[1]}")
 EOF
-python3 -m dflash_pipe bench throughput --target-model "$work/target" --target-gpus 0 --drafter-gpus 0 \
+python3 -m dflash_pipe bench throughput --target-model "$work/target" --target-gpus "${TARGET_GPUS:-0}" --drafter-gpus "${DRAFTER_GPUS:-0}" \
     --data dflash_pipe/data/assets/demo.jsonl --token-budget 4096 --max-length 1024 --responses target --max-new-tokens "$new_tokens" \
     --regen-batch "$regen_batch" \
     --seconds "$seconds" --out "$out" 2>&1 | tee "$out/run.log"
