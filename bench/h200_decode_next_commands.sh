@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# What issue 30's decoding work still needs from an H200, in one device call (~10 min; the hybrid CUDA tests alone compile for ~130 s): the CUDA decode
-# tests (the static-size decode step on the Triton kernel, compiled packed prefill, the hybrid stack in its
-# 2e-2 form), then bench/decode_speed.py at the 1.7B shape with padded and with packed prefill (which one
-# becomes the default), then the whole issue bench with the faster one. Needs .whl (pyzmq,
-# flash-linear-attention, fla-core for python 3.12). Logs and JSON under ${OUT:-/tmp/out}.
+# What issue 30's decoding work still needs from an H200, in one device call (~10 min; the hybrid CUDA
+# tests alone compile for ~130 s): the CUDA decode tests (the static-size decode step on the Triton kernel,
+# compiled packed prefill, the hybrid stack in its 2e-2 form), then bench/decode_speed.py at the 1.7B shape
+# with padded and with packed prefill (which one becomes the default), then the whole issue bench with the
+# faster one. Needs .whl (pyzmq, flash-linear-attention, fla-core for python 3.12). Logs and JSON under
+# ${OUT:-/tmp/out}.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_pipe.compute.compile import FLEX_MIN_HEAD_DIM
 from dflash_pipe.target.decode import attention_kernel
 from dflash_pipe.target.decode.fuse import fuse_layer
 from dflash_pipe.target.decode.layer import (
@@ -46,8 +47,6 @@ DENSE_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 """Families served eagerly: HF's expert dispatch picks experts on the host (data-dependent shapes)."""
 PREFILL_LAYOUTS = ("padded", "packed")
-FLEX_MIN_HEAD_DIM = 16
-"""Inductor lowers flex attention for head dims of at least 16 only (torch 2.11: a LoweringException)."""
 POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn", None)
 """RoPE types whose cos/sin depend on the position alone (so one table serves every step)."""
 
@@ -159,7 +158,7 @@ class DecodeStack:
         mask: no pad token computed; the producer's feature forward runs the same way). Uncompiled, flex
         materialises the whole score matrix: "packed" is meant for compiled prefill (CUDA). None: packed
         where prefill is compiled on CUDA and the head dim is one compiled flex takes, else padded (packed
-        is 4-10% faster at the Qwen3-1.7B shape on the H200: ``docs/performance.md``)."""
+        was 10% faster at the Qwen3-1.7B shape, batch 64, on the H200: ``docs/performance.md``)."""
         if prefill_layout is not None and prefill_layout not in PREFILL_LAYOUTS:
             raise ValueError(f"prefill_layout must be one of {PREFILL_LAYOUTS}, got {prefill_layout!r}")
         reason = unsupported_reason(model)
