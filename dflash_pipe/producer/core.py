@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash_pipe.data import plan_batches, sample_lengths
 from dflash_pipe.diskspace import DiskFullError, human
+from dflash_pipe.producer.coordinator import admit_producer, count_features, eval_plan, lease_plans, send_plan
 from dflash_pipe.producer.display import log_worker_metrics
 from dflash_pipe.producer.handshake import Peer, admit
 from dflash_pipe.producer.payloads import payload_for
@@ -155,7 +156,7 @@ class ProducerCore:
         peer = self.peers.get(peer_id)
         if peer is None or peer.left:
             if isinstance(msg, m.Hello):
-                admit(self, peer_id, msg)
+                (admit_producer if msg.role == "producer" else admit)(self, peer_id, msg)
             elif not isinstance(msg, (m.Heartbeat, m.Bye, m.Error)):
                 self.out.reject(peer_id, "say HELLO first")
             return
@@ -288,7 +289,10 @@ class ProducerCore:
             for batch in done.batches:
                 if peer.left:
                     break
-                self.out.send(peer.identity, batch)
+                if peer.role == "producer":  # computes the features on its own target
+                    send_plan(self, peer, eval_plan(batch))
+                else:
+                    self.out.send(peer.identity, batch)
             sent += 1
         started = self.regen.started if self.regen is not None else None
         since = f", {time.monotonic() - started:.0f} s after the first generation job" if started else ""
@@ -322,9 +326,11 @@ class ProducerCore:
             self.generating += 1
 
     def dispatch(self) -> None:
-        """A leased batch to every worker holding a credit, while there are batches."""
+        """A leased batch to every worker holding a credit, while there are batches; a plan to every
+        attaching producer holding one (``producer.coordinator``)."""
         if self.done_sent:
             return
+        lease_plans(self)
         for peer in self.peers.values():
             while peer.credits > 0 and not peer.left and peer.rank >= 0:
                 batch = self.scheduler.lease_next(peer.identity, time.monotonic())
@@ -339,6 +345,7 @@ class ProducerCore:
         ring = self.rings.cuda if peer.cuda_ipc else self.rings.shm if peer.shm else None
         payload = payload_for(batch, ring, self.rings.shm)
         self.out.send(peer.identity, payload, ring=ring)
+        count_features(peer, payload)
         features = payload.tensors.get("features")
         if ring is not None and features is not None and ring.locate(features) is not None:
             self.sent_by_ref[ring.PATH] += 1
@@ -386,7 +393,7 @@ class ProducerCore:
         peer.left = True
         peer.state = "lost"
         released = self.scheduler.release(peer.identity)
-        line = f"worker {peer.name} ({peer.device}, pid {peer.pid}) {why}"
+        line = f"{peer.role} {peer.name} ({peer.device}, pid {peer.pid}) {why}"
         self.lost.append(line)
         first = line.splitlines()[0]
         self.metrics.log(
@@ -396,7 +403,7 @@ class ProducerCore:
             },
             self.step,
         )
-        self.note(f"warning: {first}; {released} leased batch(es) go to the others")
+        self.note(f"warning: {first}; {released} leased {'plan' if peer.role == 'producer' else 'batch'}(es) go to the others")
         self.warn(f"[yellow]warning:[/] {first}; the run goes on without it")
 
     def watch_peers(self) -> None:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dflash_pipe.producer.coordinator import link_bytes
 from dflash_pipe.telemetry import RunState
 
 if TYPE_CHECKING:
@@ -206,6 +207,7 @@ def log_worker_metrics(core: ProducerCore, peer: Peer, msg: m.Metrics) -> None:
         values["leased"] = core.scheduler.leased_count()
         values["batches_via_shm"] = core.sent_by_ref["shm"]
         values["batches_via_cuda_ipc"] = core.sent_by_ref["cuda_ipc"]
+        values.update(link_bytes(core))
         values["wait/target_idle_share"] = core.waits.mean("target_idle")
         values["wait/workers_starved_share"] = core.waits.mean("workers_starved")
         if core.regen is not None:

@@ -41,31 +41,41 @@ class Peer:
     """The worker mapped the shared-memory ring: its BATCH headers name slots instead of carrying frames."""
     cuda_ipc: bool = False
     """The worker opened the CUDA IPC ring: its BATCH headers name slots in the target GPU's memory."""
+    role: str = "worker"
+    """"producer": target replicas attached from another node, leasing PLANs (``producer.coordinator``)."""
+    same_host: bool = False
+    """Same host identity as this producer: what it is sent stays on the node."""
+    link_bytes: int = 0
+    """Bytes of features sent to this worker, or of plans' tokens to this producer."""
 
 
-def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
-    """Admits a worker: WELCOME and the eval batches, or REJECT naming why."""
+def refusal(core: ProducerCore, msg: m.Hello) -> str | None:
+    """Why a HELLO (a worker's or an attaching producer's) is refused, or None: another protocol, missing
+    capabilities, a finishing run, or a name already in the run."""
     if msg.protocol_version != m.PROTOCOL_VERSION:
-        core.out.reject(peer_id, f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}")
-        return None
+        return f"protocol {msg.protocol_version} != producer's {m.PROTOCOL_VERSION}"
     missing = sorted(set(REQUIRED_CAPABILITIES) - set(msg.capabilities))
     if missing:
-        core.out.reject(peer_id, f"worker lacks capabilities {missing}; upgrade dflash-pipe there")
-        return None
+        return f"{msg.role} lacks capabilities {missing}; upgrade dflash-pipe there"
     if core.done_sent:
-        core.out.reject(peer_id, "this run is finishing; attach to the next one")
-        return None
+        return "this run is finishing; attach to the next one"
     taken = next((p for p in core.peers.values() if p.name == msg.worker_name and not p.left), None)
     if taken is not None and (taken.host, taken.pid) == (msg.host, msg.pid):  # the same process, reconnecting
         core.drop(taken, "reconnected (a new connection from the same process)")
         taken = None
     if taken is not None:  # names key the dashboard, the logs and the launcher's adoption of its workers
-        core.out.reject(
-            peer_id,
-            f"a worker named {msg.worker_name!r} is already in this run ({taken.device} on {taken.host}, pid "
-            f"{taken.pid}); start this one with another --name",
+        core.note(f"refused a second {msg.role} named {msg.worker_name!r} ({msg.host}, pid {msg.pid})")
+        return (
+            f"a {taken.role} named {msg.worker_name!r} is already in this run ({taken.device} on {taken.host}, "
+            f"pid {taken.pid}); start this one with another --name"
         )
-        core.note(f"refused a second worker named {msg.worker_name!r} ({msg.host}, pid {msg.pid})")
+    return None
+
+
+def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
+    """Admits a worker: WELCOME and the eval batches, or REJECT naming why."""
+    if (why := refusal(core, msg)) is not None:
+        core.out.reject(peer_id, why)
         return None
     try:
         cuda_offered, ring_offered = choose_offers(
@@ -80,10 +90,11 @@ def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
         return None
     peer = Peer(identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid)
     peer.cuda_offered, peer.ring_offered = cuda_offered, ring_offered
+    peer.same_host = bool(core.host_id) and msg.host_id == core.host_id
     core.peers[peer_id] = peer
     # Ranks come from the drafters' rendezvous, not from here: this one is the arrival order, for the
     # dashboard. Every worker gets the eval set, since any of them may become rank 0.
-    peer.rank = sum(1 for p in core.peers.values() if not p.left) - 1
+    peer.rank = sum(1 for p in core.peers.values() if not p.left and p.role == "worker") - 1
     peer.state = "starting"
     # Through the outbox: a peer that hangs up right after its HELLO is dropped, never fatal.
     core.out.send(peer.identity, welcome(core, peer, len(core.eval_batches)))

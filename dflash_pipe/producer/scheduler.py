@@ -1,5 +1,9 @@
 """Which batch goes where: epoch plans, leases until ACK, redelivery after a worker is lost.
 
+Two kinds of lease end in the same ACK: a computed batch leased to a worker, and a bare plan leased to an
+attaching producer (``lease_plan``), which computes it on its own node. A lost worker's batches go back to
+the ready queue; a lost producer's plans go back to the plans, for any replica to compute again.
+
 Pure bookkeeping (no sockets, no tensors) so the rules that guarantee "no sample lost, none trained twice
 in an epoch" are testable on their own.
 """
@@ -74,14 +78,18 @@ class BatchScheduler:
     start_epoch: int = 0
     trained_in_start_epoch: set[int] = field(default_factory=set)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
-    _plans: Iterator[PlannedBatch] | None = None
+    source: Iterator[PlannedBatch | None] | None = None
+    """Plans made elsewhere (an attaching producer's: the coordinator's PLANs) instead of ``plan_epoch``'s.
+    Yields None while none is waiting; its end is the end of the plan."""
+    _plans: Iterator[PlannedBatch | None] | None = None
+    _replan: deque[PlannedBatch] = field(default_factory=deque)
     _ready: deque[ReadyBatch] = field(default_factory=deque)
     _leases: dict[int, Lease] = field(default_factory=dict)
     _outstanding: int = 0
     _exhausted: bool = False
 
     def __post_init__(self) -> None:
-        self._plans = self._generate()
+        self._plans = self.source if self.source is not None else self._generate()
 
     def _generate(self) -> Iterator[PlannedBatch | None]:
         batch_id = 0
@@ -97,6 +105,8 @@ class BatchScheduler:
     def next_plan(self) -> PlannedBatch | None:
         """The next batch the target should compute; None once every epoch is planned (``finished`` can
         then become true) or while the plan waits for samples that do not exist yet."""
+        if self._replan:  # a lost producer's: still outstanding, planned once
+            return self._replan.popleft()
         if self._exhausted:
             return None
         plan = next(self._plans, _END)  # type: ignore[arg-type]
@@ -126,6 +136,14 @@ class BatchScheduler:
         self.stats.sent += 1
         return batch
 
+    def lease_plan(self, producer: bytes, plan: PlannedBatch, tokens: int, now: float) -> None:
+        """``plan`` goes to an attaching producer: it stays outstanding until that producer forwards its ACK,
+        and goes back to the plans if the producer is lost (``release``)."""
+        self._leases[plan.batch_id] = Lease(
+            worker=producer, batch=ReadyBatch(plan=plan, payload=None, tokens=tokens), sent_at=now
+        )
+        self.stats.sent += 1
+
     def ack(self, worker: bytes, batch_ids: Sequence[int]) -> None:
         for batch_id in batch_ids:
             lease = self._leases.get(batch_id)
@@ -140,15 +158,19 @@ class BatchScheduler:
             self.stats.acked_samples += len(lease.batch.plan.sample_ids)
 
     def release(self, worker: bytes) -> int:
-        """A worker is gone: its leased batches go back to the front of the queue, in order."""
+        """A worker is gone: its leased batches go back to the front of the queue, in order (a producer's
+        leased plans to the front of the plans)."""
         lost = sorted((bid for bid, lease in self._leases.items() if lease.worker == worker), reverse=True)
         for batch_id in lost:
             batch = self._leases.pop(batch_id).batch
             self.stats.released_samples += len(batch.plan.sample_ids)
-            self._ready.appendleft(batch)
+            if batch.payload is None:
+                self._replan.appendleft(batch.plan)
+            else:
+                self._ready.appendleft(batch)
         self.stats.redelivered += len(lost)
         return len(lost)
 
     def finished(self) -> bool:
         """Every epoch planned and every planned batch acknowledged."""
-        return self._exhausted and self._outstanding == 0
+        return self._exhausted and self._outstanding == 0 and not self._replan

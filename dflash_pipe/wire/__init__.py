@@ -46,6 +46,7 @@ _FROM = {
         "Kind",
         "Message",
         "Metrics",
+        "Plan",
         "Ready",
         "Reject",
         "Welcome",

@@ -30,8 +30,11 @@ import torch
 
 from dflash_pipe.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any change to the header layout, a kind's fields or their meaning."""
+
+ROLES = ("worker", "producer")
+"""Who says HELLO: a drafter worker, or a producer attaching its target replicas to the run."""
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
 _MAX_JSON_DEPTH = 32  # nesting bound for free-form dict fields (drafter/train configs)
@@ -43,8 +46,8 @@ _MAX_JSON_DEPTH = 32  # nesting bound for free-form dict fields (drafter/train c
 class Kind(enum.IntEnum):
     """Message kind, sent as one byte (`k` in the header). Values are part of the protocol: never reuse."""
 
-    HELLO = 0x01  # worker -> producer
-    WELCOME = 0x02  # producer -> worker
+    HELLO = 0x01  # worker (or attaching producer) -> producer
+    WELCOME = 0x02  # producer -> worker (or attaching producer)
     REJECT = 0x03  # producer -> worker
     READY = 0x04  # worker -> producer
     BATCH = 0x05  # producer -> worker
@@ -56,6 +59,7 @@ class Kind(enum.IntEnum):
     ERROR = 0x0B  # either way
     DONE = 0x0C  # producer -> worker
     BYE = 0x0D  # worker -> producer
+    PLAN = 0x0E  # coordinator -> attaching producer: the tokens of a batch to compute and serve
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -301,6 +305,11 @@ class Hello(Message):
     capabilities: list[str] = field(default_factory=list)  # "frames"; "shm"; "cuda_ipc" (a CUDA device)
     host_id: str = ""  # wire.shm.host_identity(): equal on both sides means the ring can be shared
     protocol_version: int = bounded(ge=0, default=PROTOCOL_VERSION)
+    role: str = "worker"  # "worker", or "producer": target replicas on another node that lease PLANs
+
+    def _check(self) -> None:
+        if self.role not in ROLES:
+            raise ProtocolError(f"field 'Hello.role': {self.role!r} is not one of {list(ROLES)}")
 
 
 @register(Kind.WELCOME)
@@ -325,6 +334,7 @@ class Welcome(Message):
     eval_pending: bool = False  # the held-out set is still being regenerated: its BATCHes come later
     ring: dict[str, Any] = field(default_factory=dict)  # wire.shm.RingOffer for a same-host worker, or {}
     cuda_ring: dict[str, Any] = field(default_factory=dict)  # wire.cuda_ipc.CudaIpcOffer, or {}
+    config: dict[str, Any] = field(default_factory=dict)  # to an attaching producer: RunConfig.to_dict()
 
 
 @register(Kind.REJECT)
@@ -380,6 +390,36 @@ class Batch(Message):
                 f"field 'Batch.tensors.input_ids': shape {tuple(ids.shape)} does not match "
                 f"sum(lengths) = {sum(self.lengths)} (packed [T] expected)"
             )
+
+
+@register(Kind.PLAN)
+@dataclass(kw_only=True, slots=True)
+class Plan(Message):
+    """A batch the coordinator leases to an attaching producer: the samples' tokens, packed as in BATCH, for
+    its target to turn into features for the workers of its own node (features never cross nodes). Leased
+    like a BATCH to a worker: its ACK comes back through that producer; a producer that is lost gives its
+    PLANs back. ``eval_set`` > 0: one of the held-out set's PLANs (never acked), which it turns into eval
+    BATCHes."""
+
+    batch_id: int = bounded(ge=0)
+    epoch: int = bounded(ge=0)
+    sample_ids: list[int] = bounded(ge=0)
+    lengths: list[int] = bounded(ge=1)
+    tensors: dict[str, torch.Tensor]  # "input_ids" [T] int64, "loss_mask" [T] uint8
+    eval_set: int = bounded(ge=0, default=0)
+
+    def _check(self) -> None:
+        if len(self.sample_ids) != len(self.lengths):
+            raise ProtocolError(
+                f"field 'Plan.lengths': {len(self.lengths)} lengths for {len(self.sample_ids)} sample_ids"
+            )
+        for name in ("input_ids", "loss_mask"):
+            t = self.tensors.get(name)
+            if t is None or t.dim() != 1 or t.shape[0] != sum(self.lengths):
+                shape = None if t is None else tuple(t.shape)
+                raise ProtocolError(
+                    f"field 'Plan.tensors.{name}': shape {shape}, expected [{sum(self.lengths)}] (sum of lengths)"
+                )
 
 
 @register(Kind.ACK)

@@ -44,16 +44,22 @@ _OFFER_KEYS = frozenset({"pid", "fd", "slots", "slot_bytes", "token"})
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
+NODE_ENV = "DFLASH_PIPE_NODE"
+"""Set, it joins the host identity: processes of one machine with different values act as separate nodes
+(no ring between them, features counted as crossing the network), as the multi-node tests simulate."""
+
+
 def host_identity() -> str:
     """Two processes that may share a memfd through /proc report the same string: hostname, boot id and
-    pid namespace (workers in another container on the same machine differ)."""
+    pid namespace (workers in another container on the same machine differ), and ``$DFLASH_PIPE_NODE``."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         pidns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return ""  # not Linux: never same-host
-    return f"{socket.gethostname()}/{boot}/{pidns}"
+    node = os.environ.get(NODE_ENV, "")
+    return f"{socket.gethostname()}/{boot}/{pidns}" + (f"/{node}" if node else "")
 
 
 def shm_supported() -> bool:

@@ -16,6 +16,7 @@ from dflash_pipe.wire import (
     Hello,
     Message,
     Metrics,
+    Plan,
     Ready,
     Reject,
     Welcome,
@@ -68,6 +69,13 @@ def every_kind() -> list[Message]:
         Error(source="worker rank 1 (node-1:4242)", message="CUDA OOM", traceback="Traceback ...\n  x"),
         Done(reason="all epochs acked"),
         Bye(reason="SIGTERM"),
+        Plan(
+            batch_id=3,
+            epoch=1,
+            sample_ids=[5, 9],
+            lengths=[2, 3],
+            tensors={"input_ids": torch.arange(5), "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8)},
+        ),
     ]
 
 

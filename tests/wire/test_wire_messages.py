@@ -35,10 +35,11 @@ def test_registry_covers_every_kind_once(messages):
 
 def test_kind_bytes_are_pinned():
     # Golden: kind bytes are part of the protocol; changing one needs a PROTOCOL_VERSION bump.
-    assert PROTOCOL_VERSION == 5
+    assert PROTOCOL_VERSION == 6
     assert {k.name: k.value for k in Kind} == {
         "HELLO": 1, "WELCOME": 2, "REJECT": 3, "READY": 4, "BATCH": 5, "ACK": 7,
         "METRICS": 8, "CHECKPOINT": 9, "HEARTBEAT": 10, "ERROR": 11, "DONE": 12, "BYE": 13,
+        "PLAN": 14,
     }  # fmt: skip
 
 
@@ -46,11 +47,11 @@ def test_field_names_are_pinned():
     names = {k.name: [f.name for f in dataclasses.fields(cls)] for k, cls in MESSAGE_TYPES.items()}
     assert names == {
         "HELLO": ["worker_name", "host", "pid", "device", "capabilities", "host_id",
-                  "protocol_version"],
+                  "protocol_version", "role"],
         "WELCOME": [
             "run_id", "rendezvous", "run_dir", "target_path", "drafter", "train", "resume_from",
             "heartbeat_s", "peer_timeout_s", "num_samples", "credits", "eval_batches", "eval_pending", "ring",
-            "cuda_ring",
+            "cuda_ring", "config",
         ],
         "REJECT": ["reason"],
         "READY": ["credits", "shm", "cuda_ipc"],
@@ -62,6 +63,7 @@ def test_field_names_are_pinned():
         "ERROR": ["source", "message", "traceback"],
         "DONE": ["reason", "evaluate"],
         "BYE": ["reason"],
+        "PLAN": ["batch_id", "epoch", "sample_ids", "lengths", "tensors", "eval_set"],
     }  # fmt: skip
 
 
