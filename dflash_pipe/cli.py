@@ -22,6 +22,7 @@ from dflash_pipe.commands import check_machine, console
 from dflash_pipe.commands.bench import bench
 from dflash_pipe.commands.evaluate import eval_cmd
 from dflash_pipe.commands.options import field_options
+from dflash_pipe.commands.producer import producer
 from dflash_pipe.commands.worker import worker
 from dflash_pipe.data.config import RegenConfig
 
@@ -404,7 +405,7 @@ def _add_config_options(group: click.Group) -> None:
             )
 
 
-for _command in (worker, eval_cmd, bench):
+for _command in (worker, producer, eval_cmd, bench):
     main.add_command(_command)
 _add_config_options(main)
 

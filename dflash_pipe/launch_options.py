@@ -98,7 +98,7 @@ def build_run_config(
     for option, value in given.items():
         path = FLAG_FIELDS.get(option)
         if path is None or path.startswith("layout."):
-            continue  # layout flags: _layout()
+            continue  # layout flags: layout_from_flags()
         _set(values, path, _flag_value(option, value))
     drafter = values.get("drafter", {})
     window_left_over = preset is not None and drafter.get("sliding_window") == preset_window is not None
@@ -114,7 +114,7 @@ def build_run_config(
             )
         data["path"] = demo_data_path()
     values.setdefault("run_dir", Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    values["layout"] = _layout_dict(_layout(values.get("layout", {}), given))
+    values["layout"] = _layout_dict(layout_from_flags(values.get("layout", {}), given))
     return RunConfig.from_dict(values), False
 
 
@@ -139,14 +139,14 @@ def _resume_config(given: dict[str, Any]) -> RunConfig:
             _set(values, path, _flag_value(option, value))
     if any(FLAG_FIELDS.get(k, "").startswith("layout.") for k in given):  # before validation, with the rest
         saved = {} if "device" in given else _layout_dict(cfg.layout)
-        values["layout"] = _layout_dict(_layout(saved, given))
+        values["layout"] = _layout_dict(layout_from_flags(saved, given))
     return RunConfig.from_dict(values)
 
 
 _GPU_FLAGS = (("--target-gpus", "target_gpus"), ("--drafter-gpus", "drafter_gpus"))
 
 
-def _layout(saved: dict[str, Any], given: dict[str, Any]) -> LayoutConfig:
+def layout_from_flags(saved: dict[str, Any], given: dict[str, Any]) -> LayoutConfig:
     """The file's layout section with the device flags on top; unset device = CUDA if a GPU is visible."""
     lay = dict(saved)
     if "device" in given:

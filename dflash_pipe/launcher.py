@@ -115,22 +115,26 @@ class AdoptedWorker:
 
 
 class WorkerPool:
-    def __init__(self, cfg: RunConfig, address: str) -> None:
+    def __init__(self, cfg: RunConfig, address: str, *, prefix: str = "", logs: Path | None = None) -> None:
+        """``prefix`` and ``logs``: an attaching producer's workers are named ``NAME-worker0`` ... and log
+        under its own directory, beside the coordinator's ``worker0`` ... in ``RUN_DIR/logs``."""
         self.cfg = cfg
         self.address = address
+        self.prefix = prefix
+        self.logs = logs if logs is not None else cfg.run_dir / "logs"
         self.workers: list[WorkerProcess] = []
         self.adopted: list[AdoptedWorker] = []
 
     def start(self, previous: list[dict] | None = None) -> None:
         """One worker per drafter device (or one for all, threaded), except those a previous producer
         started that still run."""
-        logs = self.cfg.run_dir / "logs"
+        logs = self.logs
         logs.mkdir(parents=True, exist_ok=True)
         drafters = self.cfg.layout.num_workers
         cpus = os.cpu_count() or 1
         running = {w["name"]: w for w in previous or [] if _is_worker_process(int(w["pid"]), self.address)}
         for i, devices in enumerate(self.cfg.layout.worker_processes()):
-            name, device = f"worker{i}", ",".join(devices)
+            name, device = f"{self.prefix}worker{i}", ",".join(devices)
             if name in running:
                 self.adopted.append(AdoptedWorker(name, device, int(running[name]["pid"])))
                 continue

@@ -98,16 +98,44 @@ def count_features(peer: Peer, batch: m.Batch) -> None:
     )
 
 
-def link_bytes(core: ProducerCore) -> dict[str, float]:
-    """Bytes this producer sent, by link: features to workers of its node and of other nodes, and the
-    plans' tokens to attaching producers."""
-    totals = {"wire/feature_bytes_local": 0.0, "wire/feature_bytes_remote": 0.0, "wire/plan_bytes": 0.0}
+LINK_KEYS = ("wire/feature_bytes_local", "wire/feature_bytes_remote")
+
+
+def own_link_bytes(core: ProducerCore) -> dict[str, float]:
+    """Bytes this producer sent itself, by link: features to workers of its node and of other nodes, and
+    the plans' tokens to attaching producers; with its produced tokens/s (what an attaching producer
+    reports up, ``report_links``)."""
+    totals = {key: 0.0 for key in (*LINK_KEYS, "wire/plan_bytes")}
     for peer in core.peers.values():
         if peer.role == "producer":
             totals["wire/plan_bytes"] += peer.link_bytes
         else:
             totals[f"wire/feature_bytes_{'local' if peer.same_host else 'remote'}"] += peer.link_bytes
-    totals["producers_attached"] = float(
-        sum(p.role == "producer" and not p.left for p in core.peers.values())
+    totals["tokens_per_s/producer"] = core.target_rate.rate()
+    return totals
+
+
+def take_link_report(core: ProducerCore, peer: Peer, msg: m.Metrics) -> bool:
+    """An attaching producer's own figures (not its rank 0's training metrics): kept for ``link_bytes``
+    and logged under its name. False for any other METRICS."""
+    if peer.role != "producer" or not set(LINK_KEYS) <= set(msg.values) or "loss" in msg.values:
+        return False
+    peer.report = {k: float(v) for k, v in msg.values.items() if isinstance(v, (int, float))}
+    core.metrics.log({f"producer/{peer.name}/{k}": v for k, v in peer.report.items()}, core.step)
+    return True
+
+
+def link_bytes(core: ProducerCore) -> dict[str, float]:
+    """The run's bytes by link as this producer knows them: its own and the latest each attaching producer
+    reported (a coordinator's totals are the whole run's), and the supply of the attached producers."""
+    totals = own_link_bytes(core)
+    del totals["tokens_per_s/producer"]
+    attached = [p for p in core.peers.values() if p.role == "producer" and not p.left]
+    for peer in core.peers.values():
+        for key in LINK_KEYS:
+            totals[key] += peer.report.get(key, 0.0)
+    totals["tokens_per_s/attached_producers"] = sum(
+        p.report.get("tokens_per_s/producer", 0.0) for p in attached
     )
+    totals["producers_attached"] = float(len(attached))
     return totals

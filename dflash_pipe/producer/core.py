@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash_pipe.data import plan_batches, sample_lengths
 from dflash_pipe.diskspace import DiskFullError, human
-from dflash_pipe.producer.coordinator import admit_producer, count_features, eval_plan, lease_plans, send_plan
+from dflash_pipe.producer.coordinator import (
+    admit_producer,
+    count_features,
+    eval_plan,
+    lease_plans,
+    send_plan,
+    take_link_report,
+)
 from dflash_pipe.producer.display import log_worker_metrics
 from dflash_pipe.producer.handshake import Peer, admit
 from dflash_pipe.producer.payloads import payload_for
@@ -75,8 +82,10 @@ class ProducerCore:
         host_id: str,
         rendezvous: str,
         warn: Any = None,
+        plans: Iterator[PlannedBatch | None] | None = None,
     ) -> None:
-        """``warn(line)``: where a lost worker is announced (the dashboard's console)."""
+        """``warn(line)``: where a lost worker is announced (the dashboard's console). ``plans``: plans
+        made elsewhere (an attaching producer's, from the coordinator) instead of this run's own."""
         self.ctx, self.cfg = ctx, ctx.cfg
         self.out, self.metrics, self.rings = out, metrics, rings
         self.host_id, self.rendezvous = host_id, rendezvous
@@ -91,6 +100,7 @@ class ProducerCore:
             trained_in_start_epoch=ctx.ledger.trained(start_epoch)
             if start_epoch < ctx.ledger.epochs
             else set(),
+            source=plans,
         )
         self.target_rate = RateMeter()
         self.wire_rate = RateMeter()
@@ -171,7 +181,8 @@ class ProducerCore:
         elif isinstance(msg, m.Metrics):
             if msg.values.get("disk/low_space"):
                 self._low_space(msg.values)
-            log_worker_metrics(self, peer, msg)
+            if not take_link_report(self, peer, msg):
+                log_worker_metrics(self, peer, msg)
         elif isinstance(msg, m.Checkpoint):
             self.last_checkpoint, self.last_checkpoint_at = msg.path, time.monotonic()
             if self.save_asked is not None:
@@ -403,7 +414,9 @@ class ProducerCore:
             },
             self.step,
         )
-        self.note(f"warning: {first}; {released} leased {'plan' if peer.role == 'producer' else 'batch'}(es) go to the others")
+        self.note(
+            f"warning: {first}; {released} leased {'plan' if peer.role == 'producer' else 'batch'}(es) go to the others"
+        )
         self.warn(f"[yellow]warning:[/] {first}; the run goes on without it")
 
     def watch_peers(self) -> None:

@@ -47,6 +47,8 @@ class Peer:
     """Same host identity as this producer: what it is sent stays on the node."""
     link_bytes: int = 0
     """Bytes of features sent to this worker, or of plans' tokens to this producer."""
+    report: dict[str, float] = field(default_factory=dict)
+    """An attaching producer's latest own figures (its links' bytes, its tokens/s)."""
 
 
 def refusal(core: ProducerCore, msg: m.Hello) -> str | None:

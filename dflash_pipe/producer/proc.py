@@ -24,7 +24,8 @@ from dflash_pipe.producer.display import ProducerSummary, dashboard_state, data_
 from dflash_pipe.producer.rings import make_rings
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.target_threads import TargetThread, build_eval_batches, load_replicas
-from dflash_pipe.run.record import bind_address, write_record
+from dflash_pipe.producer.upstream import CoordinatorLost, Upstream
+from dflash_pipe.run.record import attached_dir, bind_address, write_record
 from dflash_pipe.run.signals import Signals
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.decode.choose import engine_refusal
@@ -83,20 +84,28 @@ class ProducerProc:
         live: bool | None = None,
         replicas: Future[list[TargetCore]] | None = None,
         signals: Signals | None = None,
+        upstream: Upstream | None = None,
     ) -> None:
         """``replicas``: the target already loading (``load_replicas`` started while the data tokenized);
         ``serve`` waits for it (default: loaded in ``serve``). ``signals``: the launch's, already installed
-        (default: ``serve`` installs its own, stopping hard with ``os._exit``)."""
+        (default: ``serve`` installs its own, stopping hard with ``os._exit``). ``upstream``: this producer
+        attaches to a run's coordinator (``producer.attach``) and serves the workers of its own node the
+        plans it leases there; it keeps no record, store or metrics file of the run's own."""
         self.ctx = ctx
         self.cfg = cfg = ctx.cfg
-        self.endpoint = ProducerEndpoint(
-            bind_address(cfg.run_dir, cfg.wire.bind), keys=cfg.wire.keys, frame_bytes=cfg.wire.frame_bytes
-        )
+        self.upstream = upstream
+        bind = cfg.wire.bind if upstream else bind_address(cfg.run_dir, cfg.wire.bind)
+        self.endpoint = ProducerEndpoint(bind, keys=cfg.wire.keys, frame_bytes=cfg.wire.frame_bytes)
         self.address = self.endpoint.address
-        write_record(cfg.run_dir, address=self.address)
-        self._store = _start_rendezvous_store(self.address)
+        self._store = None
+        if upstream is None:
+            write_record(cfg.run_dir, address=self.address)
+            self._store = _start_rendezvous_store(self.address)
+            rendezvous = f"tcp://{store_host(self.address)}:{self._store.port}"
+        else:
+            rendezvous = upstream.welcome.rendezvous
         self.metrics = make_logger(
-            cfg.run_dir,
+            cfg.run_dir if upstream is None else attached_dir(cfg.run_dir, upstream.name),
             cfg.log,
             config=cfg.to_dict(),
             gpu_devices=[*cfg.layout.target_devices(), *cfg.layout.worker_devices()],
@@ -112,9 +121,12 @@ class ProducerProc:
             metrics=self.metrics,
             rings=self.rings,
             host_id=host_identity(),
-            rendezvous=f"tcp://{store_host(self.address)}:{self._store.port}",
+            rendezvous=rendezvous,
             warn=lambda line: self.dashboard.console.print(line),
+            plans=upstream.source() if upstream else None,
         )
+        if upstream is not None:
+            self.core.eval_pending = upstream.welcome.eval_batches > 0 or upstream.welcome.eval_pending
         for line in notes:
             self.core.note(line)
         self._threads: list[TargetThread] = []
@@ -239,7 +251,9 @@ class ProducerProc:
                 core.request_checkpoint(f"SIG{self.cfg.wire.preempt_signal} (preemption warning)")
             core.take_ready()
             core.refill()
-            drain(self._recv, core.handle, limit=_MAX_MESSAGES_PER_TICK)
+            if self.upstream is not None:
+                self._pump()
+            drain(self._recv, self._handle, limit=_MAX_MESSAGES_PER_TICK)
             core.dispatch()
             core.observe_waits()
             if core.finished() and not core.done_sent:
@@ -249,6 +263,8 @@ class ProducerProc:
             if now - last_show >= _SHOW_EVERY_S:
                 self.dashboard.update(dashboard_state(core, self._started))
                 last_show = now
+            if self.upstream is not None and self.upstream.ended and all(p.left for p in core.peers.values()):
+                return "the coordinator said DONE"
             if all(p.left for p in core.peers.values()):
                 if core.lost and not core.done_sent:
                     if watch is None or watch.alive() == 0:
@@ -261,6 +277,29 @@ class ProducerProc:
                 if self.signals.stop.is_set():
                     stop_reason = self._drained(stop_reason)
                 return stop_reason
+
+    def _handle(self, peer_id: bytes, msg: Any) -> None:
+        """A worker's message to the core; an attaching producer also forwards what the coordinator keeps
+        (ACKs end its leases there, METRICS and CHECKPOINTs make the run's record)."""
+        self.core.handle(peer_id, msg)
+        peer = self.core.peers.get(peer_id)
+        if (
+            self.upstream is not None
+            and peer is not None
+            and isinstance(msg, (m.Ack, m.Metrics, m.Checkpoint))
+        ):
+            self._pump(forward=msg)
+
+    def _pump(self, forward: Any = None) -> None:
+        """The coordinator's link (an attaching producer): a lost coordinator stops this producer."""
+        assert self.upstream is not None
+        try:
+            if forward is not None:
+                self.upstream.forward(forward)
+            else:
+                self.upstream.pump(self.core)
+        except CoordinatorLost as exc:
+            raise RunAborted(str(exc)) from exc
 
     def _drain(self) -> str:
         """A stop signal: every worker finishes its step, rank 0 checkpoints, all leave (no final evaluation,
@@ -297,6 +336,8 @@ class ProducerProc:
         if self._closed:
             return
         self._closed = True
+        if self.upstream is not None:
+            self.upstream.leave(self.core, "the attached producer stops")
         self._stop_targets()
         self.dashboard.close()
         self.metrics.close()

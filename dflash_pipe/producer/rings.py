@@ -45,8 +45,8 @@ def ring_shape(ctx: RunContext) -> tuple[int, int]:
     """(slots, slot bytes) of a payload ring for this run."""
     cfg, wire = ctx.cfg, ctx.cfg.wire
     longest = (
-        cfg.data.max_length  # regenerated samples: not known yet, at most max_length
-        if ctx.regen is not None
+        cfg.data.max_length  # regenerated or leased samples: not known yet, at most max_length
+        if ctx.regen is not None or ctx.attached
         else int(sample_lengths(ctx.train_samples).max())
     )
     tokens = max(cfg.data.token_budget, longest)

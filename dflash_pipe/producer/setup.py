@@ -67,6 +67,9 @@ class RunContext:
     conversation not regenerated yet (sample id = conversation index), filled as the replies arrive."""
     notes: list[str] = field(default_factory=list)
     """What the launch says about the data before serving (e.g. too few samples to hold out an eval set)."""
+    attached: bool = False
+    """An attaching producer's context (``producer.attach``): the samples arrive in the coordinator's PLANs,
+    so none is known before serving."""
 
 
 @dataclass(slots=True)

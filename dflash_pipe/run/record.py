@@ -40,3 +40,12 @@ def bind_address(run_dir: Path, configured: str) -> str:
     if recorded and configured.endswith(":0") and configured.rsplit(":", 1)[0] == recorded.rsplit(":", 1)[0]:
         return recorded
     return configured
+
+
+ATTACHED = "producers"
+"""RUN_DIR/producers/NAME/: an attaching producer's own metrics and its workers' logs (the coordinator
+keeps the run's)."""
+
+
+def attached_dir(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / ATTACHED / name

@@ -74,7 +74,10 @@ def every_kind() -> list[Message]:
             epoch=1,
             sample_ids=[5, 9],
             lengths=[2, 3],
-            tensors={"input_ids": torch.arange(5), "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8)},
+            tensors={
+                "input_ids": torch.arange(5),
+                "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8),
+            },
         ),
     ]
 

@@ -1,0 +1,144 @@
+"""``dflash-pipe producer --connect``: target replicas on another node, attached to a running run.
+
+The producer joins the run's coordinator (the first producer, ``launch``) as a worker joins a producer:
+HELLO with role "producer", WELCOME with the run's config. It then runs a ``ProducerProc`` of its own for
+the workers of its node (started here, or attached to it with ``worker --connect``): they train in the
+run's one drafter group (the coordinator's rendezvous), take their features from this producer through
+shared memory or CUDA IPC, and their ACKs go back to the coordinator through it (``producer.upstream``).
+The run dir must be on storage every node sees (checkpoints, the demo target, the compile cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_pipe.compute.precision import compute_dtype
+from dflash_pipe.data import LoadedData
+from dflash_pipe.drafter import DrafterConfig
+from dflash_pipe.producer.display import ProducerSummary
+from dflash_pipe.producer.handshake import REQUIRED_CAPABILITIES
+from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.producer.upstream import LeasedSamples, Upstream
+from dflash_pipe.run.config import RunConfig
+from dflash_pipe.run.layout import LayoutConfig
+from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.run.record import attached_dir
+from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.shm import host_identity
+from dflash_pipe.wire.transport import WorkerEndpoint
+
+
+class AttachError(RuntimeError):
+    """The coordinator refused this producer, never answered, or its run cannot be served from here."""
+
+
+def join(endpoint: WorkerEndpoint, *, name: str, devices: list[str], timeout_s: float) -> m.Welcome:
+    """HELLO as a producer; the WELCOME, or ``AttachError`` naming why none came."""
+    endpoint.send(
+        m.Hello(
+            worker_name=name,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=",".join(devices),
+            capabilities=list(REQUIRED_CAPABILITIES),
+            host_id=host_identity(),
+            role="producer",
+        )
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = endpoint.recv(timeout_s=0.5)
+        if isinstance(msg, m.Welcome):
+            if not msg.config:
+                raise AttachError(
+                    f"{endpoint.address} answered as to a worker (no run config): it runs an older dflash-pipe"
+                )
+            return msg
+        if isinstance(msg, m.Reject):
+            raise AttachError(f"the coordinator at {endpoint.address} refused this producer: {msg.reason}")
+        if isinstance(msg, m.Error):
+            raise AttachError(f"the coordinator at {endpoint.address} failed: {msg.message}")
+    raise AttachError(
+        f"no WELCOME from {endpoint.address} within {timeout_s:.0f} s. Is the run's `dflash-pipe launch` "
+        "running there, and is the address the one it printed (`producer at tcp://...`)?"
+    )
+
+
+def attached_config(welcome: m.Welcome, layout: LayoutConfig, *, bind: str, keys: Path | None) -> RunConfig:
+    """The run's config with this node's GPUs and this producer's own address for its workers."""
+    cfg = RunConfig.from_dict(welcome.config)
+    if not cfg.run_dir.is_dir():
+        raise AttachError(
+            f"the run dir {cfg.run_dir} the coordinator writes is not visible on this node: put it on storage "
+            "every node mounts at the same path (checkpoints and the drafters' state live there)"
+        )
+    return dataclasses.replace(cfg, layout=layout, wire=dataclasses.replace(cfg.wire, bind=bind, keys=keys))
+
+
+def attached_context(cfg: RunConfig, welcome: m.Welcome, samples: LeasedSamples) -> RunContext:
+    """A run context with no data of its own: the samples arrive in the coordinator's PLANs."""
+    return RunContext(
+        cfg=cfg,
+        run_id=welcome.run_id,
+        target_path=Path(welcome.target_path),
+        tokenizer=None,
+        data=LoadedData(samples=[], skipped_lines=0, truncated=0, dropped_short=0),
+        train_samples=samples,
+        eval_samples=[],
+        drafter=DrafterConfig.from_dict(welcome.drafter),
+        target_dtype=compute_dtype(cfg.layout.device),
+        ledger=Ledger(welcome.num_samples, cfg.train.epochs),
+        resume_from=Path(welcome.resume_from) if welcome.resume_from else None,
+        resume_step=0,
+        attached=True,
+    )
+
+
+def run_attached(
+    address: str,
+    layout: LayoutConfig,
+    *,
+    name: str,
+    keys: Path | None,
+    bind: str,
+    join_timeout_s: float,
+    console: Any,
+    live: bool | None = None,
+    on_address: Any = None,
+) -> ProducerSummary:
+    """Joins the run at ``address``, starts this node's workers (``layout``'s drafter devices) and serves
+    them until the coordinator says DONE, every worker here leaves, or the coordinator is lost."""
+    from dflash_pipe.launcher import WorkerPool
+    from dflash_pipe.producer.proc import ProducerProc
+
+    console.print(f"dflash-pipe producer {name}: joining the run at {address}", markup=False, highlight=False)
+    endpoint = WorkerEndpoint(address, keys=keys)
+    try:
+        welcome = join(endpoint, name=name, devices=layout.target_devices(), timeout_s=join_timeout_s)
+        cfg = attached_config(welcome, layout, bind=bind, keys=keys)
+    except BaseException:
+        endpoint.close(linger_s=0)
+        raise
+    upstream = Upstream(endpoint, welcome, name=name)
+    producer = ProducerProc(
+        attached_context(cfg, welcome, upstream.samples), console=console, live=live, upstream=upstream
+    )
+    pool = WorkerPool(cfg, producer.address, prefix=f"{name}-", logs=attached_dir(cfg.run_dir, name) / "logs")
+    console.print(
+        f"[bold]dflash-pipe[/] producer {name} attached to run {welcome.run_id} at {address}: target on "
+        f"{', '.join(layout.target_devices())}, {layout.num_workers} drafter(s) on "
+        f"{', '.join(layout.worker_devices())}, serving them at {producer.address}"
+    )
+    if on_address is not None:
+        on_address(producer.address)
+    try:
+        pool.start()
+        return producer.serve(watch=pool)
+    finally:
+        producer.close()
+        pool.stop()
