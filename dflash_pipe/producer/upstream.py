@@ -72,7 +72,7 @@ def plan_samples(plan: m.Plan) -> list[Sample]:
     mask = plan.tensors["loss_mask"].to(torch.bool).split(plan.lengths)
     return [
         Sample(sample_id=i, input_ids=a.clone(), loss_mask=b.clone())
-        for i, a, b in zip(plan.sample_ids, ids, mask)
+        for i, a, b in zip(plan.sample_ids, ids, mask, strict=True)
     ]
 
 
