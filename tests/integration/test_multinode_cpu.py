@@ -1,0 +1,122 @@
+"""Two simulated nodes on this host: the run's coordinator (``launch``) with its workers, and a second
+producer attached with ``dflash-pipe producer --connect`` with its own workers, its processes marked as
+another node (``DFLASH_PIPE_NODE``: no ring between the nodes, features counted as crossing the network).
+
+What the ledger and metrics.jsonl must say: every sample of the epoch trained exactly once across both
+producers, no feature byte between the nodes (only plans' tokens), and after the second node's producer
+and workers are SIGKILLed mid-epoch, nothing lost. Each test prints its figures (``-s`` to see them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_elastic_cpu import final_ledger, rows, small_data, wait_for_row
+from test_faults_cpu import ROOT, LiveRun, worker_pid
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 3
+"""About 25 steps of four workers on 240 samples: time for the second node to join and be killed."""
+
+
+def attach_node(address: str, name: str, log: Path, workers: int = 2) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env["DFLASH_PIPE_NODE"] = name
+    cmd = [sys.executable, "-m", "dflash_pipe", "producer", "--connect", address, "--device", "cpu"]
+    cmd += ["--workers", str(workers), "--name", name]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def last(run_dir: Path, key: str) -> float:
+    return max((r[key] for r in rows(run_dir) if key in r), default=0.0)
+
+
+def test_two_nodes_train_every_sample_once_and_no_feature_crosses_between_them(tmp_path: Path):
+    data = small_data(tmp_path, 240)
+    run = LiveRun(tmp_path / "run", "--data", str(data), "--epochs", str(EPOCHS), "--eval-samples", "4")
+    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
+    node = attach_node(address, "node1", tmp_path / "node1.log")
+    try:
+        joined = wait_for_row(run, lambda r: r.get("world_size") == 4, timeout=180)
+        rc, out = run.finish(timeout=240)
+        assert rc == 0, out
+        assert node.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()
+    finally:
+        if node.poll() is None:
+            node.kill()
+    step, ledger = final_ledger(run.run_dir)
+    counts = [ledger.count(e) for e in range(EPOCHS)]
+    assert all(ledger.complete(e) for e in range(EPOCHS)) and ledger.duplicates == 0, (
+        counts,
+        ledger.duplicates,
+    )
+    node1_features = last(run.run_dir, "producer/node1/wire/feature_bytes_local")
+    own_features = last(run.run_dir, "wire/feature_bytes_local") - node1_features
+    assert node1_features > 0 and own_features > 0  # each node's workers trained on their own producer's
+    assert last(run.run_dir, "wire/feature_bytes_remote") == 0.0
+    assert last(run.run_dir, "producer/node1/wire/feature_bytes_remote") == 0.0
+    plan_bytes = last(run.run_dir, "wire/plan_bytes")
+    assert 0 < plan_bytes < node1_features / 50  # tokens, not features, cross to the second node
+    log = (tmp_path / "node1.log").read_text()
+    assert "attached to run" in log and "the coordinator said DONE" in log, log
+    print(
+        f"\nFIGURES two nodes: world 4 from step {joined['step']}, steps {step}, samples per epoch {counts} of "
+        f"{ledger.num_samples}, duplicates {ledger.duplicates}; feature bytes node0 {own_features / 1e6:.1f} MB, "
+        f"node1 {node1_features / 1e6:.1f} MB (both local), between nodes: 0 of features, "
+        f"{plan_bytes / 1e3:.0f} KB of plans"
+    )
+
+
+def test_a_sigkilled_node_loses_nothing_and_the_run_finishes(tmp_path: Path):
+    data = small_data(tmp_path, 240)
+    args = ["--data", str(data), "--epochs", str(EPOCHS), "--eval-samples", "4", "--peer-timeout", "5"]
+    run = LiveRun(tmp_path / "run", *args)
+    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
+    node = attach_node(address, "node1", tmp_path / "node1.log")
+    try:
+        wait_for_row(run, lambda r: r.get("world_size") == 4, timeout=180)
+        node_address = _served_at(tmp_path / "node1.log")
+        pids = [worker_pid(node_address, f"node1-worker{i}") for i in range(2)]
+        before = len(rows(run.run_dir))
+        node.kill()  # the node's producer first, then its workers: a lost node
+        node.wait()
+        t0 = time.monotonic()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        regrouped = wait_for_row(
+            run, lambda r: r.get("world_size") == 2 and "generation" in r, timeout=180, skip=before
+        )
+        recover_s = time.monotonic() - t0
+        rc, out = run.finish(timeout=240)
+        assert rc == 0, out
+    finally:
+        if node.poll() is None:
+            node.kill()
+    assert "producer node1" in out and "warning" in out, out
+    step, ledger = final_ledger(run.run_dir)
+    released = last(run.run_dir, "released_samples")
+    assert all(ledger.complete(e) for e in range(EPOCHS)), [ledger.count(e) for e in range(EPOCHS)]
+    assert ledger.duplicates <= released, (ledger.duplicates, released)
+    print(
+        f"\nFIGURES node SIGKILL: group of 2 again {recover_s:.1f} s after its workers were killed (step "
+        f"{regrouped['step']}), steps {step}, samples lost {EPOCHS * ledger.num_samples - ledger.total_trained()}, "
+        f"duplicates {ledger.duplicates} (given back: {released:.0f} samples)"
+    )
+
+
+def _served_at(log: Path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if "serving them at " in line:
+                return line.rsplit("serving them at ", 1)[1].strip()
+        time.sleep(0.2)
+    raise AssertionError(log.read_text())
