@@ -44,6 +44,7 @@ _LAYOUT = ("device", "target_gpus", "drafter_gpus", "workers", "target_parallel"
     show_default=True,
     help="Seconds to wait for the coordinator's WELCOME.",
 )
+@click.option("--dry-run", is_flag=True, help="Print what would run (devices, addresses) and start nothing.")
 def producer(**opts) -> None:
     """Attach target replicas on this node to a running run, with this node's drafter workers.
 
@@ -69,13 +70,19 @@ def producer(**opts) -> None:
         layout = layout_from_flags({}, given)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    name = opts["name"] or socket.gethostname()
+    bind = opts["bind"] or DEFAULT_ADDRESS
+    if opts["dry_run"]:
+        for line in dry_run_plan(opts["connect"], layout, name=name, bind=bind, keys=opts["keys"]):
+            click.echo(line)
+        return
     try:
         summary = run_attached(
             opts["connect"],
             layout,
-            name=opts["name"] or socket.gethostname(),
+            name=name,
             keys=opts["keys"],
-            bind=opts["bind"] or DEFAULT_ADDRESS,
+            bind=bind,
             join_timeout_s=opts["join_timeout"],
             console=console,
         )
@@ -86,8 +93,21 @@ def producer(**opts) -> None:
         console.print(f"[red]producer stopped:[/] {escape(str(exc))}")
         sys.exit(1)
     console.print(
-        f"producer {opts['name'] or socket.gethostname()} done: {summary.stop_reason}; "
+        f"producer {name} done: {summary.stop_reason}; "
         f"{summary.acked_tokens} tokens trained from its batches",
         markup=False,
         highlight=False,
     )
+
+
+def dry_run_plan(connect: str, layout, *, name: str, bind: str, keys: Path | None) -> list[str]:
+    """What ``producer`` would do, as ``launch --dry-run`` says it for a launch."""
+    return [
+        f"dflash-pipe producer {name} (dry run): would join the run at {connect}",
+        f"  target         {', '.join(layout.target_devices())} ({layout.target_parallel})",
+        f"  drafters       {layout.num_workers} on {', '.join(layout.worker_devices())} ({layout.drafter_mode})",
+        f"  serves them at {bind}",
+        f"  keys           {keys if keys is not None else 'none (the coordinator must be on loopback)'}",
+        "  the run's config, data order and checkpoints come from the coordinator",
+        "nothing was started",
+    ]

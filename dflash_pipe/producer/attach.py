@@ -29,6 +29,7 @@ from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.run.record import attached_dir
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.auth import AuthError
 from dflash_pipe.wire.shm import host_identity
 from dflash_pipe.wire.transport import WorkerEndpoint
 
@@ -38,7 +39,15 @@ class AttachError(RuntimeError):
 
 
 def join(endpoint: WorkerEndpoint, *, name: str, devices: list[str], timeout_s: float) -> m.Welcome:
-    """HELLO as a producer; the WELCOME, or ``AttachError`` naming why none came."""
+    """HELLO as a producer; the WELCOME, or ``AttachError`` naming why none came (its CURVE keys refused
+    as a worker's would be, a REJECT, no answer in ``timeout_s``)."""
+    try:
+        return _join(endpoint, name=name, devices=devices, timeout_s=timeout_s)
+    except AuthError as exc:
+        raise AttachError(str(exc).replace("this worker", "this producer")) from None
+
+
+def _join(endpoint: WorkerEndpoint, *, name: str, devices: list[str], timeout_s: float) -> m.Welcome:
     endpoint.send(
         m.Hello(
             worker_name=name,

@@ -30,6 +30,8 @@ def test_the_recipes_are_there():
         "cpu-demo.yaml",
         "two-nodes/producer.yaml",
         "slurm.sbatch",
+        "slurm-multinode.sbatch",
+        "multinode.sh",
     ):
         assert name in names, name
     for script in SCRIPTS:  # each says when to use it
@@ -114,3 +116,25 @@ def test_the_qwen36_recipe_plans_the_original_topology_on_a_hybrid_target(tmp_pa
     assert drafter["num_layers"] == 5 and drafter["block_size"] == 16
     assert drafter["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"]
     assert drafter["sliding_window"] == 2048
+
+
+@pytest.mark.parametrize("rank", ["1", "7"])
+def test_multinode_recipe_attaches_every_other_node_as_a_producer(rank: str, tmp_path: Path):
+    """launch/multinode.sh on a node other than 0 (torchrun-style MASTER_ADDR / NODE_RANK): a producer that
+    joins node 0's coordinator with that node's own split of GPUs and the run's keys."""
+    env = {**_env(), "RUN_DIR": str(tmp_path / "run"), "MASTER_ADDR": "node-a", "NODE_RANK": rank}
+    env.update({"MASTER_PORT": "6000", "TARGET_GPUS": "0-5", "DRAFTER_GPUS": "6,7"})
+    out = subprocess.run(
+        ["bash", str(LAUNCH / "multinode.sh"), "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout
+    assert f"producer node{rank} (dry run): would join the run at tcp://node-a:6000" in lines
+    assert "cuda:0, cuda:1, cuda:2, cuda:3, cuda:4, cuda:5" in lines and "2 on cuda:6, cuda:7" in lines
+    assert f"keys           {tmp_path / 'run'}.keys" in lines and "nothing was started" in lines
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.keys").exists()

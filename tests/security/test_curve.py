@@ -125,3 +125,33 @@ def test_a_worker_with_other_keys_stops_at_once_with_the_fix(producer, key_dirs)
     assert "holds other keys than" in out.stderr and "--keys DIR" in out.stderr, out.stderr
     assert "Reconnecting" not in out.stderr and "--resume" not in out.stderr, out.stderr
     assert time.monotonic() - started < 60  # within --join-timeout, not --reconnect-timeout
+
+
+@pytest.mark.parametrize("which", [None, "other", "stranger"])
+def test_a_producer_attaching_without_the_run_keys_is_refused_like_a_worker(producer, key_dirs, which):
+    """``dflash-pipe producer --connect`` meets the same CURVE gate as a worker: its HELLO never arrives,
+    and it stops with the reason instead of waiting out its join timeout."""
+    import threading
+
+    from dflash_pipe.producer.attach import AttachError, join
+
+    got: list = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if (msg := producer.recv(0.05)) is not None:
+                got.append(msg)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        with WorkerEndpoint(producer.address, keys=key_dirs.get(which), send_timeout_s=1.0) as endpoint:
+            t0 = time.monotonic()
+            with pytest.raises(AttachError, match="this producer|CURVE") as info:
+                join(endpoint, name="node1", devices=["cpu"], timeout_s=30.0)
+            assert time.monotonic() - t0 < 10.0  # refused, not timed out
+    finally:
+        stop.set()
+        server.join()
+    assert "--keys DIR" in str(info.value) and got == []
