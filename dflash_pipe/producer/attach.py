@@ -14,6 +14,7 @@ import dataclasses
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,7 @@ def run_attached(
     them until the coordinator says DONE, every worker here leaves, or the coordinator is lost."""
     from dflash_pipe.launcher import WorkerPool
     from dflash_pipe.producer.proc import ProducerProc
+    from dflash_pipe.producer.target_threads import load_replicas
 
     console.print(f"dflash-pipe producer {name}: joining the run at {address}", markup=False, highlight=False)
     endpoint = WorkerEndpoint(address, keys=keys)
@@ -134,9 +136,11 @@ def run_attached(
         endpoint.close(linger_s=0)
         raise
     upstream = Upstream(endpoint, welcome, name=name)
-    producer = ProducerProc(
-        attached_context(cfg, welcome, upstream.samples), console=console, live=live, upstream=upstream
-    )
+    ctx = attached_context(cfg, welcome, upstream.samples)
+    loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
+    replicas = loader.submit(load_replicas, ctx)  # while the link keeps beating (ProducerProc.start_targets)
+    loader.shutdown(wait=False)
+    producer = ProducerProc(ctx, console=console, live=live, upstream=upstream, replicas=replicas)
     pool = WorkerPool(cfg, producer.address, prefix=f"{name}-", logs=attached_dir(cfg.run_dir, name) / "logs")
     console.print(
         f"[bold]dflash-pipe[/] producer {name} attached to run {welcome.run_id} at {address}: target on "

@@ -143,6 +143,8 @@ class ProducerCore:
         meanwhile are told so, and get its BATCHes once they exist (``_install_eval``)."""
         self._eval_queued = False
         self._waiting_note = False
+        self.attached_first_steps: dict[str, float] = {}
+        """Time to the first step of each worker of an attaching producer (its METRICS name it)."""
         self.lost: list[str] = []
         """One line per worker that died or vanished (the run went on without it)."""
         self.sent_by_ref = {"shm": 0, "cuda_ipc": 0}

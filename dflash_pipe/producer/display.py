@@ -66,7 +66,10 @@ def summary(
         stop_reason=stop_reason,
         wall_s=wall_s,
         last_checkpoint=core.last_checkpoint,
-        first_step_s={p.name: p.first_step_s for p in core.peers.values() if p.first_step_s is not None},
+        first_step_s={
+            **{p.name: p.first_step_s for p in core.peers.values() if p.first_step_s is not None},
+            **core.attached_first_steps,
+        },
         acked_tokens=core.scheduler.stats.acked_tokens,
         duplicates_redelivered=core.scheduler.stats.redelivered,
         steady_tokens_per_s=_steady_rate(core),
@@ -196,6 +199,9 @@ def log_worker_metrics(core: ProducerCore, peer: Peer, msg: m.Metrics) -> None:
     if "time_to_first_step_s" in values:
         peer.first_step_s = float(values["time_to_first_step_s"])
         values = {f"time_to_first_step_s/{peer.name}": peer.first_step_s}
+    for key, value in values.items():  # an attaching producer's worker's, named by that producer
+        if key.startswith("time_to_first_step_s/") and peer.role == "producer":
+            core.attached_first_steps[key.split("/", 1)[1]] = float(value)
     state = core.state
     if "loss" in values:
         core.loss_history.append(float(values["loss"]))

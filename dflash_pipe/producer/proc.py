@@ -8,6 +8,7 @@ step decides (plans, leases, accounting) is the core's (``producer.core``); the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import queue
@@ -159,6 +160,8 @@ class ProducerProc:
     def start_targets(self) -> None:
         """One TargetCore per replica (a GPU, or a group of GPUs for a split target), each fed by its own
         thread."""
+        if self.upstream is not None and self._replicas is not None:
+            self._keep_link_while_loading(self._replicas)
         self._cores = self._replicas.result() if self._replicas is not None else load_replicas(self.ctx)
         placed = ", ".join("+".join(str(d) for d in core.devices) for core in self._cores)
         self.core.note(f"target: {len(self._cores)} replica(s) on {placed}")
@@ -188,6 +191,14 @@ class ProducerProc:
             decoder = regen.settings.decoder
             served = all(engine_refusal(core.model, decoder) is None for core in self._cores)
             self.core.jobs_per_thread = 2 if served else 1
+
+    def _keep_link_while_loading(self, replicas: Future[list[TargetCore]]) -> None:
+        """An attaching producer's target loads for minutes at the scale of a node: the coordinator keeps
+        hearing from it meanwhile (asking no plan before a replica can compute one), so it is not dropped
+        as silent."""
+        while not replicas.done():
+            self._pump()
+            concurrent.futures.wait([replicas], timeout=_SHOW_EVERY_S)  # its error comes from result()
 
     def _build_eval_batches(self) -> list[m.Batch]:
         """The eval set of a run on dataset responses, before serving. With regeneration it is built once
@@ -288,6 +299,10 @@ class ProducerProc:
             and peer is not None
             and isinstance(msg, (m.Ack, m.Metrics, m.Checkpoint))
         ):
+            if isinstance(msg, m.Metrics) and "time_to_first_step_s" in msg.values:
+                # the coordinator's summary names the worker, not this producer
+                first = msg.values["time_to_first_step_s"]
+                msg = m.Metrics(step=msg.step, values={f"time_to_first_step_s/{peer.name}": first})
             self._pump(forward=msg)
 
     def _pump(self, forward: Any = None) -> None:

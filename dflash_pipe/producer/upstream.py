@@ -130,9 +130,9 @@ class Upstream:
     def wanted(self, core: ProducerCore) -> int:
         """Plans to ask for: enough to keep ``wire.ready_batches`` computed and two plans per replica in
         computation, counting those already here or asked for."""
-        if self.ended or core.done_sent:
+        if self.ended or core.done_sent or core.target_threads == 0:  # no replica loaded yet
             return 0
-        bound = core.cfg.wire.ready_batches + 2 * max(core.target_threads, 1)
+        bound = core.cfg.wire.ready_batches + 2 * core.target_threads
         have = core.in_target + core.scheduler.ready_count() + len(self._plans) + self.requested
         return bound - have
 

@@ -159,6 +159,10 @@ def _upstream(tmp_path: Path) -> tuple[Upstream, FakeEndpoint, Any, Any]:
 
 def test_the_attaching_side_asks_for_plans_serves_them_and_passes_done_on(tmp_path: Path) -> None:
     up, endpoint, core, out = _upstream(tmp_path)
+    core.target_threads = 0  # the target still loads: no plan asked that no replica can compute
+    up.pump(core)
+    assert not endpoint.sent and up.requested == 0
+    core.target_threads = 1
     up.pump(core)
     (ready,) = [msg for msg in endpoint.sent if isinstance(msg, m.Ready)]
     assert ready.credits == core.cfg.wire.ready_batches + 2 * core.target_threads  # 1 + 2
