@@ -56,6 +56,8 @@ class Lease:
     worker: bytes
     batch: ReadyBatch
     sent_at: float
+    plan_only: bool = False
+    """A bare plan leased to an attaching producer (no features here): released, it is planned again."""
 
 
 @dataclass(slots=True)
@@ -140,7 +142,10 @@ class BatchScheduler:
         """``plan`` goes to an attaching producer: it stays outstanding until that producer forwards its ACK,
         and goes back to the plans if the producer is lost (``release``)."""
         self._leases[plan.batch_id] = Lease(
-            worker=producer, batch=ReadyBatch(plan=plan, payload=None, tokens=tokens), sent_at=now
+            worker=producer,
+            batch=ReadyBatch(plan=plan, payload=None, tokens=tokens),
+            sent_at=now,
+            plan_only=True,
         )
         self.stats.sent += 1
 
@@ -162,12 +167,12 @@ class BatchScheduler:
         leased plans to the front of the plans)."""
         lost = sorted((bid for bid, lease in self._leases.items() if lease.worker == worker), reverse=True)
         for batch_id in lost:
-            batch = self._leases.pop(batch_id).batch
-            self.stats.released_samples += len(batch.plan.sample_ids)
-            if batch.payload is None:
-                self._replan.appendleft(batch.plan)
+            lease = self._leases.pop(batch_id)
+            self.stats.released_samples += len(lease.batch.plan.sample_ids)
+            if lease.plan_only:
+                self._replan.appendleft(lease.batch.plan)
             else:
-                self._ready.appendleft(batch)
+                self._ready.appendleft(lease.batch)
         self.stats.redelivered += len(lost)
         return len(lost)
 
