@@ -33,6 +33,7 @@ def admit_producer(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | N
     peer = Peer(
         identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid, role="producer"
     )
+    peer.host_id = msg.host_id
     peer.same_host = bool(core.host_id) and msg.host_id == core.host_id
     peer.state = "starting"
     core.peers[peer_id] = peer

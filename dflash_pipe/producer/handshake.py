@@ -43,6 +43,8 @@ class Peer:
     """The worker opened the CUDA IPC ring: its BATCH headers name slots in the target GPU's memory."""
     role: str = "worker"
     """"producer": target replicas attached from another node, leasing PLANs (``producer.coordinator``)."""
+    host_id: str = ""
+    """Its ``wire.shm.host_identity()``: which node it runs on."""
     same_host: bool = False
     """Same host identity as this producer: what it is sent stays on the node."""
     link_bytes: int = 0
@@ -92,8 +94,14 @@ def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
         return None
     peer = Peer(identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid)
     peer.cuda_offered, peer.ring_offered = cuda_offered, ring_offered
+    peer.host_id = msg.host_id
     peer.same_host = bool(core.host_id) and msg.host_id == core.host_id
     core.peers[peer_id] = peer
+    if not peer.same_host and (local := node_producer(core, msg.host_id)) is not None:
+        core.note(
+            f"warning: {peer.name} gets its features over the network, but producer {local.name} runs on its "
+            f"node: start it with `dflash-pipe worker --connect` to that producer's address (its log says it)"
+        )
     # Ranks come from the drafters' rendezvous, not from here: this one is the arrival order, for the
     # dashboard. Every worker gets the eval set, since any of them may become rank 0.
     peer.rank = sum(1 for p in core.peers.values() if not p.left and p.role == "worker") - 1
@@ -107,6 +115,15 @@ def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
     if core.step > 0:
         core.note(f"{peer.name} ({peer.device}) joins the run at step {core.step}")
     return peer
+
+
+def node_producer(core: ProducerCore, host_id: str) -> Peer | None:
+    """An attaching producer on the node ``host_id`` names, if one is in the run."""
+    if not host_id:
+        return None
+    return next(
+        (p for p in core.peers.values() if p.role == "producer" and not p.left and p.host_id == host_id), None
+    )
 
 
 def welcome(core: ProducerCore, peer: Peer, eval_batches: int) -> m.Welcome:

@@ -117,6 +117,10 @@ def test_a_worker_of_another_node_counts_its_features_as_remote(tmp_path: Path) 
 
     totals = link_bytes(core)
     assert totals["wire/feature_bytes_remote"] == feats.numel() * 2 == totals["wire/feature_bytes_local"]
+    assert not any("over the network" in note for note in core.messages)  # no producer on its node
+    core.handle(b"p", _producer_hello())  # host_id "other-node", as "far"
+    core.handle(b"far2", _hello("far2", host_id="other-node"))
+    assert any("far2 gets its features over the network" in n and "node1" in n for n in core.messages)
 
 
 def test_plan_and_role_are_validated() -> None:
