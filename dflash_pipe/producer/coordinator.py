@@ -113,6 +113,8 @@ def own_link_bytes(core: ProducerCore) -> dict[str, float]:
         else:
             totals[f"wire/feature_bytes_{'local' if peer.same_host else 'remote'}"] += peer.link_bytes
     totals["tokens_per_s/producer"] = core.target_rate.rate()
+    totals["batches_via_shm"] = float(core.sent_by_ref["shm"])
+    totals["batches_via_cuda_ipc"] = float(core.sent_by_ref["cuda_ipc"])
     return totals
 
 
@@ -129,8 +131,7 @@ def take_link_report(core: ProducerCore, peer: Peer, msg: m.Metrics) -> bool:
 def link_bytes(core: ProducerCore) -> dict[str, float]:
     """The run's bytes by link as this producer knows them: its own and the latest each attaching producer
     reported (a coordinator's totals are the whole run's), and the supply of the attached producers."""
-    totals = own_link_bytes(core)
-    del totals["tokens_per_s/producer"]
+    totals = {k: v for k, v in own_link_bytes(core).items() if k.startswith("wire/")}
     attached = [p for p in core.peers.values() if p.role == "producer" and not p.left]
     for peer in core.peers.values():
         for key in LINK_KEYS:
