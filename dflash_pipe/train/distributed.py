@@ -43,6 +43,46 @@ class GroupBrokenError(RuntimeError):
     """A collective failed: a member died or vanished mid-step. Re-form the group and go on."""
 
 
+class GpuTakenError(RuntimeError):
+    """Another live worker of this run trains on this GPU: NCCL takes one rank per GPU, and a second one
+    would break the group of every member."""
+
+
+def claim_gpu(store: dist.Store, gpu: str, holder: str) -> None:
+    """Takes ``gpu`` (a CUDA device's UUID) for ``holder`` in the run's store, or raises ``GpuTakenError``
+    naming the live worker that has it. A claim whose process is gone (same machine, pid not running) is
+    taken over, so a restarted worker gets its GPU back."""
+    from dflash_pipe.wire.shm import host_identity
+
+    key = f"gpu-claims/{gpu}"
+    machine = host_identity(simulated=False)
+    mine = f"{machine}|{os.getpid()}|{holder}"
+    expected = ""
+    for _ in range(8):  # another claimant may take it over between our read and our write
+        current = store.compare_set(key, expected, mine).decode()
+        if current == mine:
+            return
+        their_machine, pid, name = current.split("|", 2)
+        if their_machine == machine and _alive(int(pid)):
+            raise GpuTakenError(
+                f"GPU {gpu} already trains in this run: worker {name} (pid {pid}) holds it, and NCCL takes one "
+                "drafter per GPU (a second would break the whole group). Give this worker another GPU, or "
+                f"stop {name} first."
+            )
+        expected = current  # its holder is gone: take it over
+    raise GpuTakenError(f"GPU {gpu}: could not claim it in the run's store (claims keep changing)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class RendezvousLostError(RuntimeError):
     """The rendezvous store (it lives in the producer) stopped answering: the producer is gone."""
 
@@ -74,7 +114,9 @@ class DrafterGroup:
         device: torch.device,
         timeout_s: float,
         join_timeout_s: float,
+        name: str = "",
     ) -> None:
+        """``name``: the worker's, for the GPU claim another worker on the same GPU is refused with."""
         url = urlparse(rendezvous)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"Rendezvous address {rendezvous!r} must look like tcp://HOST:PORT.")
@@ -89,6 +131,8 @@ class DrafterGroup:
         self._timeout = timedelta(seconds=timeout_s)
         self._comm_device = device if self.backend == "nccl" else torch.device("cpu")
         store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=self._timeout)
+        if device.type == "cuda":
+            claim_gpu(store, str(torch.cuda.get_device_properties(device).uuid), name or f"pid {os.getpid()}")
         self._handler: DynamicRendezvousHandler | None = DynamicRendezvousHandler.from_backend(
             run_id=f"drafters-{run_id}",
             store=store,

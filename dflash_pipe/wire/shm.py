@@ -49,16 +49,17 @@ NODE_ENV = "DFLASH_PIPE_NODE"
 (no ring between them, features counted as crossing the network), as the multi-node tests simulate."""
 
 
-def host_identity() -> str:
+def host_identity(*, simulated: bool = True) -> str:
     """Two processes that may share a memfd through /proc report the same string: hostname, boot id and
-    pid namespace (workers in another container on the same machine differ), and ``$DFLASH_PIPE_NODE``."""
+    pid namespace (workers in another container on the same machine differ), and ``$DFLASH_PIPE_NODE``
+    (``simulated`` False leaves it out: the machine and pid namespace themselves)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         pidns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return ""  # not Linux: never same-host
-    node = os.environ.get(NODE_ENV, "")
+    node = os.environ.get(NODE_ENV, "") if simulated else ""
     return f"{socket.gethostname()}/{boot}/{pidns}" + (f"/{node}" if node else "")
 
 

@@ -27,7 +27,7 @@ from dflash_pipe.run.signals import Signals, StopNow
 from dflash_pipe.train.batches import unpack
 from dflash_pipe.train.compile_check import warm_up_checked
 from dflash_pipe.train.config import TrainConfig
-from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, RendezvousLostError
+from dflash_pipe.train.distributed import DrafterGroup, GpuTakenError, GroupBrokenError, RendezvousLostError
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.wire import messages as m
@@ -198,6 +198,7 @@ def _serve(
             device=dev,
             timeout_s=welcome.peer_timeout_s,
             join_timeout_s=timeout_s,
+            name=name,
         )
         session = WorkerSession(
             link=link,
@@ -249,7 +250,9 @@ def _serve(
             reason = link.lost_reason or f"the producer at {connect} is gone ({exc})"
             raise _ProducerLost(reason, welcomed=welcome is not None) from None
         message = f"{type(exc).__name__}: {exc}"
-        whole = isinstance(exc, (HandshakeError, KeyboardInterrupt, DiskFullError))  # the line says it all
+        whole = isinstance(
+            exc, (HandshakeError, KeyboardInterrupt, DiskFullError, GpuTakenError)
+        )  # the line says it all
         trace = "" if whole else traceback.format_exc()
         link.send_and_flush(m.Error(source=name, message=message, traceback=trace))
         print(f"dflash-pipe worker {name}: {message}", file=sys.stderr, flush=True)
