@@ -23,6 +23,7 @@ from dflash_pipe.commands.bench import bench
 from dflash_pipe.commands.evaluate import eval_cmd
 from dflash_pipe.commands.options import field_options
 from dflash_pipe.commands.producer import producer
+from dflash_pipe.commands.split import picked_split, probe_gpus
 from dflash_pipe.commands.worker import worker
 from dflash_pipe.data.config import RegenConfig
 
@@ -75,6 +76,11 @@ def main() -> None:
 )
 @click.option("--print-config", is_flag=True, help="Print the resolved config (YAML) and exit.")
 @click.option(
+    "--gpus",
+    help="All the GPUs of the run (e.g. 0-7) without --target-gpus/--drafter-gpus: a probe of the target and "
+    "the drafter (a few seconds each, as `bench split`) picks the split and says why.",
+)
+@click.option(
     "--dry-run",
     is_flag=True,
     help="Print the plan (config, devices, workers, run dir) and exit; loads nothing, needs no GPU.",
@@ -103,11 +109,21 @@ def launch(**opts) -> None:
         for k, v in opts.items()
         if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
     }
+    gpus = probe_gpus(typed)
     try:
         file_values = load_run_file(opts["config_file"]) if opts["config_file"] else None
         cfg, resume = build_run_config(typed, file_values)
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
+    if gpus and resume:
+        raise click.UsageError("--gpus with --resume: a resumed run keeps its saved split.")
+    if gpus and opts["dry_run"]:
+        console.print(
+            f"note: --gpus {opts['gpus']}: a probe picks the split when the run starts (`dflash-pipe bench "
+            f"split --gpus {opts['gpus']}` shows its pick now); the plan below shows a placeholder split",
+            markup=False,
+            highlight=False,
+        )
     if opts["print_config"]:
         click.echo(config_text(cfg), nl=False)
         return
@@ -115,6 +131,8 @@ def launch(**opts) -> None:
         click.echo(plan_text(cfg, resume=resume))
         return
     check_machine(cfg)
+    if gpus:
+        cfg = picked_split(cfg, gpus)
     _run_launch(cfg, resume=resume, live=opts["live"])
 
 

@@ -80,38 +80,52 @@ _OUT_OPTION = click.option(
 )
 
 
+def _run_options(fn):
+    """The run a throughput or split bench measures: target, data, layout and drafter, as `launch` takes
+    them (declared once here for both)."""
+    for option in reversed(_RUN_OPTION_LIST):
+        fn = option(fn)
+    return fn
+
+
+_RUN_OPTION_LIST = [
+    click.option(
+        "--target-model",
+        type=click.Path(path_type=Path),
+        help="HF model directory (default: the demo target).",
+    ),
+    click.option(
+        "--data",
+        "data_path",
+        type=click.Path(path_type=Path),
+        help="JSONL data (default with the demo: bundled).",
+    ),
+    click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True),
+    click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4."),
+    click.option("--drafter-gpus", help="GPUs of the drafter workers, e.g. 5-7."),
+    click.option("--workers", type=int, help="Drafter workers on CPU (default 2)."),
+    click.option("--token-budget", type=int, help="Max tokens per batch (as `launch`)."),
+    click.option("--max-length", type=int, help="Longer samples are truncated (as `launch`)."),
+    click.option("--draft-layers", type=int, help="Drafter depth (as `launch`)."),
+    click.option("--max-anchors", type=int, help="Sampled blocks per sequence (as `launch`)."),
+    click.option(
+        "--compile", "compile_mode", type=click.Choice(choices(TrainConfig, "compile")), help="As `launch`."
+    ),
+    click.option(
+        "--responses",
+        type=click.Choice(choices(DataConfig, "responses")),
+        default="dataset",
+        show_default=True,
+        help="target: as `launch --responses target` (throughput: the pipeline runs again regenerating every "
+        "assistant turn, beside the run on the dataset's; split: the target's supply includes regeneration).",
+    ),
+    click.option("--max-new-tokens", type=int, help="With --responses target: as `launch`."),
+    click.option("--regen-batch", type=int, help="With --responses target: as `launch`."),
+]
+
+
 @bench.command("throughput")
-@click.option(
-    "--target-model", type=click.Path(path_type=Path), help="HF model directory (default: the demo target)."
-)
-@click.option(
-    "--data",
-    "data_path",
-    type=click.Path(path_type=Path),
-    help="JSONL data (default with the demo: bundled).",
-)
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4.")
-@click.option("--drafter-gpus", help="GPUs of the drafter workers, e.g. 5-7.")
-@click.option("--workers", type=int, help="Drafter workers on CPU (default 2).")
-@click.option("--token-budget", type=int, help="Max tokens per batch (as `launch`).")
-@click.option("--max-length", type=int, help="Longer samples are truncated (as `launch`).")
-@click.option("--draft-layers", type=int, help="Drafter depth (as `launch`).")
-@click.option("--max-anchors", type=int, help="Sampled blocks per sequence (as `launch`).")
-@click.option(
-    "--compile", "compile_mode", type=click.Choice(choices(TrainConfig, "compile")), help="As `launch`."
-)
-@click.option(
-    "--responses",
-    type=click.Choice(choices(DataConfig, "responses")),
-    default="dataset",
-    show_default=True,
-    help="target: the pipeline runs again with the target regenerating every assistant turn as it trains "
-    "(launch --responses target), beside the run on the dataset's: trained tokens/s and launch to first step "
-    "of each.",
-)
-@click.option("--max-new-tokens", type=int, help="With --responses target: as `launch`.")
-@click.option("--regen-batch", type=int, help="With --responses target: as `launch`.")
+@_run_options
 @click.option("--seconds", type=float, default=3.0, show_default=True, help="Measured seconds per stage.")
 @click.option("--compare", is_flag=True, help="Also run offline (features via disk) and threaded drafters.")
 @_OUT_OPTION
@@ -149,6 +163,65 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_w
         except (RuntimeError, ValueError, FileNotFoundError) as exc:  # a stage failed: its log's end
             hint = "" if keep_work else " (rerun with --keep-work to keep the logs)"
             raise click.ClickException(f"bench throughput failed{hint}: {exc}") from None
+    _finish_bench(result, out)
+
+
+@bench.command("split")
+@_run_options
+@click.option("--gpus", help="The GPUs to split between the target and the drafters, e.g. 0-7 (CUDA).")
+@click.option("--seconds", type=float, default=3.0, show_default=True, help="Measured seconds per probe.")
+@click.option(
+    "--verify", is_flag=True, help="Also run the pipeline at the pick and its two neighbouring splits."
+)
+@_OUT_OPTION
+@_KEEP_OPTION
+def bench_split(
+    gpus: str | None, seconds: float, verify: bool, out_dir: Path | None, keep_work: bool, **opts
+) -> None:
+    """Which split of --gpus between target and drafters trains fastest, from a probe of each side.
+
+    \b
+    One target replica and one drafter are measured alone on the run's own target, drafter and data
+    (with --responses target the replica's supply includes regenerating the replies); every split is
+    predicted as min(target GPUs x supply, drafter GPUs x demand) and the best is picked and explained. On
+    one GPU (or CPU) both sides share the device: the probe says the share of its time each needs.
+    --verify runs the real pipeline at the pick and its neighbours (goal: the pick within 5% of the best).
+      dflash-pipe bench split --target-model /models/Qwen3-8B --data chat.jsonl --gpus 0-7 --verify
+      dflash-pipe bench split --seconds 2            # the demo on CPU: the share of the cores
+    """
+    from dflash_pipe.bench.split import run_split_bench
+    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.run.layout import parse_gpu_spec
+
+    if seconds <= 0:
+        raise click.UsageError(f"--seconds must be > 0, got {seconds}.")
+    if opts.get("target_gpus") or opts.get("drafter_gpus"):
+        raise click.UsageError(
+            "bench split picks the split itself: give --gpus (e.g. 0-7), not --target-gpus/--drafter-gpus."
+        )
+    try:
+        ids = parse_gpu_spec(gpus, flag="--gpus") if gpus else ()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if ids:
+        opts.update(target_gpus=str(ids[0]), drafter_gpus=str(ids[-1]))  # the probe sets its own pair
+    out = _bench_out(out_dir)
+    try:
+        cfg, _ = build_run_config({**opts, "run_dir": out / "work" / "prepare"})
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from None
+    if cfg.layout.device == "cuda" and not ids:
+        raise click.UsageError("--gpus is needed on CUDA: the GPUs to split, e.g. 0-7.")
+    check_machine(cfg)
+    with _bench_scratch(out, keep_work) as scratch, _bench_progress() as progress:
+        try:
+            result = run_split_bench(
+                cfg, gpus=ids, seconds=seconds, work_dir=Path(scratch), verify=verify, progress=progress
+            )
+        except (RuntimeError, ValueError, FileNotFoundError) as exc:
+            hint = "" if keep_work else " (rerun with --keep-work to keep the logs)"
+            raise click.ClickException(f"bench split failed{hint}: {exc}") from None
+    console.print(f"pick: {result.summary['pick']}: {result.summary['why']}", markup=False, highlight=False)
     _finish_bench(result, out)
 
 
