@@ -14,8 +14,9 @@ from dflash_pipe.commands.options import FieldOption, config_flags
 from dflash_pipe.fields import flag_of
 from dflash_pipe.launch_options import FLAG_FIELDS, RESUME_OVERRIDES
 
-NOT_FIELDS = {"resume_dir", "live", "config_file", "print_config", "dry_run"}
-"""launch options that set no config field: what to do with the config."""
+NOT_FIELDS = {"resume_dir", "live", "config_file", "print_config", "dry_run", "gpus"}
+"""launch options that set no config field: what to do with the config (``gpus``: a probe then sets
+``layout.target_gpus`` and ``layout.drafter_gpus``)."""
 
 
 def test_every_launch_option_is_a_field_or_says_what_to_do_with_the_config() -> None:
