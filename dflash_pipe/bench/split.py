@@ -17,6 +17,7 @@ pipeline at the pick and its two neighbours and says whether the pick was within
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,9 @@ def run_split_bench(
             )
         if verify:
             say(f"pipeline on the shared device ({seconds:g} s)")
-            rate, _ = run_pipeline(work, seconds, shared["predicted_tokens_per_s"], mode=None)
+            rate, _ = run_pipeline(
+                work, seconds, shared["predicted_tokens_per_s"], mode=None, responses=cfg.data.responses
+            )
             rows[0]["measured_tokens_per_s"] = round(rate.tokens_per_s, 1)
             ratio = rate.tokens_per_s / shared["predicted_tokens_per_s"]
             summary["measured_vs_predicted"] = round(ratio, 3)
@@ -207,30 +210,65 @@ def run_split_bench(
 
 
 def decode_probe(cfg: RunConfig, work: Any, out_dir: Path) -> dict[str, float]:
-    """Generated tokens/s of one replica on a batch of the data's conversations (``regenerate``'s path,
-    the producer's decoder), and the data's generated-per-trained share (its assistant tokens over all)."""
-    from dflash_pipe.regenerate import regenerate_file
+    """Generated tokens/s of one replica in steady state: the producer's generator (``TurnGenerator``, the
+    slot engine where it serves the target) warms up on one batch of the data's conversations, then the
+    next two batches are timed. And the data's generated-per-trained share (its assistant tokens over all
+    its tokens): the target's replies are assumed as long as the dataset's."""
+    from transformers import AutoTokenizer
+
+    from dflash_pipe.data.regenerated import RegenTally, load_conversations
+    from dflash_pipe.regenerate import load_model
+    from dflash_pipe.target.generate import TurnGenerator
 
     if not Path(cfg.data.path).is_file():
         raise ValueError(
-            f"--data {cfg.data.path}: the split probe with --responses target reads a few conversations from a "
-            "JSONL file; give one (the rest of the run may read any source launch takes)"
+            f"--data {cfg.data.path}: the split probe with --responses target reads conversations from a JSONL "
+            "file; give one (the run itself may read any source launch takes)"
         )
+    device = work.cfg.layout.target_devices()[0]
+    generator = TurnGenerator(
+        load_model(work.ctx.target_path, device),
+        AutoTokenizer.from_pretrained(str(work.ctx.target_path)),
+        cfg.regen,
+        device=device,
+        max_length=cfg.data.max_length,
+        template_kwargs=cfg.data.chat_template_kwargs,
+    )
+    batch = generator.batch_size
     out_dir.mkdir(parents=True, exist_ok=True)
     source = out_dir / "probe.jsonl"
-    take = max(cfg.regen.batch_size or 0, 16)
     with open(cfg.data.path) as f:
-        lines = [line for _, line in zip(range(take), f, strict=False)]
-    source.write_text("".join(lines))
-    data = dataclasses.replace(cfg.data, path=source)
-    device = work.cfg.layout.target_devices()[0]
-    done = regenerate_file(
-        work.ctx.target_path, data, cfg.regen, out_dir / "replies.jsonl", device=device, progress=False
-    )
+        source.write_text("".join(line for _, line in zip(range(3 * batch), f, strict=False)))
+    conversations = load_conversations(
+        dataclasses.replace(cfg.data, path=source), spill_dir=out_dir
+    ).conversations
+    warm, timed = conversations[:batch], conversations[batch:]
+    if not timed:
+        raise ValueError(
+            f"--data {cfg.data.path}: fewer than {batch + 1} conversations to probe the decode rate"
+        )
+    generator.regenerate(list(enumerate(warm)), on_done=lambda _record: None)
+    tally = RegenTally()
+    t0 = time.perf_counter()
+    generator.regenerate([(batch + i, c) for i, c in enumerate(timed)], on_done=tally.add)
+    seconds = time.perf_counter() - t0
+    del generator  # its model and slot cache, before the pipeline that --verify launches
+    _free_gpu_memory()
     samples = work.ctx.train_samples
     trained = sum(int(s.loss_mask.sum()) for s in samples)
     total = sum(int(s.input_ids.numel()) for s in samples)
     return {
-        "decode_tokens_per_s": round(done.tokens_per_s, 1),
+        "decode_tokens_per_s": round(tally.new_tokens / seconds, 1) if seconds > 0 else 0.0,
+        "decode_batch": float(batch),
         "generated_per_trained": round(trained / total, 3) if total else 0.0,
     }
+
+
+def _free_gpu_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -57,6 +57,22 @@ def test_bench_split_on_cpu_probes_both_sides_and_verifies_with_the_pipeline(tmp
     assert "pick: shared: one device: the target needs" in done.stderr + done.stdout
 
 
+@pytest.mark.slow
+def test_bench_split_with_target_responses_prices_regeneration_into_the_supply(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
+    regen = ["--responses", "target", "--regen-batch", "4", "--max-new-tokens", "8"]
+    done = run_bench("split", "--device", "cpu", "--seconds", "0.5", "--out", str(out), *tiny, *regen)
+    assert done.returncode == 0, done.stdout + done.stderr
+    s = read_result(out, "split")["summary"]
+    assert s["decode_tokens_per_s"] > 0 and 0 < s["generated_per_trained"] < 1 and s["decode_batch"] == 4
+    expected = supply_with_regeneration(
+        s["feature_tokens_per_s_per_gpu"], s["decode_tokens_per_s"], s["generated_per_trained"]
+    )
+    assert s["target_tokens_per_s_per_gpu"] == pytest.approx(expected, rel=0.01)
+    assert s["target_tokens_per_s_per_gpu"] < s["feature_tokens_per_s_per_gpu"]
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
