@@ -6,6 +6,9 @@ METRICS and BYEs, drops silent or failed workers (their leases go back to the qu
 summary and the dashboard show. It speaks through an ``Outbox`` (send a message, reject a peer), so a test
 drives it with plain lists; ``ProducerProc`` (``producer.proc``) is the process shell with the socket,
 the target threads and signals.
+
+Past 400 lines because it is one state machine (admission, routing, watching) whose steps share its
+counters; what attaching producers add lives in ``producer.coordinator``.
 """
 
 from __future__ import annotations

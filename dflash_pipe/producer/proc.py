@@ -4,6 +4,9 @@
 their threads and runs the busy loop, a few named steps: receive, refill, dispatch, watch, show. What each
 step decides (plans, leases, accounting) is the core's (``producer.core``); the rings are sized in
 ``producer.rings`` and the dashboard and summary read in ``producer.display``.
+
+Past 400 lines because the loop's steps and the set-up and close around them read best in one place;
+an attaching producer's link is ``producer.upstream`` and only its hooks are here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dflash_pipe.producer.balance import balance_hint
 from dflash_pipe.producer.core import ProducerCore, RunAborted, WorkerWatch
 from dflash_pipe.producer.display import ProducerSummary, dashboard_state, data_metrics, data_report, summary
 from dflash_pipe.producer.rings import make_rings
@@ -42,6 +46,7 @@ _MAX_MESSAGES_PER_TICK = 256
 """Inbound messages handled per loop turn: all that are waiting (up to this), not one, so many fast workers
 never leave their ACKs and READYs queued behind the producer's other work."""
 _SHOW_EVERY_S = 0.5
+_HINT_EVERY_S = 30.0
 TARGET_STOP_TIMEOUT_S = 120.0
 """How long closing waits for each target thread's current batch (a forward of a big target, or its compile)."""
 
@@ -139,6 +144,8 @@ class ProducerProc:
         )
         self._closed = False
         self._started = time.monotonic()
+        self._hinted: int | None = None
+        """The target GPU count of the last balance hint (``_hint``)."""
 
     # --- the outbox the core speaks through ----------------------------------------------------------------
 
@@ -246,7 +253,7 @@ class ProducerProc:
     def _run(self, watch: WorkerWatch | None) -> str:
         core = self.core
         stop_reason = "finished"
-        last_show = 0.0
+        last_show = last_hint = 0.0
         join_deadline = time.monotonic() + self.cfg.wire.join_timeout_s
         while True:
             core.check(watch)
@@ -274,6 +281,9 @@ class ProducerProc:
             if now - last_show >= _SHOW_EVERY_S:
                 self.dashboard.update(dashboard_state(core, self._started))
                 last_show = now
+            if now - last_hint >= _HINT_EVERY_S:
+                last_hint = now
+                self._hint()
             if self.upstream is not None and self.upstream.ended and all(p.left for p in core.peers.values()):
                 return "the coordinator said DONE"
             if all(p.left for p in core.peers.values()):
@@ -315,6 +325,18 @@ class ProducerProc:
                 self.upstream.pump(self.core)
         except CoordinatorLost as exc:
             raise RunAborted(str(exc)) from exc
+
+    def _hint(self) -> None:
+        """The split that would balance the run, when one side idles (said again only when it changes)."""
+        hint = balance_hint(self.core)
+        if hint is None or hint[1].target == self._hinted:
+            return
+        line, split = hint
+        self._hinted = split.target
+        self.core.note(line)
+        self.metrics.log(
+            {"balance/target_gpus": split.target, "balance/drafter_gpus": split.drafters}, self.core.step
+        )
 
     def _drain(self) -> str:
         """A stop signal: every worker finishes its step, rank 0 checkpoints, all leave (no final evaluation,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_pipe.bench.split import neighbours, shared_device, splits, supply_with_regeneration
 from dflash_pipe.cli import main
+from dflash_pipe.run.split import neighbours, shared_device, splits, supply_with_regeneration
 from tests.bench.helpers import read_result, run_bench
 
 
