@@ -12,23 +12,7 @@ out=$(cd "$out" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
-python3 - "$work/target" <<'PY'
-import sys
-
-import torch
-from transformers import AutoModelForCausalLM
-
-from bench.make_target import qwen3_config
-from dflash_pipe.data import demo_tokenizer
-
-config = qwen3_config("qwen3-1.7b")
-config.vocab_size = len(demo_tokenizer())
-with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-model.save_pretrained(sys.argv[1])
-demo_tokenizer().save_pretrained(sys.argv[1])
-print(f"random qwen3-1.7b shape, vocab {config.vocab_size}, in {sys.argv[1]}")
-PY
+python3 bench/make_target.py --shape qwen3-1.7b --demo-vocab --out "$work/target"
 python3 -m dflash_pipe bench split --target-model "$work/target" --gpus "$gpus" --data dflash_pipe/data/assets/demo.jsonl \
     --token-budget 4096 --max-length 1024 --responses "$responses" --max-new-tokens 128 --seconds "$seconds" --verify \
     --out "$out" 2>&1 | tee "$out/run.log"

@@ -47,8 +47,15 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--demo-vocab",
+        action="store_true",
+        help="The demo tokenizer's vocabulary instead of the shape's, so generated replies decode to its text.",
+    )
     args = p.parse_args()
     config = qwen3_config(args.shape)
+    if args.demo_vocab:
+        config.vocab_size = len(demo_tokenizer())
     t0 = time.time()
     torch.manual_seed(0)
     with torch.device(args.device):

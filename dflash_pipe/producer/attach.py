@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.auth import AuthError
 from dflash_pipe.wire.shm import host_identity
 from dflash_pipe.wire.transport import WorkerEndpoint
+from dflash_pipe.wire.welcome import await_welcome
 
 
 class AttachError(RuntimeError):
@@ -60,23 +60,21 @@ def _join(endpoint: WorkerEndpoint, *, name: str, devices: list[str], timeout_s:
             role="producer",
         )
     )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        msg = endpoint.recv(timeout_s=0.5)
-        if isinstance(msg, m.Welcome):
-            if not msg.config:
-                raise AttachError(
-                    f"{endpoint.address} answered as to a worker (no run config): it runs an older dflash-pipe"
-                )
-            return msg
-        if isinstance(msg, m.Reject):
-            raise AttachError(f"the coordinator at {endpoint.address} refused this producer: {msg.reason}")
-        if isinstance(msg, m.Error):
-            raise AttachError(f"the coordinator at {endpoint.address} failed: {msg.message}")
-    raise AttachError(
-        f"no WELCOME from {endpoint.address} within {timeout_s:.0f} s. Is the run's `dflash-pipe launch` "
-        "running there, and is the address the one it printed (`producer at tcp://...`)?"
+    welcome = await_welcome(
+        lambda timeout: endpoint.recv(timeout_s=timeout),
+        address=endpoint.address,
+        peer="coordinator",
+        me="producer",
+        error=AttachError,
+        timeout_s=timeout_s,
+        hint="Is the run's `dflash-pipe launch` running there, and is the address the one it printed "
+        "(`producer at tcp://...`)?",
     )
+    if not welcome.config:
+        raise AttachError(
+            f"{endpoint.address} answered as to a worker (no run config): it runs an older dflash-pipe"
+        )
+    return welcome
 
 
 def attached_config(welcome: m.Welcome, layout: LayoutConfig, *, bind: str, keys: Path | None) -> RunConfig:

@@ -34,6 +34,7 @@ from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.cuda_ipc import cuda_ipc_supported
 from dflash_pipe.wire.ring import SlotRing
 from dflash_pipe.wire.shm import host_identity, shm_supported
+from dflash_pipe.wire.welcome import await_welcome
 from dflash_pipe.worker.link import ProducerLink, ready_paths
 from dflash_pipe.worker.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
 from dflash_pipe.worker.threads import ThreadedReplicas
@@ -339,18 +340,14 @@ def _handshake(link: ProducerLink, *, name: str, device: str, timeout_s: float) 
             host_id=host_identity(),
         )
     )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        msg = link.get(timeout_s=1.0)
-        if isinstance(msg, m.Welcome):
-            return msg
-        if isinstance(msg, m.Reject):
-            raise HandshakeError(f"the producer at {link.address} refused this worker: {msg.reason}")
-        if isinstance(msg, m.Error):
-            raise HandshakeError(f"the producer at {link.address} failed: {msg.message}")
-    raise HandshakeError(
-        f"no WELCOME from {link.address} within {timeout_s:.0f} s. Is `dflash-pipe launch` running there, "
-        "and is the address (host and port) the one it printed?"
+    return await_welcome(
+        lambda timeout: link.get(timeout_s=timeout),
+        address=link.address,
+        peer="producer",
+        me="worker",
+        error=HandshakeError,
+        timeout_s=timeout_s,
+        hint="Is `dflash-pipe launch` running there, and is the address (host and port) the one it printed?",
     )
 
 
