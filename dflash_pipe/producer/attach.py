@@ -78,8 +78,10 @@ def _join(endpoint: WorkerEndpoint, *, name: str, devices: list[str], timeout_s:
 
 
 def attached_config(welcome: m.Welcome, layout: LayoutConfig, *, bind: str, keys: Path | None) -> RunConfig:
-    """The run's config with this node's GPUs and this producer's own address for its workers."""
+    """The run's config with this node's GPUs and this producer's own address for its workers; its run dir
+    as the coordinator resolved it (the config may hold a path relative to the coordinator's directory)."""
     cfg = RunConfig.from_dict(welcome.config)
+    cfg = dataclasses.replace(cfg, run_dir=Path(welcome.run_dir))
     if not cfg.run_dir.is_dir():
         raise AttachError(
             f"the run dir {cfg.run_dir} the coordinator writes is not visible on this node: put it on storage "

@@ -200,3 +200,21 @@ def test_leased_samples_are_kept_until_their_last_batch_is_acked() -> None:
     held.drop([4])
     with pytest.raises(KeyError):
         held[4]
+
+
+def test_an_attaching_producer_takes_the_run_dir_the_coordinator_resolved(tmp_path: Path) -> None:
+    from dflash_pipe.producer.attach import AttachError, attached_config
+    from dflash_pipe.run.layout import LayoutConfig
+
+    core, out, _ = _core(tmp_path)
+    core.cfg = dataclasses.replace(core.cfg, run_dir=Path("runs/relative"))  # as `launch --run-dir runs/x`
+    core.handle(b"p", _producer_hello())
+    (welcome,) = out.of(b"p", m.Welcome)
+    welcome = dataclasses.replace(welcome, run_dir=str(tmp_path))  # the coordinator's resolved path
+    cfg = attached_config(
+        welcome, LayoutConfig(device="cpu", cpu_workers=1), bind="tcp://127.0.0.1:0", keys=None
+    )
+    assert cfg.run_dir == tmp_path and cfg.layout.cpu_workers == 1 and cfg.wire.bind == "tcp://127.0.0.1:0"
+    missing = dataclasses.replace(welcome, run_dir=str(tmp_path / "not-mounted"))
+    with pytest.raises(AttachError, match="not visible on this node"):
+        attached_config(missing, LayoutConfig(device="cpu"), bind="tcp://127.0.0.1:0", keys=None)
