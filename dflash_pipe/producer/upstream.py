@@ -23,6 +23,7 @@ from dflash_pipe.producer.coordinator import own_link_bytes
 from dflash_pipe.producer.scheduler import PlannedBatch
 from dflash_pipe.producer.target_threads import EvalJob
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.errors import ProtocolError, TransportError
 from dflash_pipe.wire.transport import WorkerEndpoint
 
 if TYPE_CHECKING:
@@ -185,12 +186,12 @@ class Upstream:
     def _recv(self) -> Any:
         try:
             return self.endpoint.recv(timeout_s=0.0)
-        except Exception as exc:  # refused keys, a malformed message: the link is unusable either way
+        except (TransportError, ProtocolError) as exc:  # refused keys, a malformed message
             raise CoordinatorLost(f"the link to the coordinator at {self.address} failed: {exc}") from exc
 
     def _send(self, msg: Any) -> None:
         try:
             self.endpoint.send(msg)
-        except Exception as exc:
+        except TransportError as exc:
             raise CoordinatorLost(f"the coordinator at {self.address} stopped reading: {exc}") from exc
         self._last_sent = time.monotonic()
