@@ -146,8 +146,10 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from dflash_pipe.producer.core import NothingToTrain, RunAborted
     from dflash_pipe.producer.setup import SetupError
     from dflash_pipe.report import print_summary
+    from dflash_pipe.run.dir import RunDir
+    from dflash_pipe.run.files import RunDirError
+    from dflash_pipe.run.resume import RunComplete
     from dflash_pipe.run.signals import StopNow
-    from dflash_pipe.rundir import RunComplete
     from dflash_pipe.target.families import UnsupportedTargetError
 
     try:
@@ -156,7 +158,7 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
         console.print(str(exc), markup=False, highlight=False)
         return
     except StopNow as exc:  # a signal during set-up: nothing trained in this launch, nothing to drain
-        saved = (cfg.run_dir / "config.json").exists()
+        saved = RunDir(cfg.run_dir).has_run()
         again = f"dflash-pipe launch --resume {cfg.run_dir}" if saved else "the same command"
         console.print(
             f"stopped by {exc} while the run was starting: no step was trained in this launch; "
@@ -167,7 +169,7 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # the target may still be loading in a thread: nothing of it is worth waiting for
-    except (DataError, SetupError, FileNotFoundError, UnsupportedTargetError) as exc:
+    except (DataError, SetupError, RunDirError, FileNotFoundError, UnsupportedTargetError) as exc:
         console.print(f"[red]error:[/] {exc}")
         sys.exit(2)
     except NothingToTrain as exc:  # a resume would find the same: no "Resume with"
@@ -305,9 +307,8 @@ def export(checkpoint: Path, out_dir: Path) -> None:
       dflash-pipe export runs/q8b/checkpoints/step-00001000 out/q8b-step1000
     """
     from dflash_pipe.drafter import export_checkpoint
-    from dflash_pipe.drafter.serve import plan_from_export, serve_command
-    from dflash_pipe.rundir import held_checkpoint
-    from dflash_pipe.rundir.serve import run_settings
+    from dflash_pipe.drafter.serve import plan_from_export, run_settings, serve_command
+    from dflash_pipe.run.locate import held_checkpoint
 
     try:
         with held_checkpoint(checkpoint) as checkpoint:  # a running run prunes none of it meanwhile
@@ -357,8 +358,7 @@ def serve_command_cmd(path: Path, engine: str, target: str | None) -> None:
       dflash-pipe serve-command runs/q8b --engine sglang
       dflash-pipe serve-command out/q8b --engine reference --target Qwen/Qwen3-8B
     """
-    from dflash_pipe.drafter.serve import serve_command
-    from dflash_pipe.rundir.serve import plan_from_path
+    from dflash_pipe.drafter.serve import plan_from_path, serve_command
 
     try:
         plan = plan_from_path(path, target=target)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from dflash_pipe.run.config import RunConfig
+from dflash_pipe.run.dir import RunDir
 
 if TYPE_CHECKING:
     from dflash_pipe.producer.setup import RunContext
@@ -121,7 +122,7 @@ class WorkerPool:
         self.cfg = cfg
         self.address = address
         self.prefix = prefix
-        self.logs = logs if logs is not None else cfg.run_dir / "logs"
+        self.logs = logs if logs is not None else RunDir(cfg.run_dir).logs
         self.workers: list[WorkerProcess] = []
         self.adopted: list[AdoptedWorker] = []
 
@@ -267,8 +268,8 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     loads (finished: ``RunComplete``; damaged: ``RunDirError``), then runs it (``_launch``)."""
     from rich.markup import escape
 
+    from dflash_pipe.run.resume import check_launch
     from dflash_pipe.run.signals import Signals
-    from dflash_pipe.rundir import RunDirLock, check_launch
 
     stop = HardStop(cfg.run_dir)
     signals = Signals(
@@ -276,7 +277,7 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
     ).install()
     stop.signals = signals
     try:
-        with RunDirLock(cfg.run_dir, check=lambda: check_launch(cfg, resume=resume)) as lock:
+        with RunDir(cfg.run_dir).lock(check=lambda: check_launch(cfg, resume=resume)) as lock:
             stop.lock = lock
             for note in lock.notes:
                 console.print(f"[yellow]warning:[/] {escape(note)}")
@@ -312,10 +313,10 @@ class HardStop:
 def checkpoint_note(run_dir: Path, since: float | None) -> str:
     """What the run dir holds, as read from disk: a checkpoint written since ``since`` (time.time()), an
     older one, or none."""
-    from dflash_pipe.run.checkpoint import latest_checkpoint, written_at
+    from dflash_pipe.run.checkpoint import written_at
 
     try:
-        latest = latest_checkpoint(run_dir)
+        latest = RunDir(run_dir).latest_checkpoint()
     except (OSError, ValueError):
         latest = None
     if latest is None:
@@ -345,8 +346,9 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
     for key, value in SAFE_GPU_ENV.items():
         os.environ.setdefault(key, value)
     hf_logging.disable_progress_bar()
+    from dflash_pipe.producer.setup import check_open_work
     from dflash_pipe.run.record import read_record, write_record
-    from dflash_pipe.rundir import check_open_work, record_complete
+    from dflash_pipe.run.resume import record_complete
 
     ctx, replicas = prepare(cfg, resume=resume, live=live)
     check_open_work(ctx)

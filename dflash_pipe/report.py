@@ -15,15 +15,14 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_pipe.producer.display import data_lines
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.telemetry import latest_per_step, read_metrics, summary_table
-from dflash_pipe.telemetry.metrics import METRICS_FILE
 
-REPORT_DIR = "report"
 FIRST_STEP = "time_to_first_step_s/"
 
 
 def print_summary(run_dir: Path, summary: Any, console: Console) -> None:
-    rows = read_metrics(Path(run_dir) / METRICS_FILE)
+    rows = read_metrics(RunDir(run_dir).metrics)
     console.print(summary_table(rows, title=f"run summary: {run_dir}"))
     table = Table(title="workers", show_header=True)
     table.add_column("worker")
@@ -77,13 +76,13 @@ def regen_line(regen: Mapping[str, Any]) -> str:
 def report(run_dir: Path, out_dir: Path | None, console: Console) -> list[Path]:
     """`dflash-pipe report`: write the curves, print the summary table and where the PNGs went."""
     run_dir = Path(run_dir)
-    path = run_dir / METRICS_FILE
+    path = RunDir(run_dir).metrics
     if not path.exists():
         raise FileNotFoundError(
             f"{path} does not exist: give a run directory (`launch` prints it; default runs/<time>)."
         )
     rows = read_metrics(path)
-    written = render_curves(rows, out_dir or run_dir / REPORT_DIR)
+    written = render_curves(rows, out_dir or RunDir(run_dir).report)
     console.print(summary_table(rows, title=f"run: {run_dir}"))
     firsts = {k[len(FIRST_STEP) :]: v for r in rows for k, v in r.items() if k.startswith(FIRST_STEP)}
     if firsts:

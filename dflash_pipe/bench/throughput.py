@@ -44,6 +44,7 @@ from dflash_pipe.bench.stages import (
     write_batch_files,
 )
 from dflash_pipe.run.config import RunConfig
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.layout import LayoutConfig
 
 EFFICIENCY_GOAL = 0.95
@@ -64,7 +65,7 @@ def bench_run_config(cfg: RunConfig, work_dir: Path) -> RunConfig:
         cfg,
         run_dir=work_dir / "prepare",
         eval_samples=0,
-        compile_cache=work_dir / "compile-cache",
+        compile_cache=RunDir(work_dir).compile_cache,
         data=dataclasses.replace(cfg.data, responses="dataset"),
         train=dataclasses.replace(
             cfg.train, checkpoint_every=10**9, eval_every=0, eval_generate="off", log_every=1, max_steps=None
@@ -171,7 +172,7 @@ def run_pipeline(
 def first_step_s(run_dir: Path, launched: float) -> float | None:
     """Seconds from ``launched`` (``time.time()`` before the launch) to the first trained step's metrics
     record in the run's ``metrics.jsonl`` (the bench logs every step); None when no step was logged."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return None
     for line in path.read_text().splitlines():

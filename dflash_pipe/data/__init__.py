@@ -7,7 +7,7 @@ Public API (the rest of the package imports only these names):
 - ``Sample``: one tokenized sequence with its stable ``sample_id`` and ``loss_mask``.
 - ``load_samples(cfg, tokenizer, store=None) -> LoadedData``: read and tokenize the data (big data in a pool
   of worker processes, same result); bad lines (rows) raise ``DataError`` naming file, line (row) and reason
-  (or are skipped and counted with ``skip_bad_lines``). With ``store`` (a folder, a run's ``SAMPLE_STORE``)
+  (or are skipped and counted with ``skip_bad_lines``). With ``store`` (a folder, a run's ``RunDir.samples``)
   the samples are kept on disk, memory-mapped, and reused by the next load of the same data and settings.
 - ``DataFuture(cfg, tokenizer, store=None)``: the same load in a background thread; ``result()`` waits,
   ``close()`` stops.
@@ -22,14 +22,13 @@ from .config import DataConfig
 from .demo import demo_data_path, demo_tokenizer
 from .loader import DataFuture, load_samples
 from .samples import DataError, LoadedData, Sample, sample_lengths
-from .store import SAMPLE_STORE, StoredSamples
+from .store import StoredSamples
 
 __all__ = [
     "DataConfig",
     "DataError",
     "DataFuture",
     "LoadedData",
-    "SAMPLE_STORE",
     "Sample",
     "StoredSamples",
     "demo_data_path",

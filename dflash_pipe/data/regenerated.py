@@ -44,8 +44,6 @@ from .samples import DataError
 from .sources import Source, TableSource, resolve_source
 
 FILE_VERSION = 1
-REGEN_FILE = "regenerated.jsonl"
-"""The regenerated conversations of a run, in its run dir."""
 
 
 @dataclass(slots=True)

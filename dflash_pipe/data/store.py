@@ -31,8 +31,6 @@ from .sources import JsonlSource, Source
 
 STORE_VERSION = 1
 """Bumped when the layout or what tokenization makes of a record changes: older stores are rebuilt."""
-SAMPLE_STORE = "samples"
-"""The store's folder name in a run directory."""
 IDS, MASK, OFFSETS, META = "ids.bin", "mask.bin", "offsets.bin", "meta.json"
 _ID_DTYPES = {"uint32": np.uint32, "int64": np.int64}
 

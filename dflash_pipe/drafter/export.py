@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dflash_pipe.run.files import DRAFTER_CONFIG, DRAFTER_WEIGHTS
 from dflash_pipe.run.manifest import MANIFEST, check_manifest, chmod_from_umask, write_manifest
 
 from .config import SLIDING_ATTENTION, DrafterConfig, read_rope
@@ -30,8 +31,6 @@ from .rope import rope_parameters
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-CHECKPOINT_WEIGHTS = "drafter.safetensors"
-CHECKPOINT_CONFIG = "drafter_config.json"
 MODELING_NAME = "modeling_dflash.py"
 """The drafter as code for ``AutoModel.from_pretrained(EXPORT_DIR, trust_remote_code=True)`` (``auto_map``)."""
 EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
@@ -201,11 +200,11 @@ def export_checkpoint(
     """Training checkpoint (drafter.safetensors + drafter_config.json) -> reference format; no target needed.
     ``chat_template_kwargs``: the run's, recorded in the export (``reference_config``)."""
     ckpt = Path(checkpoint_dir)
-    for name in (CHECKPOINT_WEIGHTS, CHECKPOINT_CONFIG):
+    for name in (DRAFTER_WEIGHTS, DRAFTER_CONFIG):
         if not (ckpt / name).is_file():
             raise FileNotFoundError(f"{ckpt}: no {name}; is this a dflash-pipe checkpoint directory?")
-    cfg = DrafterConfig.from_dict(json.loads((ckpt / CHECKPOINT_CONFIG).read_text()))
-    _write(load_file(str(ckpt / CHECKPOINT_WEIGHTS)), cfg, Path(out_dir), dtype, chat_template_kwargs)
+    cfg = DrafterConfig.from_dict(json.loads((ckpt / DRAFTER_CONFIG).read_text()))
+    _write(load_file(str(ckpt / DRAFTER_WEIGHTS)), cfg, Path(out_dir), dtype, chat_template_kwargs)
 
 
 def config_from_export(config: dict) -> DrafterConfig:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_pipe.run.dir import RunDir
+
 from .config import SLIDING_ATTENTION, DrafterConfig
 
 ENGINES = ("vllm", "sglang", "reference")
@@ -45,7 +47,6 @@ class ServePlan:
     target: str
     chat_template_kwargs: dict | None
     export_first: str | None = None  # the export command to run first, when the path was a run/checkpoint
-    # (a run dir's plan: dflash_pipe.rundir.serve.plan_from_path)
 
     @property
     def mixed_layers(self) -> bool:
@@ -71,6 +72,50 @@ def plan_from_export(export_dir: Path, *, target: str | None = None) -> ServePla
         export_dir=export_dir,
         target=target or TARGET_PLACEHOLDER,
         chat_template_kwargs=dict(kwargs) if isinstance(kwargs, dict) else None,
+    )
+
+
+def run_settings(checkpoint: Path) -> tuple[str | None, dict | None]:
+    """(target path, chat template arguments) of the run a checkpoint belongs to, from the run's saved
+    config; (None, None) when the checkpoint is not inside a run dir or its config cannot be read."""
+    run = RunDir.of_checkpoint(checkpoint)
+    if run is None or not run.config.is_file():
+        return None, None
+    try:
+        cfg = run.load_config()
+    except ValueError:  # a damaged or other-version run config: the checkpoint still exports, unrecorded
+        return None, None
+    target = cfg.target_model
+    if target is None:  # the built-in demo target, where launch builds it
+        from dflash_pipe.target.demo import default_cache_dir
+
+        target = default_cache_dir()
+    return str(target), dict(cfg.data.chat_template_kwargs)
+
+
+def plan_from_path(path: Path, *, target: str | None = None) -> ServePlan:
+    """An export directory, or a run dir / checkpoint: its latest checkpoint's drafter config and the run's
+    target and chat template arguments, served from the export ``dflash-pipe export PATH RUN/export``
+    writes (printed as the step before; a checkpoint outside a run: STEP-export beside it)."""
+    from dflash_pipe.run.files import DRAFTER_CONFIG
+    from dflash_pipe.run.locate import find_checkpoint
+
+    from .export import WEIGHTS_NAME
+
+    path = Path(path)
+    if (path / WEIGHTS_NAME).is_file():  # an export (a run dir and a checkpoint have other weights)
+        return plan_from_export(path, target=target)
+    ckpt = find_checkpoint(path)
+    run_target, kwargs = run_settings(ckpt)
+    cfg = DrafterConfig.from_dict(json.loads((ckpt / DRAFTER_CONFIG).read_text()))
+    run = RunDir.of_checkpoint(ckpt)  # RUN/export for a run; beside a lone checkpoint (never inside it)
+    out = run.export if run is not None else ckpt.with_name(f"{ckpt.name}-export")
+    return ServePlan(
+        drafter=cfg,
+        export_dir=out,
+        target=target or run_target or TARGET_PLACEHOLDER,
+        chat_template_kwargs=kwargs,
+        export_first=f"dflash-pipe export {shlex.quote(str(path))} {shlex.quote(str(out))}",
     )
 
 

@@ -25,9 +25,9 @@ from dflash_pipe.producer.handshake import REQUIRED_CAPABILITIES
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.upstream import LeasedSamples, Upstream
 from dflash_pipe.run.config import RunConfig
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.run.record import attached_dir
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.auth import AuthError
 from dflash_pipe.wire.shm import host_identity
@@ -141,7 +141,7 @@ def run_attached(
     replicas = loader.submit(load_replicas, ctx)  # while the link keeps beating (ProducerProc.start_targets)
     loader.shutdown(wait=False)
     producer = ProducerProc(ctx, console=console, live=live, upstream=upstream, replicas=replicas)
-    pool = WorkerPool(cfg, producer.address, prefix=f"{name}-", logs=attached_dir(cfg.run_dir, name) / "logs")
+    pool = WorkerPool(cfg, producer.address, prefix=f"{name}-", logs=RunDir(cfg.run_dir).attached(name).logs)
     console.print(
         f"[bold]dflash-pipe[/] producer {name} attached to run {welcome.run_id} at {address}: target on "
         f"{', '.join(layout.target_devices())}, {layout.num_workers} drafter(s) on "

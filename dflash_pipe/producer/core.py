@@ -35,6 +35,7 @@ from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epo
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.target_threads import EvalDone, EvalJob, TargetFailure
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.telemetry import MetricsLogger, RateMeter, RunState, TimeShares
 from dflash_pipe.wire import messages as m
 
@@ -232,7 +233,7 @@ class ProducerCore:
         free = human(float(values.get("disk/free_bytes", 0)))
         needed = human(float(values.get("disk/checkpoint_bytes", 0)))
         self.warn(
-            f"[yellow]warning:[/] {self.cfg.run_dir / 'checkpoints'}: {free} free, a checkpoint takes {needed}: "
+            f"[yellow]warning:[/] {RunDir(self.cfg.run_dir).checkpoints}: {free} free, a checkpoint takes {needed}: "
             "the next one may not fit; free space there or move the run dir to a larger disk"
         )
 

@@ -30,7 +30,8 @@ from dflash_pipe.producer.rings import make_rings
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.target_threads import TargetThread, build_eval_batches, load_replicas
 from dflash_pipe.producer.upstream import CoordinatorLost, Upstream
-from dflash_pipe.run.record import attached_dir, bind_address, write_record
+from dflash_pipe.run.dir import RunDir
+from dflash_pipe.run.record import bind_address, write_record
 from dflash_pipe.run.signals import Signals
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.decode.choose import engine_refusal
@@ -110,9 +111,11 @@ class ProducerProc:
             rendezvous = f"tcp://{store_host(self.address)}:{self._store.port}"
         else:
             rendezvous = upstream.welcome.rendezvous
+        run = RunDir(cfg.run_dir) if upstream is None else RunDir(cfg.run_dir).attached(upstream.name)
         self.metrics = make_logger(
-            cfg.run_dir if upstream is None else attached_dir(cfg.run_dir, upstream.name),
+            run.metrics,
             cfg.log,
+            tensorboard_dir=run.tensorboard,
             config=cfg.to_dict(),
             gpu_devices=[*cfg.layout.target_devices(), *cfg.layout.worker_devices()],
         )

@@ -18,29 +18,27 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_pipe.compute.precision import compute_dtype
-from dflash_pipe.data import SAMPLE_STORE, DataFuture, LoadedData, Sample
+from dflash_pipe.data import DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.drafter.config import (
     EngineConflictError,
     default_target_layer_ids,
     uncapturable_layers_error,
 )
-from dflash_pipe.run.checkpoint import DRAFTER_CONFIG, latest_checkpoint, read_trainer_state
+from dflash_pipe.run.checkpoint import read_trainer_state
 from dflash_pipe.run.config import DrafterOptions, RunConfig
+from dflash_pipe.run.dir import RunDir
+from dflash_pipe.run.files import DRAFTER_CONFIG, RunDirError
 from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.run.resume import NothingTrained, RunComplete, complete_message
 
 if TYPE_CHECKING:
     from dflash_pipe.producer.regen import Regeneration
 
-CONFIG_FILE = "config.json"
-
 
 class SetupError(ValueError):
-    """A user input does not fit the run (flags vs the target, run dir vs the config); one line + the fix."""
-
-
-class RunDirError(SetupError):
-    """The run directory does not fit what was asked (fresh run over an old one, resume of nothing)."""
+    """A user input does not fit the run (flags vs the target); one line + the fix. The run dir's own
+    errors are ``run.files.RunDirError``."""
 
 
 class OptionsError(SetupError):
@@ -119,16 +117,14 @@ class PendingRun:
         ledger = self.saved_ledger
         if ledger is None:
             ledger = Ledger(len(train_samples), self.cfg.train.epochs)
-        else:  # --epochs may change on resume: more trains on (the checks ran in rundir.check_resume)
+        else:  # --epochs may change on resume: more trains on (the checks ran in run.resume.check_resume)
             ledger = ledger.with_epochs(self.cfg.train.epochs)
         if ledger.num_samples != len(train_samples):
             raise RunDirError(
                 f"--resume {self.cfg.run_dir}: the checkpoint was trained on {ledger.num_samples} samples but "
                 f"the data now gives {len(train_samples)}. Resume with the same --data and settings."
             )
-        from dflash_pipe.rundir import save_run_config
-
-        save_run_config(self.cfg)
+        RunDir(self.cfg.run_dir).save_config(self.cfg)
         note = no_eval_note(self.cfg, total)
         return RunContext(
             cfg=self.cfg,
@@ -150,7 +146,6 @@ class PendingRun:
     def _regeneration(self) -> Regeneration:
         """The conversations to regenerate, with what the run dir's regenerated file already holds."""
         from dflash_pipe.data.regenerated import (
-            REGEN_FILE,
             RegenStore,
             check_prompts_fit,
             load_conversations,
@@ -164,7 +159,7 @@ class PendingRun:
         )  # before the file is opened or any is generated
         n_eval = held_out_count(self.cfg.eval_samples, len(source.conversations))
         store = RegenStore(
-            self.cfg.run_dir / REGEN_FILE, provenance(self.target_path, self.cfg.data, self.cfg.regen)
+            RunDir(self.cfg.run_dir).regenerated, provenance(self.target_path, self.cfg.data, self.cfg.regen)
         )
         return Regeneration(
             source,
@@ -221,9 +216,9 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
     background from the moment the tokenizer is loaded. Raises ``SetupError`` (the tokenization stopped)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    run_dir = cfg.run_dir
-    check_run_dir(run_dir, resume=resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = RunDir(cfg.run_dir)
+    run_dir.check(resume=resume)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
     target_path = cfg.target_model
     if target_path is None:
         from dflash_pipe.target import build_demo_target
@@ -242,7 +237,7 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     data = None
     if cfg.data.responses == "dataset":  # on disk in the run dir (reused on resume), not in memory
-        data = DataFuture(cfg.data, tokenizer, progress=progress, store=run_dir / SAMPLE_STORE)
+        data = DataFuture(cfg.data, tokenizer, progress=progress, store=run_dir.samples)
     try:
         try:
             drafter = DrafterConfig.from_target(
@@ -261,9 +256,9 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
             raise OptionsError(f"{exc} (target: {target_path})") from None
         resume_from, resume_step, saved_ledger = None, 0, None
         if resume:
-            resume_from = latest_checkpoint(run_dir)
+            resume_from = run_dir.latest_checkpoint()
             if resume_from is not None:
-                check_checkpoint_fits(resume_from, drafter, run_dir)
+                check_checkpoint_fits(resume_from, drafter, run_dir.root)
                 state = read_trainer_state(resume_from)
                 saved_ledger = Ledger.from_dict(state.ledger)
                 resume_step = state.step
@@ -361,7 +356,7 @@ def check_checkpoint_fits(checkpoint: Path, drafter: DrafterConfig, run_dir: Pat
     except (OSError, ValueError) as e:
         raise RunDirError(
             f"--resume {run_dir}: cannot read {path} ({e}). The checkpoint is damaged; resume from an older "
-            "one by pointing checkpoints/latest at it, or start a new --run-dir"
+            f"one by pointing {RunDir(run_dir).latest} at it, or start a new --run-dir"
         ) from None
     now = drafter.to_dict()
     for name in RESUME_FIELDS:
@@ -374,20 +369,21 @@ def check_checkpoint_fits(checkpoint: Path, drafter: DrafterConfig, run_dir: Pat
             )
 
 
-def check_run_dir(run_dir: Path, *, resume: bool) -> None:
-    """A fresh run never lands on a run with checkpoints; a resume needs a run (its config.json)."""
-    has_config = (run_dir / CONFIG_FILE).exists()
-    if resume and not has_config:
-        raise RunDirError(f"--resume {run_dir}: no {CONFIG_FILE} there, so there is no run to resume.")
-    if not resume and has_config and (run_dir / "checkpoints").exists():
-        raise RunDirError(
-            f"--run-dir {run_dir} already holds a run with checkpoints. Continue it with "
-            f"`dflash-pipe launch --resume {run_dir}`, or choose a new --run-dir."
+def check_open_work(ctx: RunContext) -> None:
+    """After set-up, before the producer serves: a resumed run whose every epoch is trained (counting the
+    regenerated conversations with nothing to train) raises ``RunComplete`` instead of serving nothing; a
+    run at step 0 whose regenerated file (reused whole) leaves nothing to train raises ``NothingTrained``."""
+    from dflash_pipe.producer.regen import first_open_epoch
+
+    if not ctx.resume_step and ctx.regen is not None and (why := ctx.regen.nothing_to_train()):
+        raise NothingTrained(f"{ctx.cfg.run_dir} trained 0 steps and has nothing to train: {why}")
+    if ctx.resume_from is None:
+        return
+    voids = ctx.regen.voids if ctx.regen is not None else set()
+    if first_open_epoch(ctx.ledger, voids) >= ctx.cfg.train.epochs:
+        if message := complete_message(ctx.cfg, ctx.resume_from.name, ctx.resume_step, epochs_done=True):
+            raise RunComplete(message)
+        raise NothingTrained(
+            f"{ctx.cfg.run_dir} trained 0 steps and its data has nothing left to train. Start a new --run-dir "
+            "with data (or a --max-length) that gives samples"
         )
-
-
-def load_run_config(run_dir: Path) -> RunConfig:
-    """The saved config of the run at ``run_dir`` (the path given is the run: ``rundir.load_run_config``)."""
-    from dflash_pipe.rundir import load_run_config as load
-
-    return load(run_dir)

@@ -24,6 +24,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_pipe.diskspace import free_bytes, is_no_space, no_space_error, space_note
+from dflash_pipe.run.files import (
+    CHECKPOINTS_DIR,
+    DRAFTER_CONFIG,
+    DRAFTER_WEIGHTS,
+    LATEST,
+    OPTIMIZER,
+    RNG,
+    STEP_PREFIX,
+    TRAINER_STATE,
+    step_name,
+)
 
 # The manifest lives in run.manifest (exports carry one too); its names still import from here.
 from dflash_pipe.run.manifest import CHUNK_BYTES as CHUNK_BYTES
@@ -31,13 +42,6 @@ from dflash_pipe.run.manifest import MANIFEST as MANIFEST
 from dflash_pipe.run.manifest import check_manifest, chmod_from_umask, write_json, write_manifest
 from dflash_pipe.run.manifest import file_digests as file_digests
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-DRAFTER_WEIGHTS = "drafter.safetensors"
-DRAFTER_CONFIG = "drafter_config.json"
-OPTIMIZER = "optimizer.pt"
-TRAINER_STATE = "trainer_state.json"
-RNG = "rng.pt"
 REQUIRED_FILES = (DRAFTER_WEIGHTS, DRAFTER_CONFIG, OPTIMIZER, RNG, TRAINER_STATE)
 """What a resume loads: a checkpoint missing any of them cannot be resumed."""
 
@@ -71,9 +75,9 @@ def save_checkpoint(
     needed and free, what to do), before anything is written when the space is known to be short, and
     leaves the previous checkpoint as the latest and no temporary files; ``warn`` hears the early warning
     when this checkpoint fits but the next may not."""
-    root = Path(run_dir) / CHECKPOINTS
+    root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:08d}"
+    name = step_name(step)
     final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -125,7 +129,7 @@ def save_checkpoint(
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = Path(run_dir) / CHECKPOINTS / LATEST
+    pointer = Path(run_dir) / CHECKPOINTS_DIR / LATEST
     if not pointer.exists():
         return None
     path = pointer.parent / pointer.read_text().strip()
@@ -140,7 +144,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def checkpoint_bytes(root: Path, model: torch.nn.Module) -> int:
     """What the next checkpoint takes on disk: the newest one's size, else an estimate (fp32 weights plus
     AdamW's two moments, and a MiB for the rest)."""
-    for previous in sorted((p for p in Path(root).glob("step-*") if p.is_dir()), reverse=True):
+    for previous in sorted((p for p in Path(root).glob(f"{STEP_PREFIX}*") if p.is_dir()), reverse=True):
         size = sum(f.stat().st_size for f in previous.iterdir() if f.is_file())
         if size:
             return size
@@ -264,7 +268,7 @@ def hold_checkpoint(ckpt: Path) -> Iterator[None]:
 
 def _held(root: Path) -> set[str]:
     now, names = time.time(), set()
-    for hold in root.glob(f"{HOLD_PREFIX}step-*"):
+    for hold in root.glob(f"{HOLD_PREFIX}{STEP_PREFIX}*"):
         with contextlib.suppress(OSError):
             if now - hold.stat().st_mtime < HOLD_TTL_S:
                 names.add(hold.name.removeprefix(HOLD_PREFIX).rsplit("-", 1)[0])
@@ -272,7 +276,7 @@ def _held(root: Path) -> set[str]:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    steps = sorted(p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir())
     held = _held(root)
     for old in steps[:-keep_last]:
         if old.name not in held:

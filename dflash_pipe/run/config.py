@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +11,7 @@ from dflash_pipe.data import DataConfig
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.drafter.presets import PRESETS, presets_help
 from dflash_pipe.fields import build, check_choice, flag
+from dflash_pipe.run.files import COMPILE_CACHE_DIR
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.wire.addresses import DEFAULT_ADDRESS, require_keys_for
@@ -279,7 +279,7 @@ class RunConfig:
 
     @property
     def cache_dir(self) -> Path:
-        return self.compile_cache or self.run_dir / "compile-cache"
+        return self.compile_cache or self.run_dir / COMPILE_CACHE_DIR
 
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
@@ -299,13 +299,6 @@ class RunConfig:
             if key in data:
                 data[key] = build(kind, data[key], key)
         return build(cls, data, "run")
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> RunConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def _jsonable(value: Any) -> Any:

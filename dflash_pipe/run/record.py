@@ -12,11 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-RECORD = "producer.json"
+from dflash_pipe.run.files import RECORD_FILE
 
 
 def read_record(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / RECORD
+    path = Path(run_dir) / RECORD_FILE
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -25,7 +25,7 @@ def read_record(run_dir: Path) -> dict[str, Any]:
 
 def write_record(run_dir: Path, **fields: Any) -> None:
     """Merges ``fields`` into the record, atomically (temp file + rename)."""
-    path = Path(run_dir) / RECORD
+    path = Path(run_dir) / RECORD_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {**read_record(run_dir), **fields, "pid": os.getpid()}
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
@@ -40,12 +40,3 @@ def bind_address(run_dir: Path, configured: str) -> str:
     if recorded and configured.endswith(":0") and configured.rsplit(":", 1)[0] == recorded.rsplit(":", 1)[0]:
         return recorded
     return configured
-
-
-ATTACHED = "producers"
-"""RUN_DIR/producers/NAME/: an attaching producer's own metrics and its workers' logs (the coordinator
-keeps the run's)."""
-
-
-def attached_dir(run_dir: Path, name: str) -> Path:
-    return Path(run_dir) / ATTACHED / name

@@ -23,8 +23,6 @@ from dflash_pipe.telemetry.gpu import GpuMemoryProbe
 MetricValue: TypeAlias = float | int | list[float]
 Metrics: TypeAlias = Mapping[str, float | int | Sequence[float]]
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 SINK_KINDS = ("jsonl", "tensorboard", "wandb")
 _RESERVED_KEYS = frozenset({"step", "time"})
 
@@ -266,18 +264,22 @@ def _check_available(kind: str) -> None:
 
 
 def make_logger(
-    run_dir: str | Path,
+    metrics_file: str | Path,
     kinds: Sequence[str] = ("jsonl",),
     config: dict | None = None,
     *,
+    tensorboard_dir: str | Path | None = None,
     wandb_project: str = "dflash-pipe",
     gpu_devices: Sequence[str] = (),
 ) -> MetricsLogger:
-    """Logger for a run dir: `<run_dir>/metrics.jsonl` always, plus `<run_dir>/tensorboard/` and/or W&B.
+    """Logger for a run: the JSONL file ``metrics_file`` always, plus TensorBoard (into ``tensorboard_dir``)
+    and/or W&B. The run's paths come from its caller (a run dir's are ``RunDir.metrics`` and
+    ``RunDir.tensorboard``), so this module spells none of them.
 
     JSONL is added even when `kinds` omits it: the end-of-run summary and `read_metrics` rely on it.
-    `config` goes to W&B (the resolved run config); the W&B run is named after the run dir.
-    `gpu_devices` (``cuda:N``; others are ignored): their memory joins every record (see `GpuMemoryProbe`).
+    `config` goes to W&B (the resolved run config); the W&B run is named after the folder of
+    `metrics_file` and saves there. `gpu_devices` (``cuda:N``; others are ignored): their memory joins every
+    record (see `GpuMemoryProbe`).
     """
     if isinstance(kinds, str):
         raise ValueError(
@@ -286,16 +288,21 @@ def make_logger(
     wanted = list(dict.fromkeys(["jsonl", *kinds]))
     for kind in wanted:
         _check_available(kind)
-    run_dir = Path(run_dir)
+    if "tensorboard" in wanted and tensorboard_dir is None:
+        raise ValueError(
+            f"metrics sink 'tensorboard' for {metrics_file} needs a folder to write into: pass tensorboard_dir"
+        )
+    metrics_file = Path(metrics_file)
+    folder = metrics_file.parent
     sinks: list[MetricsSink] = []
     try:
         for kind in wanted:
             if kind == "jsonl":
-                sinks.append(JsonlSink(run_dir / METRICS_FILE))
+                sinks.append(JsonlSink(metrics_file))
             elif kind == "tensorboard":
-                sinks.append(TensorBoardSink(run_dir / TENSORBOARD_DIR))
+                sinks.append(TensorBoardSink(Path(tensorboard_dir)))
             else:
-                sinks.append(WandbSink(wandb_project, run_dir.name, config, save_dir=run_dir))
+                sinks.append(WandbSink(wandb_project, folder.name, config, save_dir=folder))
     except BaseException:
         for sink in sinks:
             sink.close()

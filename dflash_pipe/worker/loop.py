@@ -18,6 +18,7 @@ from dflash_pipe.diskspace import free_bytes
 from dflash_pipe.drafter.acceptance import acceptance  # the function (the package's name is the module)
 from dflash_pipe.drafter.evaluate import simulated_metrics
 from dflash_pipe.run.checkpoint import checkpoint_bytes, save_checkpoint
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.batches import DeviceBatch, unpack
 from dflash_pipe.train.config import TrainConfig
@@ -273,7 +274,7 @@ def checkpoint(s: WorkerSession) -> Path | None:
 def _low_space(s: WorkerSession, note: str) -> None:
     """The checkpoint fits, the next may not: said in this worker's log and, as ``disk/...`` metrics, by the
     producer (its console and metrics.jsonl)."""
-    root = s.run_dir / "checkpoints"
+    root = RunDir(s.run_dir).checkpoints
     print(f"dflash-pipe worker: warning: {note}", file=sys.stderr, flush=True)
     free, needed = float(free_bytes(root)), float(checkpoint_bytes(root, s.model))
     values = {"disk/free_bytes": free, "disk/checkpoint_bytes": needed, "disk/low_space": 1.0}

@@ -22,6 +22,7 @@ from dflash_pipe.diskspace import DiskFullError
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, load_frozen_target_parts
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.run.checkpoint import load_checkpoint
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.run.signals import Signals, StopNow
 from dflash_pipe.train.batches import unpack
@@ -314,7 +315,7 @@ def _build_replicas(
         embed, head = parts[str(dev)]
         model, compile_on = make_drafter(drafter_cfg, train_cfg, embed, head, dev, checkpointing=policy)
         if compile_on:
-            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", Path(welcome.run_dir) / "compile-cache")
+            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", RunDir(welcome.run_dir).compile_cache)
             warm = warm_up_checked(  # full: then checked against eager, falling back to attention
                 model,
                 full=train_cfg.compile_plan(dev.type) == "full",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.data import demo_data_path
-from dflash_pipe.data.regenerated import REGEN_FILE
+from dflash_pipe.run.dir import RunDir
 from tests.bench.helpers import ON_EACH_DEVICE, read_result, run_bench
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_throughput_with_target_responses_beside_dataset_responses(tmp_path: Pat
     assert dataset["tokens_per_s"] > 0 and target["tokens_per_s"] > 0
     # the generated tokens are the regenerated file's, counted reply by reply
     run_dir = out / "work" / "pipeline-target-responses"
-    records = [json.loads(line) for line in (run_dir / REGEN_FILE).read_text().splitlines()[1:]]
+    records = [json.loads(line) for line in RunDir(run_dir).regenerated.read_text().splitlines()[1:]]
     replies = [r["regen"] for r in records if "regen" in r]
     detail = target["detail"]
     assert detail["generated_tokens"] == sum(r["new_tokens"] for r in replies) > 0

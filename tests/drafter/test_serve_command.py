@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from dflash_pipe.rundir.serve import plan_from_path
 from safetensors.torch import load_file
 from transformers import Qwen3Config
 
@@ -22,7 +23,6 @@ from dflash_pipe.run.checkpoint import save_checkpoint
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.rundir.serve import plan_from_path
 
 from .conftest import tiny_config, tiny_drafter
 from .engine_loaders import SLIDING, reference_loads, sglang_loads, vllm_loads

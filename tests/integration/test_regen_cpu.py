@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.data import demo_data_path
-from dflash_pipe.data.regenerated import REGEN_FILE
 from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.ledger import Ledger
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def test_killed_mid_regeneration_resumes_without_redoing(tmp_path: Path):
     first = subprocess.Popen(
         _cmd(run_dir, data), env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    regen_file = run_dir / REGEN_FILE
+    regen_file = RunDir(run_dir).regenerated
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and first.poll() is None:

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
-
 from dflash_pipe.rundir import OWNER_FILE, RunDirBusy, RunDirLock, read_owner
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[2]
 

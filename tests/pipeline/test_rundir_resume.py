@@ -10,12 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dflash_pipe.launch_options import build_run_config
-from dflash_pipe.producer.setup import RunDirError
-from dflash_pipe.run import checkpoint as ck
-from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.run.record import write_record
 from dflash_pipe.rundir import (
     RunComplete,
     check_resume,
@@ -24,6 +18,12 @@ from dflash_pipe.rundir import (
     load_run_config,
     save_run_config,
 )
+
+from dflash_pipe.launch_options import build_run_config
+from dflash_pipe.producer.setup import RunDirError
+from dflash_pipe.run import checkpoint as ck
+from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.run.record import write_record
 
 SAMPLES = 4
 

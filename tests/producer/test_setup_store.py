@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_pipe.data import SAMPLE_STORE, DataConfig, StoredSamples, demo_data_path, load_samples, loader
+from dflash_pipe.data import DataConfig, StoredSamples, demo_data_path, load_samples, loader
 from dflash_pipe.producer.setup import held_out_count, prepare_run
 from dflash_pipe.run.config import DrafterOptions, RunConfig
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.layout import LayoutConfig
 
 
@@ -25,7 +26,7 @@ def test_a_run_trains_from_its_store_and_reuses_it(tmp_path: Path, monkeypatch):
     cfg = config(tmp_path / "r")
     ctx = prepare_run(cfg, resume=False, progress=False)
     assert (
-        isinstance(ctx.train_samples, StoredSamples) and (cfg.run_dir / SAMPLE_STORE / "meta.json").exists()
+        isinstance(ctx.train_samples, StoredSamples) and (RunDir(cfg.run_dir).samples / "meta.json").exists()
     )
     want = load_samples(cfg.data, ctx.tokenizer).samples  # in memory
     n_eval = held_out_count(cfg.eval_samples, len(want))

@@ -141,15 +141,15 @@ def test_a_held_checkpoint_outlives_pruning_until_released(tmp_path):
         save(2)
         save(3)
         assert held.is_dir()  # kept while held; step 2 was not held and is gone
-        assert sorted(p.name for p in (tmp_path / ck.CHECKPOINTS).glob("step-*")) == [
+        assert sorted(p.name for p in (tmp_path / ck.CHECKPOINTS_DIR).glob("step-*")) == [
             held.name,
             "step-00000003",
         ]
     save(4)
     assert not held.exists()
-    stale = tmp_path / ck.CHECKPOINTS / f"{ck.HOLD_PREFIX}step-00000004-1"
+    stale = tmp_path / ck.CHECKPOINTS_DIR / f"{ck.HOLD_PREFIX}step-00000004-1"
     stale.touch()
     old = time.time() - ck.HOLD_TTL_S - 1
     os.utime(stale, (old, old))
     save(5)
-    assert not (tmp_path / ck.CHECKPOINTS / "step-00000004").exists()
+    assert not (tmp_path / ck.CHECKPOINTS_DIR / "step-00000004").exists()

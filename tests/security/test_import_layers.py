@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("target", ("target",)),
     ("drafter", ("drafter",)),
     ("training step", ("train",)),
-    ("processes", ("producer", "worker", "launcher", "rundir", "regenerate")),
+    ("processes", ("producer", "worker", "launcher", "regenerate")),
     ("command line", ("cli", "commands", "launch_options", "reference", "report", "bench", "__main__")),
 )
 """Bottom first. A module's layer is the one holding the longest prefix of its dotted name (below

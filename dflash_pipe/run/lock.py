@@ -22,10 +22,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from dflash_pipe import __version__
-from dflash_pipe.producer.setup import RunDirError
-
-LOCK_FILE = ".lock"
-OWNER_FILE = "owner.json"
+from dflash_pipe.run.files import LOCK_FILE, OWNER_FILE, RunDirError
 
 
 class RunDirBusy(RunDirError):
@@ -80,7 +77,7 @@ class RunDirLock:
             raise RunDirBusy(
                 f"{self.run_dir / OWNER_FILE} names {describe_owner(previous)}, which still runs, but the lock "
                 f"file {self.run_dir / LOCK_FILE} is free: this file system may not support file locks. "
-                "Stop that process first; if it does not use this run dir, delete owner.json"
+                f"Stop that process first; if it does not use this run dir, delete {OWNER_FILE}"
             )
         where = "" if here else " (on another host: make sure it stopped)"
         origin = f" (the record came with the copy from {recorded})" if copied else ""

@@ -1,6 +1,6 @@
 """What a launch checks with the run dir's lock held, before anything loads or spawns: a fresh run never lands
-on an old one; a resume gets its checkpoint (``rundir.checkpoints``), a note on cut-short metrics lines, and
-a finished run stops with one line saying how to train on (``RunComplete``)."""
+on an old one; a resume gets its checkpoint (``run.locate``), a note on cut-short metrics lines, and a
+finished run stops with one line saying how to train on (``RunComplete``)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,21 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_pipe.producer.setup import RunDirError, check_run_dir
 from dflash_pipe.run.checkpoint import read_trainer_state
+from dflash_pipe.run.files import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LATEST,
+    METRICS_FILE,
+    TRAINER_STATE,
+    RunDirError,
+)
 from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.rundir.checkpoints import choose_checkpoint
+from dflash_pipe.run.locate import choose_checkpoint
+from dflash_pipe.run.record import read_record, write_record
 
 if TYPE_CHECKING:
-    from dflash_pipe.producer.setup import RunContext
     from dflash_pipe.run.config import RunConfig
-
-METRICS_FILE = "metrics.jsonl"
 
 
 class RunComplete(Exception):
@@ -35,6 +40,18 @@ def check_launch(cfg: RunConfig, *, resume: bool) -> list[str]:
     return check_resume(cfg) if resume else []
 
 
+def check_run_dir(run_dir: Path, *, resume: bool) -> None:
+    """A fresh run never lands on a run with checkpoints; a resume needs a run (its config.json)."""
+    has_config = (run_dir / CONFIG_FILE).exists()
+    if resume and not has_config:
+        raise RunDirError(f"--resume {run_dir}: no {CONFIG_FILE} there, so there is no run to resume.")
+    if not resume and has_config and (run_dir / CHECKPOINTS_DIR).exists():
+        raise RunDirError(
+            f"--run-dir {run_dir} already holds a run with checkpoints. Continue it with "
+            f"`dflash-pipe launch --resume {run_dir}`, or choose a new --run-dir."
+        )
+
+
 def check_resume(cfg: RunConfig) -> list[str]:
     """What a resume checks before anything loads or spawns; returns warnings, raises ``RunDirError`` (one
     line: the file and the fix) or ``RunComplete``. Leaves ``checkpoints/latest`` naming the checkpoint the
@@ -50,8 +67,8 @@ def check_resume(cfg: RunConfig) -> list[str]:
         ledger = Ledger.from_dict(state.ledger)
     except (ValueError, KeyError, TypeError) as e:
         raise RunDirError(
-            f"{ckpt}/trainer_state.json has no readable step and ledger ({type(e).__name__}: {e}). Point "
-            f"{run_dir}/checkpoints/latest at an older checkpoint, or start a new --run-dir"
+            f"{ckpt / TRAINER_STATE} has no readable step and ledger ({type(e).__name__}: {e}). Point "
+            f"{run_dir / CHECKPOINTS_DIR / LATEST} at an older checkpoint, or start a new --run-dir"
         ) from None
     try:
         ledger = ledger.with_epochs(cfg.train.epochs)
@@ -118,37 +135,13 @@ def complete_message(cfg: RunConfig, checkpoint: str, step: int, *, epochs_done:
     )
 
 
-def check_open_work(ctx: RunContext) -> None:
-    """After set-up, before the producer serves: a resumed run whose every epoch is trained (counting the
-    regenerated conversations with nothing to train) raises ``RunComplete`` instead of serving nothing; a
-    run at step 0 whose regenerated file (reused whole) leaves nothing to train raises ``NothingTrained``."""
-    from dflash_pipe.producer.regen import first_open_epoch
-
-    if not ctx.resume_step and ctx.regen is not None and (why := ctx.regen.nothing_to_train()):
-        raise NothingTrained(f"{ctx.cfg.run_dir} trained 0 steps and has nothing to train: {why}")
-    if ctx.resume_from is None:
-        return
-    voids = ctx.regen.voids if ctx.regen is not None else set()
-    if first_open_epoch(ctx.ledger, voids) >= ctx.cfg.train.epochs:
-        if message := complete_message(ctx.cfg, ctx.resume_from.name, ctx.resume_step, epochs_done=True):
-            raise RunComplete(message)
-        raise NothingTrained(
-            f"{ctx.cfg.run_dir} trained 0 steps and its data has nothing left to train. Start a new --run-dir "
-            "with data (or a --max-length) that gives samples"
-        )
-
-
 def record_complete(run_dir: Path, *, checkpoint: str | None, epochs: int) -> None:
     """Written when a launch trained every epoch: a later resume of that checkpoint knows the run is complete
     without the data (regenerated conversations with nothing to train never fill the ledger)."""
-    from dflash_pipe.run.record import write_record
-
     if checkpoint:
         write_record(run_dir, **{COMPLETE_KEY: {"checkpoint": Path(checkpoint).name, "epochs": epochs}})
 
 
 def _recorded_complete(run_dir: Path, ckpt: Path, cfg: RunConfig) -> bool:
-    from dflash_pipe.run.record import read_record
-
     done = read_record(run_dir).get(COMPLETE_KEY) or {}
     return done.get("checkpoint") == ckpt.name and cfg.train.epochs <= int(done.get("epochs", 0))

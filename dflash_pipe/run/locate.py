@@ -9,15 +9,15 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash_pipe.producer.setup import RunDirError
-from dflash_pipe.run.checkpoint import (
-    CHECKPOINTS,
+from dflash_pipe.run.checkpoint import hold_checkpoint, verify_checkpoint
+from dflash_pipe.run.files import (
+    CHECKPOINTS_DIR,
     DRAFTER_CONFIG,
     DRAFTER_WEIGHTS,
     LATEST,
+    STEP_PREFIX,
     TRAINER_STATE,
-    hold_checkpoint,
-    verify_checkpoint,
+    RunDirError,
 )
 
 DAMAGED_PREFIX = "damaged-"
@@ -52,15 +52,15 @@ def _locate(path: Path) -> Path:
         ckpt = path
     elif (path / LATEST).exists():
         ckpt = _pointed(path)
-    elif (path / CHECKPOINTS).is_dir():
-        if not (path / CHECKPOINTS / LATEST).exists():
+    elif (path / CHECKPOINTS_DIR).is_dir():
+        if not (path / CHECKPOINTS_DIR / LATEST).exists():
             raise RunDirError(
-                f"{path} is a run dir without checkpoints yet ({path / CHECKPOINTS}/latest is missing)."
+                f"{path} is a run dir without checkpoints yet ({path / CHECKPOINTS_DIR}/latest is missing)."
             )
-        ckpt = _pointed(path / CHECKPOINTS)
+        ckpt = _pointed(path / CHECKPOINTS_DIR)
     else:
         raise RunDirError(
-            f"{path} is not a checkpoint: give a run dir (holding {CHECKPOINTS}/), its {CHECKPOINTS}/ folder "
+            f"{path} is not a checkpoint: give a run dir (holding {CHECKPOINTS_DIR}/), its {CHECKPOINTS_DIR}/ folder "
             f"(holding {LATEST}) or one checkpoint (step-N/, holding {DRAFTER_WEIGHTS})."
         )
     return ckpt
@@ -118,13 +118,13 @@ def _repoint(root: Path) -> str:
 
 
 def _steps(root: Path) -> list[Path]:
-    return sorted(p for p in Path(root).glob("step-*") if p.is_dir())
+    return sorted(p for p in Path(root).glob(f"{STEP_PREFIX}*") if p.is_dir())
 
 
 def choose_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from and the warnings about it: ``latest`` if intact, else the newest intact
     older one (the damaged one renamed ``damaged-step-N``, nothing deleted, ``latest`` repointed)."""
-    root = Path(run_dir) / CHECKPOINTS
+    root = Path(run_dir) / CHECKPOINTS_DIR
     steps = _steps(root) if root.is_dir() else []
     if not (root / LATEST).exists():
         if not steps:
