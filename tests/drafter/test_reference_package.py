@@ -18,14 +18,13 @@ import time
 
 import pytest
 import torch
-from dflash_pipe.rundir.serve import plan_from_path
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Qwen3ForCausalLM
 
 from dflash_pipe.data import DataConfig, demo_data_path, demo_tokenizer, load_samples
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, export_drafter
 from dflash_pipe.drafter.generate_eval import end_of_turn_ids
-from dflash_pipe.drafter.serve import REFERENCE_DEVICE, serve_command
+from dflash_pipe.drafter.serve import REFERENCE_DEVICE, plan_from_path, serve_command
 from dflash_pipe.drafter.speculate import context_features
 from dflash_pipe.target import TargetCore, build_demo_target
 from tests.tiny_models import tiny_qwen3_config

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from dflash_pipe.rundir.serve import plan_from_path
 from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from dflash_pipe.cli import main
 from dflash_pipe.data import DataConfig, demo_data_path
 from dflash_pipe.drafter.export import export_drafter
-from dflash_pipe.drafter.serve import TARGET_PLACEHOLDER, serve_command
+from dflash_pipe.drafter.serve import TARGET_PLACEHOLDER, plan_from_path, serve_command
 from dflash_pipe.run.checkpoint import save_checkpoint
 from dflash_pipe.run.config import RunConfig
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.run.ledger import Ledger
 
@@ -101,9 +101,8 @@ def _run_dir(tmp_path: Path, template_kwargs: dict) -> Path:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     data = DataConfig(path=demo_data_path(), max_length=64, chat_template_kwargs=template_kwargs)
-    RunConfig(run_dir=run_dir, target_model=Path(TARGET), data=data, layout=LayoutConfig(device="cpu")).save(
-        run_dir / "config.json"
-    )
+    cfg = RunConfig(run_dir=run_dir, target_model=Path(TARGET), data=data, layout=LayoutConfig(device="cpu"))
+    RunDir(run_dir).save_config(cfg)
     model = tiny_drafter(tiny_config(block_size=8))
     ledger = Ledger(4, 1)
     ledger.mark(0, [0])

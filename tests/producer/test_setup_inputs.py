@@ -9,9 +9,11 @@ import pytest
 from transformers import ViTConfig
 
 from dflash_pipe.data import DataConfig, demo_data_path
-from dflash_pipe.producer.setup import OptionsError, RunDirError, SetupError, prepare_run
+from dflash_pipe.producer.setup import OptionsError, SetupError, prepare_run
 from dflash_pipe.run.checkpoint import DRAFTER_CONFIG, TRAINER_STATE, latest_checkpoint
 from dflash_pipe.run.config import DrafterOptions, RunConfig
+from dflash_pipe.run.dir import RunDir
+from dflash_pipe.run.files import RunDirError
 from dflash_pipe.run.layout import LayoutConfig
 from tests.tiny_models import tiny_qwen3_config
 
@@ -89,7 +91,7 @@ def test_resume_with_a_checkpoint_of_another_drafter_names_the_field(tmp_path: P
     (run_dir / "checkpoints" / "latest").write_text("step-00000001\n")
     assert latest_checkpoint(run_dir) == step
     with pytest.raises(RunDirError) as info:
-        prepare_run(RunConfig.load(run_dir / "config.json"), resume=True, progress=False)
+        prepare_run(RunDir(run_dir).load_config(), resume=True, progress=False)
     one_line(info.value, f"--resume {run_dir}", "hidden_size=", "new --run-dir")
 
 

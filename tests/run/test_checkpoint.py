@@ -126,7 +126,7 @@ def test_a_held_checkpoint_outlives_pruning_until_released(tmp_path):
     import os
     import time
 
-    from dflash_pipe.rundir import held_checkpoint
+    from dflash_pipe.run.locate import held_checkpoint
 
     model, opt = make()
 

@@ -5,6 +5,7 @@ import pytest
 from dflash_pipe.data import DataConfig
 from dflash_pipe.launch_options import build_run_config
 from dflash_pipe.run.config import DrafterOptions, RunConfig, WireConfig
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
 
@@ -17,8 +18,8 @@ def test_round_trip_through_json(tmp_path: Path):
         train=TrainConfig(max_steps=9, betas=(0.8, 0.9)),
         layout=LayoutConfig(device="cpu", cpu_workers=3),
     )
-    cfg.save(tmp_path / "config.json")
-    back = RunConfig.load(tmp_path / "config.json")
+    RunDir(cfg.run_dir).save_config(cfg)
+    back = RunDir(cfg.run_dir).load_config()
     assert back.to_dict() == cfg.to_dict()
     assert back.drafter.target_layer_ids == (1, 4, 7) and back.train.betas == (0.8, 0.9)
     assert back.cache_dir == tmp_path / "run" / "compile-cache"
@@ -40,7 +41,7 @@ def test_cli_options_build_a_demo_config_on_cpu(tmp_path: Path):
 
 def test_resume_refuses_flags_that_cannot_change(tmp_path: Path):
     cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu"})
-    cfg.save(tmp_path / "config.json")
+    RunDir(tmp_path).save_config(cfg)
     with pytest.raises(ValueError, match="--lr cannot change on resume"):
         build_run_config({"resume_dir": tmp_path, "lr": 1e-3})
     resumed, resume = build_run_config({"resume_dir": tmp_path, "max_steps": 50})
@@ -52,7 +53,7 @@ def test_reconnect_timeout_reaches_the_launched_workers(tmp_path: Path):
 
     cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu", "reconnect_timeout": 42.0})
     assert cfg.wire.reconnect_timeout_s == 42.0
-    cfg.save(tmp_path / "config.json")
+    RunDir(tmp_path).save_config(cfg)
     resumed, _ = build_run_config({"resume_dir": tmp_path, "reconnect_timeout": 7.0})
     assert resumed.wire.reconnect_timeout_s == 7.0
     with pytest.raises(ValueError, match="reconnect_timeout_s"):
@@ -91,7 +92,7 @@ def test_tokenize_workers_flag_including_zero(tmp_path: Path):
     assert cfg.data.tokenize_workers is None
     cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu", "tokenize_workers": 0})
     assert cfg.data.tokenize_workers == 0
-    cfg.save(tmp_path / "config.json")
+    RunDir(tmp_path).save_config(cfg)
     resumed, _ = build_run_config({"resume_dir": tmp_path, "tokenize_workers": 4})
     assert resumed.data.tokenize_workers == 4
     with pytest.raises(ValueError, match="DataConfig.tokenize_workers must be >= 0"):
@@ -132,7 +133,7 @@ def test_resume_on_other_devices_validates_the_whole_config(tmp_path: Path):
         layout=LayoutConfig(device="cuda", target_gpus=(0,), drafter_gpus=(1,)),
         wire=WireConfig(payload_path="cuda_ipc"),
     )
-    cfg.save(tmp_path / "config.json")
+    RunDir(tmp_path).save_config(cfg)
     with pytest.raises(ValueError, match="cuda_ipc needs the target and the drafters on CUDA"):
         build_run_config({"resume_dir": tmp_path, "device": "cpu", "workers": 2})
     resumed, _ = build_run_config({"resume_dir": tmp_path, "drafter_gpus": "1-2"})

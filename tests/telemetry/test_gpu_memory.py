@@ -11,7 +11,7 @@ from dflash_pipe.telemetry import GpuMemoryProbe, make_logger
 def test_cpu_devices_add_nothing(tmp_path: Path):
     probe = GpuMemoryProbe(["cpu", "cpu"])
     assert not probe and probe.probe() == {}
-    with make_logger(tmp_path, gpu_devices=["cpu"]) as logger:
+    with make_logger(tmp_path / "metrics.jsonl", gpu_devices=["cpu"]) as logger:
         logger.log({"loss": 1.0}, 1)
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert set(record) == {"step", "time", "loss"}

@@ -10,11 +10,11 @@ from dflash_pipe.telemetry import JsonlSink, MetricsLogger, make_logger, read_me
 
 
 def test_jsonl_round_trip_with_lists_and_append_after_reopen(tmp_path):
-    with make_logger(tmp_path) as logger:
+    with make_logger(tmp_path / "metrics.jsonl") as logger:
         logger.log({"loss": 2.5, "tokens": 1024, "acc": [0.0, 0.75, 0.5]}, step=1)
         logger.log({"loss": 2.25, "acc": [0.0, 0.8, 0.6]}, step=2)
     # resumed run: a new logger on the same run dir continues the file
-    with make_logger(tmp_path, kinds=("jsonl",)) as logger:
+    with make_logger(tmp_path / "metrics.jsonl", kinds=("jsonl",)) as logger:
         logger.log({"loss": 2.0}, step=3)
 
     rows = read_metrics(tmp_path / "metrics.jsonl")
@@ -73,13 +73,13 @@ def test_resume_after_crash_drops_partial_record(tmp_path):
 
 def test_unknown_sink_kind_names_it_and_creates_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"unknown metrics sink kind 'csv'.*jsonl, tensorboard, wandb"):
-        make_logger(tmp_path / "run", kinds=("jsonl", "csv"))
+        make_logger(tmp_path / "run" / "metrics.jsonl", kinds=("jsonl", "csv"))
     assert not (tmp_path / "run").exists()
 
 
 def test_kinds_as_plain_string_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="sequence of sink names"):
-        make_logger(tmp_path, kinds="jsonl")
+        make_logger(tmp_path / "metrics.jsonl", kinds="jsonl")
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_kinds_as_plain_string_is_rejected(tmp_path):
     ],
 )
 def test_bad_metrics_raise_naming_the_key(tmp_path, metrics, match):
-    with make_logger(tmp_path) as logger, pytest.raises(ValueError, match=match):
+    with make_logger(tmp_path / "metrics.jsonl") as logger, pytest.raises(ValueError, match=match):
         logger.log(metrics, step=0)
     assert read_metrics(tmp_path / "metrics.jsonl") == []
 
@@ -99,19 +99,23 @@ def test_bad_metrics_raise_naming_the_key(tmp_path, metrics, match):
 def test_missing_wandb_names_pip_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as if not installed
     with pytest.raises(ValueError, match="pip install wandb"):
-        make_logger(tmp_path, kinds=("wandb",))
+        make_logger(tmp_path / "metrics.jsonl", kinds=("wandb",))
 
 
 def test_missing_tensorboard_names_pip_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     with pytest.raises(ValueError, match="pip install tensorboard"):
-        make_logger(tmp_path, kinds=("tensorboard",))
+        make_logger(
+            tmp_path / "metrics.jsonl", kinds=("tensorboard",), tensorboard_dir=tmp_path / "tensorboard"
+        )
 
 
 def test_tensorboard_sink_writes_event_files(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with make_logger(tmp_path, kinds=("tensorboard",)) as logger:
+    with make_logger(
+        tmp_path / "metrics.jsonl", kinds=("tensorboard",), tensorboard_dir=tmp_path / "tensorboard"
+    ) as logger:
         logger.log({"loss": 1.5, "acc": [0.0, 0.5, 0.25]}, step=3)
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events
@@ -122,3 +126,9 @@ def test_tensorboard_sink_writes_event_files(tmp_path):
     (ev,) = acc.Scalars("acc/slot_1")
     assert ev.step == 3 and ev.value == pytest.approx(0.5)
     assert (tmp_path / "metrics.jsonl").exists()  # JSONL is always written
+
+
+def test_tensorboard_without_a_folder_is_refused_naming_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="needs a folder to write into: pass tensorboard_dir"):
+        make_logger(tmp_path / "metrics.jsonl", kinds=("tensorboard",))
+    assert not (tmp_path / "metrics.jsonl").exists()

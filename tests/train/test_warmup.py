@@ -16,6 +16,7 @@ from dflash_pipe.compute.compile import backward_with_settings
 from dflash_pipe.compute.precision import autocast
 from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.drafter.masks import sample_anchors, training_eligible
+from dflash_pipe.run.dir import RunDir
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.warmup import fewer_anchors, synthetic_batch, warm_up, warmup_batches, warmup_lengths
 from tests.drafter.conftest import tiny_config, tiny_drafter
@@ -90,8 +91,7 @@ def test_compile_warmup_flag_and_bench_modes(tmp_path: Path):
 
     cfg, _ = build_run_config({"run_dir": tmp_path / "run", "device": "cpu", "compile_warmup": "each"})
     assert cfg.train.compile_warmup == "each"
-    (tmp_path / "run").mkdir()
-    cfg.save(tmp_path / "run" / "config.json")
+    RunDir(tmp_path / "run").save_config(cfg)
     resumed, _ = build_run_config({"resume_dir": tmp_path / "run", "compile_warmup": "once"})
     assert resumed.train.compile_warmup == "once"  # a start-up choice: it may change on --resume
     with pytest.raises(ValueError, match="once and/or each"):

@@ -10,20 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_pipe.rundir import (
-    RunComplete,
-    check_resume,
-    choose_checkpoint,
-    find_checkpoint,
-    load_run_config,
-    save_run_config,
-)
 
 from dflash_pipe.launch_options import build_run_config
-from dflash_pipe.producer.setup import RunDirError
 from dflash_pipe.run import checkpoint as ck
+from dflash_pipe.run.dir import RunDir
+from dflash_pipe.run.files import RunDirError
 from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.run.locate import choose_checkpoint, find_checkpoint
 from dflash_pipe.run.record import write_record
+from dflash_pipe.run.resume import RunComplete, check_resume
 
 SAMPLES = 4
 
@@ -32,7 +27,7 @@ def make_run(run_dir: Path, steps: tuple[int, ...] = (2, 4), trained: int = 2, e
     """A run dir as a launch leaves it: config.json and checkpoints (the last with ``trained`` samples)."""
     cfg, _ = build_run_config({"run_dir": run_dir, "device": "cpu", "epochs": epochs})
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_run_config(cfg)
+    RunDir(run_dir).save_config(cfg)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -77,15 +72,15 @@ def test_a_config_from_another_version_names_the_file_and_the_version(tmp_path: 
     (run_dir / "config.json").write_text(json.dumps({**data, "future_knob": 1}))
     (run_dir / "owner.json").write_text(json.dumps({"pid": 1, "version": "9.9.0"}))
     with pytest.raises(RunDirError) as err:
-        load_run_config(run_dir)
+        RunDir(run_dir).load_config()
     message = str(err.value)
     assert f"{run_dir / 'config.json'} does not fit dflash-pipe" in message
     assert "future_knob" in message and "dflash-pipe==9.9.0" in message and "new --run-dir" in message
     (run_dir / "config.json").write_text('{"run_dir": ')
     with pytest.raises(RunDirError, match="config.json cannot be read .*damaged"):
-        load_run_config(run_dir)
+        RunDir(run_dir).load_config()
     with pytest.raises(RunDirError, match="Give the run directory itself"):
-        load_run_config(run_dir / "checkpoints")
+        RunDir(run_dir / "checkpoints").load_config()
 
 
 def test_an_intact_latest_is_resumed_without_a_word(tmp_path: Path):
@@ -240,7 +235,8 @@ def test_voids_of_a_regenerated_run_count_as_trained_after_set_up(tmp_path: Path
     and the launch that trained every epoch records it for the next resume."""
     from types import SimpleNamespace
 
-    from dflash_pipe.rundir import check_open_work, record_complete
+    from dflash_pipe.producer.setup import check_open_work
+    from dflash_pipe.run.resume import record_complete
 
     run_dir = make_run(tmp_path / "run", trained=SAMPLES - 1)
     cfg = resumed(run_dir)
@@ -277,7 +273,8 @@ def test_a_run_that_trained_zero_steps_is_never_complete_and_does_not_export(tmp
     every epoch is done, or whose regenerated conversations are all voids: never "complete", never exported."""
     from types import SimpleNamespace
 
-    from dflash_pipe.rundir import NothingTrained, check_open_work, complete_message, record_complete
+    from dflash_pipe.producer.setup import check_open_work
+    from dflash_pipe.run.resume import NothingTrained, complete_message, record_complete
 
     run_dir = make_run(tmp_path / "run", steps=(0,), trained=SAMPLES)
     cfg = resumed(run_dir)

@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from dflash_pipe.rundir import OWNER_FILE, RunDirBusy, RunDirLock, read_owner
 from filelock import FileLock
+
+from dflash_pipe.run.files import OWNER_FILE
+from dflash_pipe.run.lock import RunDirBusy, RunDirLock, read_owner
 
 ROOT = Path(__file__).resolve().parents[2]
 
