@@ -18,7 +18,22 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_pipe import __version__
 from dflash_pipe.run import files
-from dflash_pipe.run.files import RunDirError
+from dflash_pipe.run.files import (
+    CHECKPOINTS_DIR,
+    COMPILE_CACHE_DIR,
+    CONFIG_FILE,
+    EXPORT_DIR,
+    LATEST,
+    LOGS_DIR,
+    METRICS_FILE,
+    OWNER_FILE,
+    RECORD_FILE,
+    REGENERATED_FILE,
+    REPORT_DIR,
+    SAMPLES_DIR,
+    TENSORBOARD_DIR,
+    RunDirError,
+)
 from dflash_pipe.run.lock import RunDirLock, read_owner
 
 if TYPE_CHECKING:
@@ -28,69 +43,49 @@ _PATH_KEYS = (("data", "path"), ("target_model",), ("compile_cache",), ("wire", 
 """Paths of a config that a launch reads relative to the directory it runs in."""
 
 
+class _Entry:
+    """A path of the run dir: ``RunDir.root / name`` (a class attribute of ``RunDir``, read on an instance)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def __get__(self, run: RunDir | None, owner: type | None = None) -> Path:
+        if run is None:
+            raise AttributeError("a RunDir path is read on a RunDir instance: RunDir(path).config")
+        return run.root.joinpath(*self.names)
+
+
 @dataclass(frozen=True, slots=True)
 class RunDir:
     root: Path
 
+    config = _Entry(CONFIG_FILE)
+    """The resolved ``RunConfig`` (what ``--resume`` reads): ``save_config``, ``load_config``."""
+    metrics = _Entry(METRICS_FILE)
+    """Every launch appends its metrics here, one JSON record a line; ``report`` reads them, a resume checks
+    the last line (``run/resume.py``)."""
+    tensorboard, logs = _Entry(TENSORBOARD_DIR), _Entry(LOGS_DIR)
+    """The TensorBoard sink's folder, and the worker processes' output (``worker_log``)."""
+    compile_cache = _Entry(COMPILE_CACHE_DIR)
+    """The default compile cache (``RunConfig.cache_dir`` says which one a run uses)."""
+    samples, regenerated = _Entry(SAMPLES_DIR), _Entry(REGENERATED_FILE)
+    """The tokenized samples on disk (``data.store``), reused by a resume with the same data and settings;
+    with ``--responses target``, the target's own replies (``data.regenerated``)."""
+    report, export = _Entry(REPORT_DIR), _Entry(EXPORT_DIR)
+    """``dflash-pipe report``'s PNGs (a launch never touches them), and where ``serve-command RUN`` says to
+    export the run's latest checkpoint to."""
+    record, owner = _Entry(RECORD_FILE), _Entry(OWNER_FILE)
+    """Where the producer listens and which worker processes it started (``run/record.py``); who holds the
+    lock (``run/lock.py``)."""
+    checkpoints = _Entry(CHECKPOINTS_DIR)
+    latest = _Entry(CHECKPOINTS_DIR, LATEST)
+    """The pointer file naming the latest checkpoint (``latest_checkpoint`` follows it)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
 
-    @property
-    def config(self) -> Path:
-        return self.root / files.CONFIG_FILE
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / files.METRICS_FILE
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / files.TENSORBOARD_DIR
-
-    @property
-    def logs(self) -> Path:
-        return self.root / files.LOGS_DIR
-
     def worker_log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
-
-    @property
-    def compile_cache(self) -> Path:
-        """The default compile cache (``RunConfig.cache_dir`` says which one a run uses)."""
-        return self.root / files.COMPILE_CACHE_DIR
-
-    @property
-    def samples(self) -> Path:
-        return self.root / files.SAMPLES_DIR
-
-    @property
-    def regenerated(self) -> Path:
-        return self.root / files.REGENERATED_FILE
-
-    @property
-    def report(self) -> Path:
-        return self.root / files.REPORT_DIR
-
-    @property
-    def export(self) -> Path:
-        return self.root / files.EXPORT_DIR
-
-    @property
-    def record(self) -> Path:
-        return self.root / files.RECORD_FILE
-
-    @property
-    def owner(self) -> Path:
-        return self.root / files.OWNER_FILE
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / files.CHECKPOINTS_DIR
-
-    @property
-    def latest(self) -> Path:
-        """The pointer file naming the latest checkpoint (``latest_checkpoint`` follows it)."""
-        return self.checkpoints / files.LATEST
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / files.step_name(step)

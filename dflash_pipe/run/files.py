@@ -1,7 +1,7 @@
 """What a run directory holds, by name, and the error a run dir that does not fit what was asked raises.
 
 Every name of the run dir's layout is declared here once; ``RunDir`` (``run/dir.py``) turns them into paths
-and the other modules of ``run/`` read them from here. Nothing outside ``run/`` spells one: it asks
+(what each one holds is said there) and the other modules of ``run/`` read them from here. Nothing outside ``run/`` spells one: it asks
 ``RunDir`` (``tests/run/test_run_dir_names.py`` reads ``NAMES`` and fails on a module that does). This
 module imports nothing, so every module of ``run/`` can read it without an import cycle.
 """
@@ -9,29 +9,19 @@ module imports nothing, so every module of ``run/`` can read it without an impor
 from __future__ import annotations
 
 CONFIG_FILE = "config.json"
-"""The resolved ``RunConfig`` of the run (what ``--resume`` reads)."""
 METRICS_FILE = "metrics.jsonl"
-"""One JSON record per line: the metrics every launch appends (``report`` reads them)."""
 TENSORBOARD_DIR = "tensorboard"
 LOGS_DIR = "logs"
-"""The worker processes' output, ``workerN.log``."""
 COMPILE_CACHE_DIR = "compile-cache"
-"""torch.compile's caches (Inductor, Triton) unless ``compile_cache`` names another folder."""
 SAMPLES_DIR = "samples"
-"""The tokenized samples on disk (``data.store``), reused by a resume with the same data."""
 REGENERATED_FILE = "regenerated.jsonl"
-"""The target's own replies with ``--responses target``."""
 REPORT_DIR = "report"
-"""``dflash-pipe report``'s PNGs (a launch never touches it)."""
 EXPORT_DIR = "export"
-"""Where ``serve-command RUN`` says to export the run's latest checkpoint."""
 RECORD_FILE = "producer.json"
-"""Where the producer listens and which worker processes it started."""
 ATTACHED_DIR = "producers"
 """``producers/NAME/``: an attaching producer's own metrics and its workers' logs."""
 LOCK_FILE = ".lock"
 OWNER_FILE = "owner.json"
-"""Who holds the lock: pid, host, command, version (and when it let go)."""
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
