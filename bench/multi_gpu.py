@@ -92,7 +92,7 @@ def run_opts(args: argparse.Namespace) -> dict[str, Any]:
 
 def bench_config(args: argparse.Namespace, work_dir: Path):
     from dflash_pipe.bench.throughput import bench_run_config
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
 
     cfg, _ = build_run_config({**run_opts(args), "run_dir": work_dir / "prepare"})
     return bench_run_config(cfg, work_dir)
@@ -447,7 +447,7 @@ def topology(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None
     """`dflash-pipe bench throughput --compare` on the design topology (NCCL gradients on CUDA, the
     payload path negotiated automatically): pipeline efficiency and where the time goes."""
     from dflash_pipe.bench.throughput import run_throughput_bench
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
 
     cfg, _ = build_run_config({**run_opts(args), "run_dir": work_dir / "prepare"})
     result = run_throughput_bench(

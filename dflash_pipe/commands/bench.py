@@ -128,7 +128,7 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_w
           --target-gpus 0 --drafter-gpus 0 --seconds 20 --compare --out bench-results/h200
     """
     from dflash_pipe.bench.throughput import run_throughput_bench
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
 
     if seconds <= 0:
         raise click.UsageError(f"--seconds must be > 0, got {seconds}.")
@@ -173,7 +173,7 @@ def bench_split(
       dflash-pipe bench split --seconds 2            # the demo on CPU: the share of the cores
     """
     from dflash_pipe.bench.split import run_split_bench
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
     from dflash_pipe.run.layout import parse_gpu_spec
 
     if seconds <= 0:
