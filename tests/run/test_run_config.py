@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.data import DataConfig
 from dflash_pipe.commands.launch_config import build_run_config
+from dflash_pipe.data import DataConfig
 from dflash_pipe.run.config import DrafterOptions, RunConfig, WireConfig
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.train.config import TrainConfig
