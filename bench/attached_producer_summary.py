@@ -17,7 +17,9 @@ from dflash_pipe.run.ledger import Ledger
 
 
 def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
 
 
 def summarize(run_dir: Path, producer: str) -> dict:
@@ -44,7 +46,8 @@ def summarize(run_dir: Path, producer: str) -> dict:
         "every_sample_once": all(ledger.complete(e) for e in range(ledger.epochs)) and ledger.duplicates == 0,
         "duplicates": ledger.duplicates,
         "feature_bytes": {
-            "coordinator_local": last(coordinator, "wire/feature_bytes_local") - last(coordinator, prefix + "wire/feature_bytes_local"),
+            "coordinator_local": last(coordinator, "wire/feature_bytes_local")
+            - last(coordinator, prefix + "wire/feature_bytes_local"),
             f"{producer}_local": last(coordinator, prefix + "wire/feature_bytes_local"),
             "remote_total": last(coordinator, "wire/feature_bytes_remote"),
         },
@@ -62,7 +65,9 @@ def summarize(run_dir: Path, producer: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--producer", default="node1")
     args = parser.parse_args()

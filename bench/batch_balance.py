@@ -21,6 +21,7 @@ from rich.console import Console
 
 from dflash_pipe.bench.result import BenchResult
 from dflash_pipe.bench.save import save_result, show_result
+from dflash_pipe.commands.options import add_field_arguments
 from dflash_pipe.data import plan_batches
 
 
@@ -52,7 +53,7 @@ def balance_rows(lengths: np.ndarray, plan: list[list[int]], workers: list[int])
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, required=True, help="pre-tokenized JSONL (input_ids per line)")
-    p.add_argument("--token-budget", type=int, default=4096)
+    add_field_arguments(p, "data.token_budget")
     p.add_argument("--workers", default="1,2,3,4", help="worker counts, e.g. 1,2,4")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)

@@ -38,6 +38,7 @@ from rich.console import Console
 
 from dflash_pipe.bench.result import BenchResult
 from dflash_pipe.bench.save import save_result, show_result
+from dflash_pipe.commands.options import add_field_arguments
 
 CASES = (
     "jsonl",
@@ -55,8 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="output directory (required unless --measure)")
     p.add_argument("--conversations", type=int, default=1_000_000)
     p.add_argument("--row-group", type=int, default=10_000, help="parquet rows per row group")
-    p.add_argument("--token-budget", type=int, default=4096)
-    p.add_argument("--tokenize-workers", type=int, default=None, help="as --tokenize-workers (default auto)")
+    add_field_arguments(p, "data.token_budget", "data.tokenize_workers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--in-memory", action="store_true", help="also the in-memory load (no store), for comparison"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from dflash_pipe.launcher import SAFE_GPU_ENV
+from dflash_pipe.launcher import SAFE_GPU_ENV, worker_command
 
 os.environ.update(SAFE_GPU_ENV)  # before torch (and NCCL) load, and inherited by every child process
 
@@ -39,11 +39,20 @@ from typing import Any  # noqa: E402
 
 from dflash_pipe.bench.result import BenchResult  # noqa: E402
 from dflash_pipe.bench.save import goal, save_result, show_result  # noqa: E402
-from dflash_pipe.fields import choices  # noqa: E402
-from dflash_pipe.train.config import TrainConfig  # noqa: E402
+from dflash_pipe.commands.options import add_field_arguments, field_argv, field_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALING_GOAL = 0.95
+RUN_FIELDS = (
+    "target_model",
+    "data.path",
+    "data.token_budget",
+    "data.max_length",
+    "drafter.num_layers",
+    "drafter.max_anchors",
+    "train.compile",
+)
+"""The `launch` options these runs pass on (bench/make_target.py and bench/make_data.py make the model and data)."""
 TOPOLOGIES = {1: ((0,), (0,)), 2: ((0,), (1,)), 4: ((0, 1), (2, 3)), 8: ((0, 1, 2, 3, 4), (5, 6, 7))}
 """Visible GPUs -> (target GPUs, drafter GPUs), as issue 8 asks (one GPU: both share GPU 0)."""
 
@@ -66,17 +75,8 @@ def gpu_spec(ids: tuple[int, ...]) -> str:
 
 def run_opts(args: argparse.Namespace) -> dict[str, Any]:
     """The `launch` options of these runs (None = the default), with the GPUs of the design topology."""
-    opts: dict[str, Any] = {
-        "target_model": args.target_model,
-        "data_path": args.data,
-        "device": args.device,
-        "token_budget": args.token_budget,
-        "max_length": args.max_length,
-        "draft_layers": args.draft_layers,
-        "max_anchors": args.max_anchors,
-        "compile_mode": args.compile,
-        "eval_samples": 0,
-    }
+    opts: dict[str, Any] = {name: getattr(args, name) for name in field_params(*RUN_FIELDS)}
+    opts.update(device=args.device, eval_samples=0)
     if args.device == "cpu":
         opts["workers"] = args.workers
     else:
@@ -92,7 +92,7 @@ def run_opts(args: argparse.Namespace) -> dict[str, Any]:
 
 def bench_config(args: argparse.Namespace, work_dir: Path):
     from dflash_pipe.bench.throughput import bench_run_config
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
 
     cfg, _ = build_run_config({**run_opts(args), "run_dir": work_dir / "prepare"})
     return bench_run_config(cfg, work_dir)
@@ -362,18 +362,8 @@ def elastic(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None]
     argv = [*layout, "--epochs", "1", "--eval-samples", "0", "--reconnect-timeout", "5"]
     opts = run_opts(args)
     if args.samples:
-        opts["data_path"] = first_samples(args.data, args.samples, work_dir / "data.jsonl")
-    for flag, key in (
-        ("--target-model", "target_model"),
-        ("--data", "data_path"),
-        ("--token-budget", "token_budget"),
-        ("--max-length", "max_length"),
-        ("--draft-layers", "draft_layers"),
-        ("--max-anchors", "max_anchors"),
-        ("--compile", "compile_mode"),
-    ):
-        if opts[key] is not None:
-            argv += [flag, str(opts[key])]
+        opts["data_path"] = first_samples(args.data_path, args.samples, work_dir / "data.jsonl")
+    argv += field_argv(opts, *RUN_FIELDS)
     say(f"launch ({' '.join(layout)}), one epoch")
     run = Launch(run_dir, argv)
     attached = None
@@ -383,8 +373,7 @@ def elastic(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None]
         launched = int(first["world_size"])
         say(f"training with {launched} worker(s); attaching one on {free}")
         log = work_dir / "attached.log"
-        cmd = [sys.executable, "-m", "dflash_pipe", "worker", "--connect", address, "--device", free]
-        cmd += ["--name", "attached", "--reconnect-timeout", "5"]
+        cmd = worker_command(address, free, name="attached", reconnect_timeout_s=5)
         t_attach = time.time()
         with open(log, "wb") as out:
             attached = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -446,7 +435,7 @@ def describe_elastic(args: argparse.Namespace, layout: list[str], free: str) -> 
         "launch_layout": " ".join(layout),
         "attached_device": free,
         "target_model": str(args.target_model or "demo"),
-        "data": str(args.data or "demo"),
+        "data": str(args.data_path or "demo"),
         "safe_gpu_env": {k: os.environ.get(k) for k in SAFE_GPU_ENV},
     }
 
@@ -458,7 +447,7 @@ def topology(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None
     """`dflash-pipe bench throughput --compare` on the design topology (NCCL gradients on CUDA, the
     payload path negotiated automatically): pipeline efficiency and where the time goes."""
     from dflash_pipe.bench.throughput import run_throughput_bench
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
 
     cfg, _ = build_run_config({**run_opts(args), "run_dir": work_dir / "prepare"})
     result = run_throughput_bench(
@@ -485,18 +474,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="Results directory (OUT/<command>.json).")
     p.add_argument("--work", type=Path, help="Scratch dir (run dirs, logs); default OUT/work-<command>.")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    p.add_argument("--target-model", type=Path, help="HF model dir (bench/make_target.py); default: demo.")
-    p.add_argument("--data", type=Path, help="JSONL data (bench/make_data.py); default: the demo's.")
     p.add_argument("--target-gpus", help="Override the design topology's target GPUs, e.g. 0-1.")
     p.add_argument("--drafter-gpus", help="Override the design topology's drafter GPUs, e.g. 2-3.")
     p.add_argument("--workers", type=int, default=2, help="CPU: drafter workers (the most in scaling).")
     p.add_argument("--max-count", type=int, help="Scaling: stop at this many devices/workers.")
     p.add_argument("--seconds", type=float, default=10.0, help="Measured seconds per stage.")
-    p.add_argument("--token-budget", type=int)
-    p.add_argument("--max-length", type=int)
-    p.add_argument("--draft-layers", type=int)
-    p.add_argument("--max-anchors", type=int)
-    p.add_argument("--compile", choices=choices(TrainConfig, "compile"))
+    add_field_arguments(p, *RUN_FIELDS, unset=True)  # as `launch` takes them; untyped: launch's default
     p.add_argument("--samples", type=int, help="Elastic: one epoch of the data's first N samples.")
     p.add_argument("--timeout", type=float, default=300.0, help="Elastic: seconds to wait for each event.")
     p.add_argument(

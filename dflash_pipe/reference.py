@@ -108,7 +108,7 @@ def _type_name(param: click.Parameter) -> str:
 def config_reference() -> str:
     """Markdown for every field of RunConfig and its sections, with type, default, flag and doc."""
     from dflash_pipe.cli import main
-    from dflash_pipe.launch_options import DEMO_DEFAULTS, FLAG_FIELDS
+    from dflash_pipe.commands.launch_config import DEMO_DEFAULTS, FLAG_FIELDS
     from dflash_pipe.run.config import RunConfig
     from dflash_pipe.run.config_file import run_sections
 

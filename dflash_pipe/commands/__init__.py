@@ -1,6 +1,7 @@
-"""The commands of ``dflash-pipe`` beside ``launch`` (``dflash_pipe.cli``): one module each for ``worker``,
-``eval`` and ``bench``, registered on the group in ``cli``. torch is imported inside each command, never at
-import, so ``worker`` can set the compile cache's environment before torch reads it."""
+"""The commands of ``dflash-pipe``, one module each (``launch``, ``worker``, ``producer``, ``eval``,
+``bench``, ...), assembled into the group by ``dflash_pipe.cli``; ``launch_config`` turns launch's flags and
+config file into one RunConfig. torch is imported inside each command, never at import, so ``worker`` can
+set the compile cache's environment before torch reads it."""
 
 from __future__ import annotations
 

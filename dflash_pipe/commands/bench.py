@@ -10,9 +10,7 @@ import click
 from rich.console import Console
 
 from dflash_pipe.commands import check_machine, console
-from dflash_pipe.data.config import DataConfig
-from dflash_pipe.fields import choices
-from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.commands.options import field_options
 
 
 @click.group()
@@ -80,48 +78,33 @@ _OUT_OPTION = click.option(
 )
 
 
-def _run_options(fn):
-    """The run a throughput or split bench measures: target, data, layout and drafter, as `launch` takes
-    them (declared once here for both)."""
-    for option in reversed(_RUN_OPTION_LIST):
-        fn = option(fn)
-    return fn
-
-
-_RUN_OPTION_LIST = [
-    click.option(
-        "--target-model",
-        type=click.Path(path_type=Path),
-        help="HF model directory (default: the demo target).",
-    ),
-    click.option(
-        "--data",
-        "data_path",
-        type=click.Path(path_type=Path),
-        help="JSONL data (default with the demo: bundled).",
-    ),
-    click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True),
-    click.option("--target-gpus", help="GPUs of the target replicas, e.g. 0-4."),
-    click.option("--drafter-gpus", help="GPUs of the drafter workers, e.g. 5-7."),
-    click.option("--workers", type=int, help="Drafter workers on CPU (default 2)."),
-    click.option("--token-budget", type=int, help="Max tokens per batch (as `launch`)."),
-    click.option("--max-length", type=int, help="Longer samples are truncated (as `launch`)."),
-    click.option("--draft-layers", type=int, help="Drafter depth (as `launch`)."),
-    click.option("--max-anchors", type=int, help="Sampled blocks per sequence (as `launch`)."),
-    click.option(
-        "--compile", "compile_mode", type=click.Choice(choices(TrainConfig, "compile")), help="As `launch`."
-    ),
-    click.option(
-        "--responses",
-        type=click.Choice(choices(DataConfig, "responses")),
-        default="dataset",
-        show_default=True,
-        help="target: as `launch --responses target` (throughput: the pipeline runs again regenerating every "
-        "assistant turn, beside the run on the dataset's; split: the target's supply includes regeneration).",
-    ),
-    click.option("--max-new-tokens", type=int, help="With --responses target: as `launch`."),
-    click.option("--regen-batch", type=int, help="With --responses target: as `launch`."),
-]
+_run_options = field_options(
+    "target_model",
+    "data.path",
+    "layout.device",
+    "layout.target_gpus",
+    "layout.drafter_gpus",
+    "layout.cpu_workers",
+    "data.token_budget",
+    "data.max_length",
+    "drafter.num_layers",
+    "drafter.max_anchors",
+    "train.compile",
+    "data.responses",
+    "regen.max_new_tokens",
+    "regen.batch_size",
+    overrides={
+        "data.responses": {
+            "default": "dataset",
+            "show_default": True,
+            "help": "target: as `launch --responses target` (throughput: the pipeline runs again regenerating "
+            "every assistant turn, beside the run on the dataset's; split: the target's supply includes "
+            "regeneration).",
+        }
+    },
+)
+"""The run a throughput or split bench measures: target, data, layout and drafter, the `launch` options
+of those fields (a bench measures the dataset's responses unless told)."""
 
 
 @bench.command("throughput")
@@ -145,7 +128,7 @@ def bench_throughput(seconds: float, compare: bool, out_dir: Path | None, keep_w
           --target-gpus 0 --drafter-gpus 0 --seconds 20 --compare --out bench-results/h200
     """
     from dflash_pipe.bench.throughput import run_throughput_bench
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
 
     if seconds <= 0:
         raise click.UsageError(f"--seconds must be > 0, got {seconds}.")
@@ -190,7 +173,7 @@ def bench_split(
       dflash-pipe bench split --seconds 2            # the demo on CPU: the share of the cores
     """
     from dflash_pipe.bench.split import run_split_bench
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
     from dflash_pipe.run.layout import parse_gpu_spec
 
     if seconds <= 0:
@@ -269,13 +252,19 @@ def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir
 
 
 @bench.command("compile")
-@click.option(
-    "--target-model", type=click.Path(path_type=Path), help="HF model directory (default: the demo target)."
+@field_options(
+    "target_model",
+    "layout.device",
+    "layout.drafter_gpus",
+    "drafter.num_layers",
+    overrides={
+        "layout.drafter_gpus": {
+            "help": "GPUs of the N workers started together, e.g. 0 or 0-3 (default: 0)."
+        },
+        "drafter.num_layers": {"help": "Drafter depth (default: 1 on CPU, 5 on CUDA)."},
+    },
 )
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--drafter-gpus", help="GPUs of the N workers started together, e.g. 0 or 0-3 (default: 0).")
 @click.option("--workers", type=int, default=2, show_default=True, help="N: workers started together.")
-@click.option("--draft-layers", type=int, help="Drafter depth (default: 1 on CPU, 5 on CUDA).")
 @click.option(
     "--seq-len", type=int, help="Tokens of the warm-up and the first step (default: 256 CPU, 2048 CUDA)."
 )

@@ -4,6 +4,7 @@ so an option is declared once, next to its field."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import types
 import typing
@@ -60,17 +61,28 @@ def _click_type(hint: Any, spec: Flag) -> dict[str, Any]:
     raise TypeError(f"no command-line type for a field of type {hint!r}; give its flag choices or change it")
 
 
-def field_options(*paths: str) -> Callable[[Callable], Callable]:
-    """The click options of the config fields ``paths`` (none given: every field with a flag, in field
-    order), each declared by its field's ``flag``: name, help and whether it shows a default."""
+def _chosen(paths: tuple[str, ...]) -> list[tuple[str, dataclasses.Field, Any]]:
     every = config_flags()
     by_path = {path: (f, hint) for path, f, hint in every}
     unknown = sorted(set(paths) - set(by_path))
     if unknown:
         raise KeyError(f"no config field with a flag at {unknown}")
-    chosen = [(p, *by_path[p]) for p in paths] if paths else every
+    return [(p, *by_path[p]) for p in paths] if paths else every
+
+
+def field_options(
+    *paths: str, overrides: dict[str, dict[str, Any]] | None = None
+) -> Callable[[Callable], Callable]:
+    """The click options of the config fields ``paths`` (none given: every field with a flag, in field
+    order), each declared by its field's ``flag``: name, help and whether it shows a default.
+    ``overrides``: per path, click settings a command that is not ``launch`` changes (a bench's own
+    default and why), the name and type staying the field's."""
+    overrides = overrides or {}
+    unused = sorted(set(overrides) - set(paths))
+    if unused:
+        raise KeyError(f"overrides for fields not among the options: {unused}")
     options = []
-    for path, f, hint in chosen:
+    for path, f, hint in _chosen(paths):
         spec = flag_of(f)
         assert spec is not None
         kwargs: dict[str, Any] = {"help": spec.help, **_click_type(hint, spec)}
@@ -80,6 +92,7 @@ def field_options(*paths: str) -> Callable[[Callable], Callable]:
             kwargs["metavar"] = spec.metavar
         if spec.default is not None:
             kwargs.update(default=spec.default, show_default=True)
+        kwargs.update(overrides.get(path, {}))
         options.append(click.option(spec.name, spec.param_name, cls=FieldOption, field_path=path, **kwargs))
 
     def apply(fn: Callable) -> Callable:
@@ -88,6 +101,46 @@ def field_options(*paths: str) -> Callable[[Callable], Callable]:
         return fn
 
     return apply
+
+
+def add_field_arguments(
+    parser: argparse.ArgumentParser, *paths: str, unset: bool = False, **defaults: Any
+) -> None:
+    """The same fields' flags on a bench script's argparse parser: name, help, type and default from the
+    field; ``defaults`` by click parameter name (``token_budget=8192``) where the script's differ.
+    ``unset``: a flag not typed stays None (a script that passes only what was typed on to ``launch``)."""
+    for _, f, hint in _chosen(paths):
+        spec = flag_of(f)
+        assert spec is not None
+        click_kwargs = _click_type(hint, spec)
+        field_default = None if unset or f.default is dataclasses.MISSING else f.default
+        kwargs: dict[str, Any] = {"dest": spec.param_name, "help": spec.help}
+        kwargs["default"] = defaults.get(spec.param_name, field_default)
+        kind = click_kwargs.get("type", str)
+        if click_kwargs.get("is_flag"):
+            kwargs["action"] = "store_true"
+        elif isinstance(kind, click.Choice):
+            kwargs["choices"] = list(kind.choices)
+        else:
+            kwargs["type"] = Path if isinstance(kind, click.Path) else kind
+        parser.add_argument(spec.name, **kwargs)
+
+
+def field_params(*paths: str) -> tuple[str, ...]:
+    """The click parameter names of these fields' flags (``data.path`` -> ``data_path``)."""
+    return tuple(flag_of(f).param_name for _, f, _ in _chosen(paths))  # type: ignore[union-attr]
+
+
+def field_argv(values: dict[str, Any], *paths: str) -> list[str]:
+    """The ``launch`` flags that set these fields to ``values`` (by parameter name; None: left out), for a
+    script that starts ``launch`` itself."""
+    argv: list[str] = []
+    for _, f, _ in _chosen(paths):
+        spec = flag_of(f)
+        assert spec is not None
+        if values.get(spec.param_name) is not None:
+            argv += [spec.name, str(values[spec.param_name])]
+    return argv
 
 
 def section_values(opts: dict[str, Any], section: str) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def producer(**opts) -> None:
     """
     from rich.markup import escape
 
-    from dflash_pipe.launch_options import layout_from_flags
+    from dflash_pipe.commands.launch_config import layout_from_flags
     from dflash_pipe.producer.attach import AttachError, run_attached
     from dflash_pipe.producer.core import RunAborted
     from dflash_pipe.wire.addresses import DEFAULT_ADDRESS

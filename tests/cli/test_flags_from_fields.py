@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_pipe.cli import main
+from dflash_pipe.commands.launch_config import FLAG_FIELDS, RESUME_OVERRIDES
 from dflash_pipe.commands.options import FieldOption, config_flags
 from dflash_pipe.fields import flag_of
-from dflash_pipe.launch_options import FLAG_FIELDS, RESUME_OVERRIDES
 
 NOT_FIELDS = {"resume_dir", "live", "config_file", "print_config", "dry_run", "gpus"}
 """launch options that set no config field: what to do with the config (``gpus``: a probe then sets

@@ -134,10 +134,10 @@ def test_report_reads_its_run_dir_from_a_file(tmp_path: Path):
 
 
 def test_every_launch_flag_sets_a_config_field():
-    # A new launch flag must be mapped in launch_options.FLAG_FIELDS, or it would be silently ignored.
-    from dflash_pipe.launch_options import FLAG_FIELDS
+    # A new launch flag must be mapped in commands.launch_config.FLAG_FIELDS, or it would be silently ignored.
+    from dflash_pipe.commands.launch_config import FLAG_FIELDS
 
     # gpus: a probe turns it into layout.target_gpus / layout.drafter_gpus (commands/split.py)
     not_fields = {"resume_dir", "live", "config_file", "print_config", "dry_run", "gpus"}
     unmapped = [p.name for p in main.commands["launch"].params if p.name not in set(FLAG_FIELDS) | not_fields]
-    assert not unmapped, f"add {unmapped} to FLAG_FIELDS in dflash_pipe/launch_options.py"
+    assert not unmapped, f"add {unmapped} to FLAG_FIELDS in dflash_pipe/commands/launch_config.py"

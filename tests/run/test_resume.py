@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_pipe.launch_options import build_run_config
+from dflash_pipe.commands.launch_config import build_run_config
 from dflash_pipe.run import checkpoint as ck
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.files import RunDirError

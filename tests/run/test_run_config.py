@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_pipe.commands.launch_config import build_run_config
 from dflash_pipe.data import DataConfig
-from dflash_pipe.launch_options import build_run_config
 from dflash_pipe.run.config import DrafterOptions, RunConfig, WireConfig
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.layout import LayoutConfig
@@ -145,7 +145,7 @@ def test_the_dry_run_shows_the_command_launch_runs_for_each_worker(tmp_path: Pat
     """`launch --dry-run` used to print worker commands without --keys and --reconnect-timeout."""
     import shlex
 
-    from dflash_pipe.launch_options import plan_text
+    from dflash_pipe.commands.launch_config import plan_text
     from dflash_pipe.launcher import WorkerPool
 
     keys = tmp_path / "keys"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.launch_options import build_run_config
+from dflash_pipe.commands.launch_config import build_run_config
 from dflash_pipe.run import files
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.files import RunDirError

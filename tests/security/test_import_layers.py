@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("drafter", ("drafter",)),
     ("training step", ("train",)),
     ("processes", ("producer", "worker", "launcher", "regenerate")),
-    ("command line", ("cli", "commands", "launch_options", "reference", "report", "bench", "__main__")),
+    ("command line", ("cli", "commands", "reference", "report", "bench", "__main__")),
 )
 """Bottom first. A module's layer is the one holding the longest prefix of its dotted name (below
 ``dflash_pipe``): the part configs are run formats although their packages are compute (``drafter.rope``

@@ -87,7 +87,7 @@ def test_bench_compile_reports_each_mode_against_cold():
 
 def test_compile_warmup_flag_and_bench_modes(tmp_path: Path):
     from dflash_pipe.bench.compile import run_compile_bench
-    from dflash_pipe.launch_options import build_run_config
+    from dflash_pipe.commands.launch_config import build_run_config
 
     cfg, _ = build_run_config({"run_dir": tmp_path / "run", "device": "cpu", "compile_warmup": "each"})
     assert cfg.train.compile_warmup == "each"
