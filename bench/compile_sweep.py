@@ -2,7 +2,7 @@
 (Past 400 lines on purpose: one experiment a device call runs whole, grid to recount, read top to bottom.)
 
 For every drafter shape of the grid and every compile mode, builds the drafter as a worker does
-(``worker.proc.make_drafter``: fp32 master weights, the frozen embedding and head in the compute dtype,
+(``train.build.build_drafter``: fp32 master weights, the frozen embedding and head in the compute dtype,
 the step under bf16 autocast, ``loss_sum`` backward), warms it up as a worker does (``train.warmup``'s
 synthetic batches), then feeds batches planned as a run plans them: sample lengths from a seeded
 long-tailed distribution, ``data.batching.plan_batches`` under the token budget, right-padded [B, S]
@@ -53,10 +53,10 @@ from dflash_pipe.data.batching import plan_batches
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.drafter.presets import PRESETS
+from dflash_pipe.train.build import build_drafter
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.warmup import warm_up
-from dflash_pipe.worker.proc import make_drafter
 
 PEAK_TFLOPS = 790.0  # H200 dense bf16, the MFU reference of this repo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -133,7 +133,7 @@ def build(
     """The drafter as a worker builds it; seeded, so every mode starts from the same weights."""
     torch.manual_seed(0)
     policy = CheckpointPolicy(checkpointing)  # type: ignore[arg-type]
-    model, _ = make_drafter(cfg, TrainConfig(compile=compile_mode), *parts, device, checkpointing=policy)
+    model, _ = build_drafter(cfg, TrainConfig(compile=compile_mode), *parts, device, checkpointing=policy)
     return model
 
 
@@ -257,7 +257,7 @@ def sweep_shape(
     rows: list[dict[str, Any]] = []
     torch._dynamo.reset()
     model = build(cfg, MODES[mode], parts, device)
-    model.tuned_flex_tiles = args.flex_tiles == "drafter"
+    model.kernels = dataclasses.replace(model.kernels, tuned_flex_tiles=args.flex_tiles == "drafter")
     if args.ce_chunk:
         model.ce_chunk = args.ce_chunk
     before = graphs_compiled()

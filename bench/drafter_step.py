@@ -83,6 +83,7 @@ def build(sh: dict, args: argparse.Namespace, backend: str, device, dtype, seed:
     from torch import nn
 
     from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
+    from dflash_pipe.train.build import apply_compile
 
     cfg = DrafterConfig(
         hidden_size=sh["hidden"],
@@ -104,7 +105,8 @@ def build(sh: dict, args: argparse.Namespace, backend: str, device, dtype, seed:
     head = nn.Linear(sh["hidden"], sh["vocab"], bias=False, device=device, dtype=dtype)
     nn.init.normal_(head.weight, std=0.02)
     full = args.compile_parts == "layers"  # what train.compile=full runs
-    model = DFlashDrafter(cfg, embed, head, compile_layers=full, fused_ce=full).to(device=device, dtype=dtype)
+    model = DFlashDrafter(cfg, embed, head).to(device=device, dtype=dtype)
+    apply_compile(model, attention=device.type == "cuda", layers=full, fused_ce=full)
     compile_parts(model, args.compile_parts)
     g = torch.Generator().manual_seed(seed)
     b, s = args.batch, sh["context"]
@@ -117,7 +119,7 @@ def build(sh: dict, args: argparse.Namespace, backend: str, device, dtype, seed:
 def compile_parts(model, parts: str) -> None:
     """Experiment: let Inductor fuse more than attention (module.compile is in place, public API)."""
     if parts != "pointwise":
-        return  # "layers": the model compiles them itself (DFlashDrafter compile_layers, fused_ce)
+        return  # "layers": compiled by train.build.apply_compile in build()
     for layer in model.layers:
         for mod in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
             mod.compile(dynamic=True)

@@ -82,6 +82,7 @@ def build(sh: dict, device, *, threaded: bool, checkpointing: str, seed: int = 0
     import torch
 
     from dflash_pipe.drafter.checkpointing import CheckpointPolicy
+    from dflash_pipe.train.build import apply_checkpointing
 
     sys.path.insert(0, str(Path(__file__).parent))
     from drafter_step import build as build_drafter
@@ -90,7 +91,7 @@ def build(sh: dict, device, *, threaded: bool, checkpointing: str, seed: int = 0
     shape_args = argparse.Namespace(block_size=16, batch=1, compile_parts="layers")  # as training runs it
     backend = "flex" if device.type == "cuda" else "sdpa"
     model, inputs = build_drafter(sh, shape_args, backend, device, dtype, seed=seed)
-    model.checkpointing = CheckpointPolicy(checkpointing, mode="threaded" if threaded else "process")
+    apply_checkpointing(model, CheckpointPolicy(checkpointing, mode="threaded" if threaded else "process"))
     return model, torch.optim.AdamW(model.trainable_parameters(), lr=1e-5), inputs
 
 

@@ -132,22 +132,23 @@ class FileFeed:
         return True
 
 
-def build_drafter(spec: dict[str, Any], device: Any, *, compile_layers: bool = False):
-    """(model, optimizer, train config, compiled?) as the worker builds them from WELCOME's fields.
-    ``compile_layers`` also compiles each decoder layer (the compile bench on CPU, where the worker
-    compiles nothing: flex attention has no CPU backward, so there is no compiled attention)."""
+def build_from_spec(spec: dict[str, Any], device: Any, *, compile_layers: bool = False):
+    """(model, optimizer, train config, compiled?) as the worker builds them from WELCOME's fields
+    (``train.build.build_drafter``). ``compile_layers`` also compiles each decoder layer (the compile bench
+    on CPU, where the worker compiles nothing: flex attention has no CPU backward, so there is no compiled
+    attention)."""
 
     from dflash_pipe.compute.precision import compute_dtype
     from dflash_pipe.drafter import DrafterConfig, load_frozen_target_parts
+    from dflash_pipe.train.build import build_drafter
     from dflash_pipe.train.config import TrainConfig
     from dflash_pipe.train.optim import build_optimizer
-    from dflash_pipe.worker.proc import make_drafter
 
     drafter_cfg = DrafterConfig.from_dict(spec["drafter"])
     train_cfg = TrainConfig.from_dict(spec["train"])
     dtype = compute_dtype(device)
     embed, head = load_frozen_target_parts(spec["target_path"], dtype=dtype, device=device)
-    model, compiled = make_drafter(
+    model, compiled = build_drafter(
         drafter_cfg, train_cfg, embed, head, device, compile_layers=True if compile_layers else None
     )
     optimizer = build_optimizer(model.trainable_parameters(), train_cfg)
@@ -185,7 +186,7 @@ def run_drafter(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model, optimizer, train_cfg, compiled = build_drafter(spec, device)
+    model, optimizer, train_cfg, compiled = build_from_spec(spec, device)
     if compiled:
         warm(model, spec, device)
     feed = FileFeed(spec["files"], spec, cycle=spec["synthetic"], synthetic=spec["synthetic"])
@@ -263,7 +264,7 @@ def run_compile(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model, optimizer, _, _ = build_drafter(spec, device, compile_layers=spec["compile_layers"])
+    model, optimizer, _, _ = build_from_spec(spec, device, compile_layers=spec["compile_layers"])
     built = time.time()
     warm_info = warm(model, spec, device)
     warmed = time.time()

@@ -9,22 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_pipe.compute.compile import (
-    FLEX_MIN_HEAD_DIM,
-    INDUCTOR_OPTIONS,
-    compiler_errors,
-    flex_kernel_options,
-)
+from dflash_pipe.compute.compile import FLEX_MIN_HEAD_DIM, flex_kernel_options
 
 from .checkpointing import CheckpointPolicy
-from .compile_guard import needs_compile
 from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
@@ -134,15 +128,29 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _run_layer(layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, attend: Attend) -> Tensor:
+def run_layer(layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, attend: Attend) -> Tensor:
+    """One layer, eagerly: the default ``Kernels.layer``, and the function ``train.build`` compiles."""
     return layer(x, ctx, rope_q, rope_k, attend)
 
 
-@functools.cache
-def _compiled_layer() -> Callable:
-    """One compiled function for every draft layer: the layer's weights are inputs, not constants, and a
-    fresh ``attend`` closure each step reuses the graph (its mask is an input too)."""
-    return torch.compile(_run_layer, dynamic=True, options=INDUCTOR_OPTIONS)
+LayerRun = Callable[..., Tensor]  # (layer, x, ctx, rope_q, rope_k, attend) -> x, as ``run_layer``
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """How the forward runs each part. ``train.build.apply_compile`` replaces the whole value (a fallback
+    re-applies with less); nothing inside ``forward`` changes it. The default is what a drafter built
+    for inference runs: eager layers and CE terms, the flex kernel compiled on CUDA (eager flex
+    materialises every score) with the tuned tiles."""
+
+    layer: LayerRun = run_layer
+    """Runs one decoder layer: ``run_layer``, or ``train.build.CompiledLayers`` (the layers compiled)."""
+    compile_attention: bool | None = None
+    """torch.compile the flex block mask and kernel; None: on CUDA."""
+    tuned_flex_tiles: bool = True
+    """The compiled flex kernel gets ``compute.compile.flex_kernel_options``; False: Inductor's own."""
+    fused_ce: bool = False
+    """The LM head's softmax/CE terms compiled into one kernel (CUDA only)."""
 
 
 @functools.cache
@@ -178,7 +186,10 @@ def flex_attend(block_mask, *, compile: bool, tiles: dict[str, int] | None = Non
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash draft model. `forward` is the training objective; `block_hidden` is the shared core."""
+    """DFlash draft model. `forward` is the training objective; `block_hidden` is the shared core.
+
+    Built eager; ``train.build`` then applies activation checkpointing (``checkpointing``) and compile
+    (``kernels``) to it, as torchtitan's ``parallelize`` does. The forward only runs what was applied."""
 
     def __init__(
         self,
@@ -186,18 +197,8 @@ class DFlashDrafter(nn.Module):
         embed_tokens: nn.Embedding,
         lm_head: nn.Linear,
         *,
-        compile_attention: bool | None = None,
-        compile_layers: bool | None = None,
-        fused_ce: bool = False,
-        checkpointing: CheckpointPolicy | None = None,
         ce_chunk: int = DEFAULT_CE_CHUNK,
     ) -> None:
-        """``compile_attention``: torch.compile the flex mask and kernel (None: on CUDA).
-        ``compile_layers``: compile the decoder layers whole, so Inductor fuses the norms, RoPE and SwiGLU
-        around the matmuls (None: on the SDPA path when attention is compiled). ``fused_ce``: compile the
-        LM head's softmax/CE terms into one kernel. Both together are ``train.compile=full``, the default on
-        CUDA (docs/performance.md has the shape sweep behind it). Dynamo's limits are set by
-        ``compute.compile.apply_dynamo_settings`` in each thread that trains."""
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -208,13 +209,9 @@ class DFlashDrafter(nn.Module):
             part.requires_grad_(False)
         # a tuple keeps the frozen target parts out of the module tree (state_dict, .parameters(), .to()).
         self._target_parts = (embed_tokens, lm_head)
-        self.compile_attention = compile_attention  # None = compile on CUDA
-        self.compile_layers = compile_layers
-        self._layer_compile_failed = False
         self._reference = False  # inside ``reference()``: eager, SDPA with the dense mask
-        self.tuned_flex_tiles = True  # compute.compile.flex_kernel_options; False: Inductor's own
-        self.fused_ce = fused_ce
-        self.checkpointing = checkpointing or CheckpointPolicy()
+        self.kernels = Kernels()  # train.build.apply_compile
+        self.checkpointing = CheckpointPolicy()  # train.build.apply_checkpointing
         self.ce_chunk = ce_chunk
         # fp32 angles on purpose: a plain attribute, so model.to(bfloat16) cannot round it.
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
@@ -242,17 +239,13 @@ class DFlashDrafter(nn.Module):
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """Within: the same weights run eagerly, attention through SDPA with the dense mask (another kernel
-        than flex's). What the warm-up checks the compiled step against (``train.compile_check``)."""
+        than flex's), with the same checkpointing. What the warm-up checks the compiled step against
+        (``train.compile_check``)."""
         self._reference = True
         try:
             yield
         finally:
             self._reference = False
-
-    def compile_attention_only(self) -> None:
-        """The fallback of ``train.compile=full``: layers and CE terms eager again, the flex attention and
-        block mask compiled with Inductor's own tiles (``train.compile=attention``)."""
-        self.compile_layers, self.fused_ce, self.tuned_flex_tiles = False, False, False
 
     def backend(self, device: torch.device) -> str:
         if self._reference:
@@ -264,36 +257,8 @@ class DFlashDrafter(nn.Module):
     def _compiles_attention(self, device: torch.device) -> bool:
         if self._reference:
             return False
-        return self.compile_attention if self.compile_attention is not None else device.type == "cuda"
-
-    def _compiles_layers(self, device: torch.device) -> bool:
-        if self._reference:
-            return False
-        if self.compile_layers is not None:
-            return self.compile_layers
-        return self._compiles_attention(device) and self.backend(device) == "sdpa"
-
-    def _run_compiled_layer(
-        self, layer: DFlashLayer, x: Tensor, ctx: Tensor, rope_q, rope_k, attend
-    ) -> Tensor:
-        """The compiled layer; if Inductor fails on it, the layers run eagerly (around the compiled attention)
-        from then on, with one warning, instead of the run dying on a compiler bug."""
-        if not self._layer_compile_failed:
-            try:
-                return _compiled_layer()(layer, x, ctx, rope_q, rope_k, attend)
-            except compiler_errors() as exc:
-                if needs_compile(exc):  # threaded mode's guard asks for an exclusive re-run: not a failure
-                    raise
-                self._layer_compile_failed = True
-                first = (str(exc).strip().splitlines() or [""])[0][:200]
-                warnings.warn(
-                    f"torch.compile of the drafter layers failed ({type(exc).__name__}: {first}); they run "
-                    "uncompiled from now on (slower steps, same results). Set --compile attention to skip the "
-                    "attempt, or report it with your torch version.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        return _run_layer(layer, x, ctx, rope_q, rope_k, attend)
+        compile = self.kernels.compile_attention
+        return compile if compile is not None else device.type == "cuda"
 
     def block_hidden(self, input_ids: Tensor, features: Tensor, anchors: Tensor, valid: Tensor) -> Tensor:
         """Final-norm hidden states of every block slot: [B, N, bs, H].
@@ -334,7 +299,7 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(self.inv_freq, q_pos, dtype, self.rope_scale)
         rope_k = rope_cos_sin(self.inv_freq, k_pos, dtype, self.rope_scale)
         attends = self._attends(backend, anchors, valid, seq_len, device)
-        run = self._run_compiled_layer if self._compiles_layers(device) else _run_layer
+        run = run_layer if self._reference else self.kernels.layer
         for layer, window in zip(self.layers, cfg.layer_windows, strict=True):
             x = self.checkpointing.run_layer(run, layer, x, ctx, rope_q, rope_k, attends[window])
         return x
@@ -349,7 +314,8 @@ class DFlashDrafter(nn.Module):
             if backend == "flex":
                 compile = self._compiles_attention(device)
                 mask = flex_block_mask(anchors, valid, seq_len, bs, compile=compile, window=window)
-                tiles = flex_kernel_options(self.cfg.head_dim, device) if self.tuned_flex_tiles else None
+                tuned = self.kernels.tuned_flex_tiles
+                tiles = flex_kernel_options(self.cfg.head_dim, device) if tuned else None
                 out[window] = flex_attend(mask, compile=compile, tiles=tiles)
             else:
                 out[window] = sdpa_attend(dense_mask(anchors, valid, seq_len, bs, window))
@@ -386,7 +352,7 @@ class DFlashDrafter(nn.Module):
                 self.lm_head.weight,
                 chunk=self.ce_chunk,
                 num_anchors=num_anchors,
-                fused=self.fused_ce and hidden.is_cuda and not self._reference,
+                fused=self.kernels.fused_ce and hidden.is_cuda and not self._reference,
             )
             return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_total
 

@@ -1,12 +1,13 @@
 """The compiled training step checked against an eager one before training starts, with a fallback.
 
 ``train.compile=full`` (the default on CUDA) hands whole decoder layers and the CE terms to Inductor. A
-compiler *failure* already falls back inside the drafter, but a wrong kernel, or one that fails only when it
+compiler *failure* already falls back inside ``train.build.CompiledLayers``, but a wrong kernel, or one that fails only when it
 runs (torch 2.11 once raised a shape error from a split reduction at run time), would not. So after its
 warm-up each worker runs one synthetic batch (of a shape the warm-up compiled) through the compiled step
 and through ``DFlashDrafter.reference()`` (eager, attention through SDPA with the dense mask: another
-kernel than flex's) and compares the loss and the whole gradient. On a disagreement or a run-time error it trains on with
-``train.compile=attention``, warns, and reports ``compile_fallback`` with its warm-up metrics.
+kernel than flex's) and compares the loss and the whole gradient. On a disagreement or a run-time error it
+re-applies compile with less (``train.build.apply_attention_only``: ``train.compile=attention``), warms
+that up, trains on with it, warns, and reports ``compile_fallback`` with its warm-up metrics.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dflash_pipe.compute.compile import backward_with_settings
 from dflash_pipe.compute.precision import autocast
 from dflash_pipe.diskspace import compile_cache_full
 from dflash_pipe.drafter import DFlashDrafter
+from dflash_pipe.train.build import apply_attention_only
 from dflash_pipe.train.warmup import synthetic_batch, warm_up, warmup_lengths
 
 LOSS_TOLERANCE = 1e-2
@@ -125,5 +127,5 @@ def _warm_up_checked(model: DFlashDrafter, *, full: bool, **warm_kwargs: Any) ->
         RuntimeWarning,
         stacklevel=2,
     )
-    model.compile_attention_only()
+    apply_attention_only(model)
     return {**metrics, **warm_up(model, **warm_kwargs), "compile_fallback": 1.0}

@@ -26,6 +26,7 @@ from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.run.signals import Signals, StopNow
 from dflash_pipe.train.batches import unpack
+from dflash_pipe.train.build import build_drafter
 from dflash_pipe.train.compile_check import warm_up_checked
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GpuTakenError, GroupBrokenError, RendezvousLostError
@@ -272,38 +273,11 @@ def _serve(
             group.close()
 
 
-def make_drafter(
-    drafter_cfg: DrafterConfig,
-    train_cfg: TrainConfig,
-    embed: torch.nn.Embedding,
-    head: torch.nn.Linear,
-    device: torch.device,
-    *,
-    checkpointing: CheckpointPolicy | None = None,
-    compile_layers: bool | None = None,
-) -> tuple[DFlashDrafter, bool]:
-    """The drafter on ``device``, compiled as ``train.compile`` says; and whether anything is compiled.
-
-    ``compile_layers`` overrides the layers' choice (the compile bench compiles them on CPU)."""
-    plan = train_cfg.compile_plan(device.type)
-    full, compile_on = plan == "full", plan != "off"
-    layers = compile_layers if compile_layers is not None else (True if full else None)
-    model = DFlashDrafter(
-        drafter_cfg,
-        embed,
-        head,
-        compile_attention=compile_on,
-        compile_layers=layers,
-        fused_ce=full,
-        checkpointing=checkpointing,
-    )
-    return model.to(device).train(), compile_on or bool(layers)
-
-
 def _build_replicas(
     welcome: m.Welcome, drafter_cfg: DrafterConfig, train_cfg: TrainConfig, devices: list[torch.device]
 ) -> tuple[list[DFlashDrafter], dict[str, float]]:
-    """One drafter per device (several: threaded mode), each warmed in turn before any thread starts."""
+    """One drafter per device (several: threaded mode), built by ``train.build`` and each warmed in turn
+    before any thread starts (with ``train.compile=full``, checked and if need be re-applied with less)."""
     threaded = len(devices) > 1
     policy = CheckpointPolicy(train_cfg.activation_checkpointing, mode="threaded" if threaded else "process")
     apply_dynamo_settings()
@@ -313,7 +287,7 @@ def _build_replicas(
         if str(dev) not in parts:  # the frozen embedding and head are read-only: one copy per device
             parts[str(dev)] = load_frozen_target_parts(welcome.target_path, dtype=feature_dtype, device=dev)
         embed, head = parts[str(dev)]
-        model, compile_on = make_drafter(drafter_cfg, train_cfg, embed, head, dev, checkpointing=policy)
+        model, compile_on = build_drafter(drafter_cfg, train_cfg, embed, head, dev, checkpointing=policy)
         if compile_on:
             cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", RunDir(welcome.run_dir).compile_cache)
             warm = warm_up_checked(  # full: then checked against eager, falling back to attention

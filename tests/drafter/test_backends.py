@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from dflash_pipe.drafter.masks import sample_anchors, training_eligible
+from dflash_pipe.drafter.model import run_layer
+from dflash_pipe.train.build import CompiledLayers, apply_compile
 
 from .conftest import tiny_config, tiny_drafter
 
@@ -77,11 +79,11 @@ def test_blocks_are_independent_and_padded_slots_are_harmless() -> None:
 
 
 def test_compiled_layers_keep_names_and_match_eager() -> None:
-    """compile_layers compiles in place: same state_dict keys, same loss and gradients (SDPA on CPU)."""
+    """Compiled layers apply in place: same state_dict keys, same loss and gradients (SDPA on CPU)."""
     cfg = dataclasses.replace(tiny_config(block_size=4, max_anchors=5), attention_backend="sdpa")
     eager = tiny_drafter(cfg)
     compiled = tiny_drafter(cfg)
-    compiled.compile_layers = True
+    apply_compile(compiled, attention=False, layers=True)
     ids, feats, loss_mask = _inputs(cfg)
     losses, grads = [], []
     for model in (eager, compiled):
@@ -89,7 +91,7 @@ def test_compiled_layers_keep_names_and_match_eager() -> None:
         out.loss.backward()
         losses.append(out.loss.detach())
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    assert compiled._compiles_layers(ids.device) and not eager._compiles_layers(ids.device)
+    assert isinstance(compiled.kernels.layer, CompiledLayers) and eager.kernels.layer is run_layer
     assert list(compiled.state_dict()) == list(eager.state_dict())
     torch.testing.assert_close(losses[1], losses[0])
     for name, grad in grads[0].items():
@@ -98,7 +100,7 @@ def test_compiled_layers_keep_names_and_match_eager() -> None:
 
 def test_a_failing_layer_compile_falls_back_to_eager_with_one_warning(monkeypatch) -> None:
     """An Inductor bug on the layers must cost speed, not the run: eager layers, same loss, one warning."""
-    from dflash_pipe.drafter import model as model_module
+    from dflash_pipe.train import build as build_module
 
     class CompilerBug(Exception):
         pass
@@ -109,18 +111,18 @@ def test_a_failing_layer_compile_falls_back_to_eager_with_one_warning(monkeypatc
         calls.append(1)
         raise CompilerBug("AssertionError in tiling_utils")
 
-    monkeypatch.setattr(model_module, "_compiled_layer", lambda: broken)
-    monkeypatch.setattr(model_module, "compiler_errors", lambda: (CompilerBug,))
+    monkeypatch.setattr(build_module, "_compiled_layer", lambda: broken)
+    monkeypatch.setattr(build_module, "compiler_errors", lambda: (CompilerBug,))
     cfg = dataclasses.replace(tiny_config(block_size=4, max_anchors=5), attention_backend="sdpa")
     eager, compiled = tiny_drafter(cfg), tiny_drafter(cfg)
-    compiled.compile_layers = True
+    apply_compile(compiled, attention=False, layers=True)
     ids, feats, loss_mask = _inputs(cfg)
     want = eager(ids, feats, loss_mask, generator=torch.Generator().manual_seed(4)).loss
     with pytest.warns(RuntimeWarning, match="drafter layers failed"):
         got = compiled(ids, feats, loss_mask, generator=torch.Generator().manual_seed(4)).loss
     torch.testing.assert_close(got, want)
     compiled(ids, feats, loss_mask, generator=torch.Generator().manual_seed(5))  # no second attempt
-    assert calls == [1]
+    assert calls == [1] and compiled.kernels.layer.failed
 
 
 def test_auto_backend_is_flex_on_cuda_only_from_head_dim_16() -> None:

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
+from dflash_pipe.train.build import apply_checkpointing
 
 from .conftest import tiny_drafter
 
 
 def _loss_and_grads(policy: CheckpointPolicy) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model = tiny_drafter(seed=3)
-    model.checkpointing = policy
+    apply_checkpointing(model, policy)
     torch.manual_seed(11)
     ids = torch.randint(0, 49, (2, 24))
     feats = torch.randn(2, 24, model.cfg.feature_size)
@@ -51,7 +52,7 @@ def test_checkpointing_keeps_loss_and_gradients(policy: CheckpointPolicy):
 def test_checkpointing_recomputes_what_it_says(monkeypatch, what: str, layer_runs: int, norm_runs: int):
     """A checkpointed part runs twice: in the forward, then again in backward (2 layers, 1 final norm)."""
     model = tiny_drafter()
-    model.checkpointing = CheckpointPolicy(what)
+    apply_checkpointing(model, CheckpointPolicy(what))
     runs = {"layer": 0, "norm": 0}
     layer_forward, norm_forward = type(model.layers[0]).forward, type(model.norm).forward
 

@@ -37,6 +37,7 @@ def test_the_drafter_passes_its_tiles_to_each_compiled_flex_call(monkeypatch):
     """Decided once per step outside the compiled layers (Dynamo then sees a constant), for every layer
     pattern; the uncompiled kernel gets none."""
     import dflash_pipe.drafter.model as drafter_model
+    from dflash_pipe.train.build import apply_attention_only
 
     from .conftest import tiny_config, tiny_drafter
 
@@ -61,7 +62,7 @@ def test_the_drafter_passes_its_tiles_to_each_compiled_flex_call(monkeypatch):
     model._attends("flex", anchors, valid, 128, torch.device("cpu"))
     assert asked == [cfg.head_dim, cfg.head_dim]  # one per layer pattern: sliding, full
     assert calls == [{"compile": True, "tiles": {"t": 1}}] * 2
-    model.tuned_flex_tiles = False  # what the compile check's fallback sets
+    apply_attention_only(model)  # the compile check's fallback: Inductor's own tiles
     calls.clear()
     model._attends("flex", anchors, valid, 128, torch.device("cpu"))
     assert calls == [{"compile": True, "tiles": None}] * 2

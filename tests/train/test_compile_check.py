@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_pipe.drafter import model as drafter_model
+from dflash_pipe.drafter.model import run_layer
+from dflash_pipe.train import build
 from dflash_pipe.train.compile_check import check_compiled, warm_up_checked
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.warmup import warm_up
@@ -19,7 +20,7 @@ CPU = torch.device("cpu")
 def _full_drafter():
     """A tiny drafter compiled as train.compile=full compiles it (the layers whole; on CPU: around SDPA)."""
     model = tiny_drafter(tiny_config())
-    model.compile_attention, model.compile_layers, model.fused_ce = True, True, True
+    build.apply_compile_plan(model, "full", CPU)
     return model
 
 
@@ -33,7 +34,7 @@ def _wrong_kernel():
 
     def compiled():
         def run(layer, x, ctx, rope_q, rope_k, attend):
-            return drafter_model._run_layer(layer, x, ctx, rope_q, rope_k, attend).roll(1, dims=1)
+            return run_layer(layer, x, ctx, rope_q, rope_k, attend).roll(1, dims=1)
 
         return run
 
@@ -57,7 +58,7 @@ def test_a_correct_compile_passes_and_stays_full(tmp_path: Path) -> None:
 
 
 def test_a_wrong_kernel_falls_back_to_attention(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(drafter_model, "_compiled_layer", _wrong_kernel())
+    monkeypatch.setattr(build, "_compiled_layer", _wrong_kernel())
     model = _full_drafter()
     check = check_compiled(model, model.cfg.to_dict(), CPU, 16)
     assert not check.ok and check.grad_rel > 5e-2, check
@@ -65,9 +66,9 @@ def test_a_wrong_kernel_falls_back_to_attention(tmp_path: Path, monkeypatch) -> 
     with pytest.warns(RuntimeWarning, match="trains on with train.compile=attention"):
         metrics = _warm(model, tmp_path)
     assert metrics["compile_fallback"] == 1.0 and metrics["compile_check_grad_rel"] > 5e-2
-    assert model.compile_layers is False and model.fused_ce is False
-    assert model.compile_attention is True  # the fallback keeps the attention compiled
-    assert model.tuned_flex_tiles is False  # ... with Inductor's own tiles
+    assert model.kernels.layer is run_layer and model.kernels.fused_ce is False  # re-applied with less
+    assert model.kernels.compile_attention is True  # the fallback keeps the attention compiled
+    assert model.kernels.tuned_flex_tiles is False  # ... with Inductor's own tiles
     assert check_compiled(model, model.cfg.to_dict(), CPU, 16).ok  # the wrong kernel is out of the step
 
 
@@ -78,12 +79,12 @@ def test_a_kernel_failing_at_run_time_falls_back(tmp_path: Path, monkeypatch) ->
 
         return run
 
-    monkeypatch.setattr(drafter_model, "_compiled_layer", failing)
+    monkeypatch.setattr(build, "_compiled_layer", failing)
     model = _full_drafter()
     with pytest.warns(RuntimeWarning, match=r"failed at run time \(RuntimeError: shape"):
         metrics = _warm(model, tmp_path)
     assert metrics["compile_fallback"] == 1.0 and "compile_check_loss_rel" not in metrics
-    assert model.compile_layers is False
+    assert model.kernels.layer is run_layer
 
 
 def test_running_out_of_memory_is_not_a_fallback(tmp_path: Path, monkeypatch) -> None:
@@ -95,7 +96,7 @@ def test_running_out_of_memory_is_not_a_fallback(tmp_path: Path, monkeypatch) ->
 
         return run
 
-    monkeypatch.setattr(drafter_model, "_compiled_layer", oom)
+    monkeypatch.setattr(build, "_compiled_layer", oom)
     with pytest.raises(torch.OutOfMemoryError):
         _warm(_full_drafter(), tmp_path)
 
@@ -113,19 +114,17 @@ def test_compile_plan_resolves_auto_and_the_old_name() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: flex attention and the fused CE terms")
 def test_the_default_full_compile_passes_its_check_on_cuda(tmp_path: Path) -> None:
-    """What a CUDA worker runs by default: make_drafter with train.compile=auto (= full), warm-up, check."""
+    """What a CUDA worker runs by default: build_drafter with train.compile=auto (= full), warm-up, check."""
     from torch import nn
-
-    from dflash_pipe.worker.proc import make_drafter
 
     cuda = torch.device("cuda")
     cfg = tiny_config(hidden_size=128, intermediate_size=256, head_dim=32, num_attention_heads=4)
     embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=cuda, dtype=torch.bfloat16)
     head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=cuda, dtype=torch.bfloat16)
-    model, compiled = make_drafter(cfg, TrainConfig(), embed, head, cuda)
-    assert compiled and model.compile_layers and model.fused_ce
+    model, compiled = build.build_drafter(cfg, TrainConfig(), embed, head, cuda)
+    assert compiled and isinstance(model.kernels.layer, build.CompiledLayers) and model.kernels.fused_ce
     metrics = warm_up_checked(
         model, full=True, drafter_config=cfg.to_dict(), cache_dir=tmp_path, device=cuda, seq_len=128
     )
     assert metrics["compile_fallback"] == 0.0, metrics
-    assert metrics["compile_check_grad_rel"] < 5e-2 and model.compile_layers is True
+    assert metrics["compile_check_grad_rel"] < 5e-2 and isinstance(model.kernels.layer, build.CompiledLayers)

@@ -17,6 +17,7 @@ from dflash_pipe.compute.precision import autocast
 from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.drafter.masks import sample_anchors, training_eligible
 from dflash_pipe.run.dir import RunDir
+from dflash_pipe.train.build import apply_compile
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.warmup import fewer_anchors, synthetic_batch, warm_up, warmup_batches, warmup_lengths
 from tests.drafter.conftest import tiny_config, tiny_drafter
@@ -135,7 +136,8 @@ def test_a_batch_with_fewer_anchors_compiles_nothing_after_the_warm_up(tmp_path:
     )
     torch.manual_seed(0)
     embed, head = torch.nn.Embedding(cfg.vocab_size, 64), torch.nn.Linear(64, cfg.vocab_size, bias=False)
-    model = DFlashDrafter(cfg, embed, head, compile_attention=False, compile_layers=True)
+    model = DFlashDrafter(cfg, embed, head)
+    apply_compile(model, attention=False, layers=True)
     cpu = torch.device("cpu")
     warm_up(model, drafter_config=cfg.to_dict(), cache_dir=tmp_path, device=cpu, seq_len=64, batch_sizes=(2,))
     ids, feats, mask = synthetic_batch(cfg.to_dict(), cpu, 2, 32)  # the warm-up's shorter length

@@ -20,6 +20,7 @@ from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.drafter.compile_guard import GUARD
 from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.train.build import apply_checkpointing, apply_compile
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup
 from dflash_pipe.train.optim import build_optimizer
@@ -94,9 +95,9 @@ def make_drafter(*, compile_layers: bool, mode: str) -> DFlashDrafter:
         nn.Embedding(cfg.vocab_size, cfg.hidden_size),
         nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False),
     )
-    model = DFlashDrafter(
-        cfg, embed, head, compile_layers=compile_layers, checkpointing=CheckpointPolicy("layers", mode=mode)
-    )
+    model = DFlashDrafter(cfg, embed, head)
+    apply_checkpointing(model, CheckpointPolicy("layers", mode=mode))
+    apply_compile(model, attention=False, layers=compile_layers)
     torch.manual_seed(2)
     model.reset_parameters()  # same weights in every member and replica
     return model
