@@ -43,6 +43,18 @@ def tiny_drafter(cfg: DrafterConfig | None = None, seed: int = 0) -> DFlashDraft
     return DFlashDrafter(cfg, embed, head)
 
 
+def loss_and_grads(model: DFlashDrafter) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One seeded batch of 2 (the second right-padded) forward and backward: the loss and every gradient."""
+    torch.manual_seed(11)
+    ids = torch.randint(0, 49, (2, 24))
+    feats = torch.randn(2, 24, model.cfg.feature_size)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, 18:] = False
+    out = model(ids, feats, mask, generator=torch.Generator().manual_seed(5))
+    out.loss_sum.backward()
+    return out.loss_sum.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
 @pytest.fixture
 def drafter() -> DFlashDrafter:
     return tiny_drafter()

@@ -8,21 +8,11 @@ import torch
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.train.build import apply_checkpointing
 
-from .conftest import tiny_drafter
+from .conftest import loss_and_grads, tiny_drafter
 
 
 def _loss_and_grads(policy: CheckpointPolicy) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = tiny_drafter(seed=3)
-    apply_checkpointing(model, policy)
-    torch.manual_seed(11)
-    ids = torch.randint(0, 49, (2, 24))
-    feats = torch.randn(2, 24, model.cfg.feature_size)
-    mask = torch.ones(2, 24, dtype=torch.bool)
-    mask[1, 18:] = False
-    out = model(ids, feats, mask, generator=torch.Generator().manual_seed(5))
-    out.loss_sum.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    return out.loss_sum.detach(), grads
+    return loss_and_grads(apply_checkpointing(tiny_drafter(seed=3), policy))
 
 
 @pytest.mark.parametrize(

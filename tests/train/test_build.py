@@ -14,7 +14,7 @@ from dflash_pipe.drafter.model import DFlashLayer, Kernels, run_layer
 from dflash_pipe.train import build
 from dflash_pipe.train.compile_check import warm_up_checked
 from dflash_pipe.train.config import TrainConfig
-from tests.drafter.conftest import tiny_config
+from tests.drafter.conftest import loss_and_grads, tiny_config
 
 CPU = torch.device("cpu")
 
@@ -29,17 +29,6 @@ def _built(train: TrainConfig, **kwargs) -> DFlashDrafter:
     return model
 
 
-def _loss_and_grads(model: DFlashDrafter) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    torch.manual_seed(11)
-    ids = torch.randint(0, 49, (2, 24))
-    feats = torch.randn(2, 24, model.cfg.feature_size)
-    mask = torch.ones(2, 24, dtype=torch.bool)
-    mask[1, 18:] = False
-    out = model(ids, feats, mask, generator=torch.Generator().manual_seed(5))
-    out.loss_sum.backward()
-    return out.loss_sum.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
 def test_a_built_drafter_with_checkpointing_trains_as_the_eager_one(monkeypatch) -> None:
     """Real backward, fp32 on CPU: the same loss and every gradient, while the layers really recompute."""
     eager = _built(TrainConfig(activation_checkpointing="none"))
@@ -47,11 +36,11 @@ def test_a_built_drafter_with_checkpointing_trains_as_the_eager_one(monkeypatch)
     assert eager.checkpointing == CheckpointPolicy("none")
     assert checkpointed.checkpointing == CheckpointPolicy("all")  # the applied policy, on the model
     assert eager.kernels == checkpointed.kernels == Kernels(compile_attention=False)  # compile off on CPU
-    want_loss, want = _loss_and_grads(eager)
+    want_loss, want = loss_and_grads(eager)
     runs = []
     layer_forward = DFlashLayer.forward
     monkeypatch.setattr(DFlashLayer, "forward", lambda self, *a: runs.append(1) or layer_forward(self, *a))
-    loss, got = _loss_and_grads(checkpointed)
+    loss, got = loss_and_grads(checkpointed)
     assert len(runs) == 2 * checkpointed.cfg.num_hidden_layers  # forward, then again in backward
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
     assert got.keys() == want.keys()
@@ -112,8 +101,8 @@ def test_the_fallback_trains_with_the_lesser_setting(tmp_path: Path, monkeypatch
         )
     assert metrics["compile_fallback"] == 1.0
     assert model.kernels == Kernels(layer=run_layer, compile_attention=True, tuned_flex_tiles=False)
-    want_loss, want = _loss_and_grads(_built(TrainConfig(compile="off")))
-    loss, got = _loss_and_grads(model)
+    want_loss, want = loss_and_grads(_built(TrainConfig(compile="off")))
+    loss, got = loss_and_grads(model)
     torch.testing.assert_close(loss, want_loss)
     for name, grad in got.items():
         torch.testing.assert_close(grad, want[name], msg=name)
