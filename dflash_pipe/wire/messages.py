@@ -1,26 +1,22 @@
 """Wire message types: one msgspec Struct per `Kind`, the kind -> class table and the protocol version.
 
 Each message declares its fields' types and bounds (`Annotated[int, Meta(ge=0)]`); msgspec's typed msgpack
-decoder checks them in C as a message arrives (`decode_fields`). `encode_fields` runs the same decoder over
-the bytes it is about to send, so a message built wrong in-process fails at its sender with the error its
-peer would give. Rules across fields (a length per sample, eval BATCH sizes, the free-form config dicts) are
-each class's `_check`, run on construction and on decode. Every failure is a `ProtocolError` naming the
-field, e.g. ``field 'Batch.batch_id': must be >= 0, got -1``.
+decoder checks them in C as a message arrives (`decode_fields`), and `encode_fields` runs the same decoder
+over what it sends, so a message built wrong fails at its sender with the error its peer would give. Rules
+across fields are each class's `_check`, run on construction and on decode. Every failure is a
+`ProtocolError` naming the field: ``field 'Batch.batch_id': must be >= 0, got -1``.
 
-Field values are what msgpack carries without extensions: None, bool, int (int64/uint64), float, str, lists
-and str-keyed maps of those. Tensors travel only in a `tensors` field, which the codec fills from its tensor
-table: it never appears in the header's field map. Unknown fields are refused (`forbid_unknown_fields`, as
-before msgspec): both sides run the same `PROTOCOL_VERSION`, so a field the reader does not know is a
-mismatch, not an extension to skip. A field with a default may be left out by a peer (msgspec fills it in).
-Decoded, an int in a float field is a float and an array is a list.
+Values are what msgpack carries without extensions (None, bool, int64/uint64, float, str, lists, str-keyed
+maps); tensors travel only in a `tensors` field, filled by the codec from its tensor table, never in the
+field map. Unknown fields are refused (`forbid_unknown_fields`, as before msgspec): both sides speak one
+`PROTOCOL_VERSION`, so an unknown field is a mismatch, not an extension to skip. A peer may leave out a
+field that has a default. Decoded, an int in a float field is a float and an array a list.
 """
 
 from __future__ import annotations
 
 import enum
-import re
 import types
-import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, NoReturn
 
@@ -28,14 +24,13 @@ import msgspec
 import torch
 from msgspec import UNSET, Meta, UnsetType
 
-from dflash_pipe.wire.errors import ProtocolError
+from dflash_pipe.wire.errors import ProtocolError, field_error
 
 PROTOCOL_VERSION = 6
 """Bumped on any change to the header layout, a kind's fields or their meaning."""
 
 Role = Literal["worker", "producer"]
 """Who says HELLO: a drafter worker, or a producer attaching its target replicas to the run."""
-ROLES = typing.get_args(Role)
 
 _MAX_PLAIN_DEPTH = 32  # nesting bound for free-form dict fields (drafter/train configs)
 
@@ -306,11 +301,6 @@ if len(MESSAGE_TYPES) != len(_CLASSES):
     raise TypeError("two message classes share a Kind")
 
 
-def field_names(cls: type[Message]) -> tuple[str, ...]:
-    """Names of the header fields of a message class (everything but `tensors`)."""
-    return tuple(name for name in cls.__struct_fields__ if name != "tensors")
-
-
 def has_tensors(cls: type[Message]) -> bool:
     return "tensors" in cls.__struct_fields__
 
@@ -362,7 +352,7 @@ def decode_fields(kind: Kind, data: bytes | memoryview) -> Message:
     except msgspec.ValidationError as e:
         if isinstance(e.__cause__, ProtocolError):  # a `_check` rule, run by msgspec after the types
             raise e.__cause__ from None
-        raise _field_error(MESSAGE_TYPES[kind], data, str(e)) from None
+        raise field_error(MESSAGE_TYPES[kind], data, str(e), _PLAIN) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"{kind.name}: header 'f' is not valid msgpack: {e}") from None
     except RecursionError:
@@ -370,48 +360,3 @@ def decode_fields(kind: Kind, data: bytes | memoryview) -> Message:
     if getattr(msg, "tensors", UNSET) is not UNSET:
         raise ProtocolError(f"{kind.name}: unknown field(s) ['tensors'] (tensors travel in the tensor table)")
     return msg
-
-
-_AT = re.compile(r"(?P<what>.*?) - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`", re.S)
-_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\[\.\.\.\]")
-_NOT_FOUND = object()
-
-
-def _field_error(cls: type[Message], data: bytes | memoryview, text: str) -> ProtocolError:
-    """msgspec's ValidationError text, worded as the peer has always been told (field named, value shown)."""
-    kind = cls.KIND.name
-    at = _AT.fullmatch(text)
-    what, path = (at["what"], at["path"]) if at else (text, "")
-    if not path:
-        if found := re.fullmatch(r"Object missing required field `(.+)`", what):
-            return ProtocolError(f"{kind}: missing field(s) {[found[1]]}")
-        if found := re.fullmatch(r"Object contains unknown field `(.+)`", what):
-            return ProtocolError(f"{kind}: unknown field(s) {[found[1]]}")
-        if found := re.fullmatch(r"Expected `object`, got `(\w+)`", what):
-            return ProtocolError(f"{kind}: header 'f' must be a map, got {found[1]}")
-    label = f"{cls.__name__}{path}" + (" key" if at and at["key"] else "")
-    value = _NOT_FOUND if at and at["key"] else _value_at(data, path)
-    shown = "" if value is _NOT_FOUND else f" {value!r:.80}"
-    if found := re.fullmatch(r"Expected `(.+?)`, got `(.+?)`", what):
-        return ProtocolError(f"field {label!r}: expected {found[1]}, got {found[2]}{shown}")
-    if what.startswith("Invalid enum value"):
-        hint = typing.get_type_hints(cls).get(path.lstrip(".").split("[")[0])
-        return ProtocolError(f"field {label!r}: {value!r:.40} is not one of {list(typing.get_args(hint))}")
-    if found := re.fullmatch(r"Expected `(?:int|float)` (>=|>|<=|<) (\S+)", what):
-        got = "NaN" if isinstance(value, float) and value != value else shown.strip()
-        return ProtocolError(f"field {label!r}: must be {found[1]} {found[2]}, got {got}")
-    return ProtocolError(f"field {label!r}: {what[:1].lower()}{what[1:]}{shown and ', got' + shown}")
-
-
-def _value_at(data: bytes | memoryview, path: str) -> Any:
-    """The value at a msgspec error path (``.lengths[1]``) of the raw field map, for the error text."""
-    try:
-        value = _PLAIN.decode(data)
-    except (msgspec.DecodeError, ProtocolError, RecursionError):
-        return _NOT_FOUND
-    for name, index in ((m[1], m[2]) for m in _STEP.finditer(path)):
-        try:
-            value = value[name] if name else value[int(index)]
-        except (KeyError, IndexError, TypeError, ValueError):
-            return _NOT_FOUND
-    return value

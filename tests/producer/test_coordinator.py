@@ -17,6 +17,7 @@ from test_core import LENGTHS, _compute_queued, _core, _hello
 from dflash_pipe.producer.upstream import LeasedSamples, Upstream, plan_samples
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.codec import encode
 from dflash_pipe.wire.errors import ProtocolError
 
 
@@ -125,8 +126,8 @@ def test_a_worker_of_another_node_counts_its_features_as_remote(tmp_path: Path) 
 
 
 def test_plan_and_role_are_validated() -> None:
-    with pytest.raises(ProtocolError, match="Hello.role"):
-        _hello("x", role="coordinator")
+    with pytest.raises(ProtocolError, match="Hello.role"):  # types are checked as the sender encodes
+        encode(_hello("x", role="coordinator"))
     with pytest.raises(ProtocolError, match="Plan.tensors.loss_mask"):
         m.Plan(batch_id=0, epoch=0, sample_ids=[1], lengths=[3], tensors={"input_ids": torch.arange(3)})
     with pytest.raises(ProtocolError, match="Plan.lengths"):

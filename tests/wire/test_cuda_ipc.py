@@ -121,7 +121,9 @@ def test_worker_that_cannot_open_the_handle_falls_back_to_shm_then_frames(messag
     with ProducerEndpoint("tcp://127.0.0.1:0") as ep:
         link = ProducerLink(ep.address)
         try:
-            offered = msgspec.structs.replace(welcome, cuda_ring=an_offer().to_dict(), ring=shm.offer().to_dict())
+            offered = msgspec.structs.replace(
+                welcome, cuda_ring=an_offer().to_dict(), ring=shm.offer().to_dict()
+            )
             ring = link.map_ring(offered, torch.device("cpu"))
             assert isinstance(ring, ShmRing) and ready_paths(ring) == {"shm": True, "cuda_ipc": False}
             err = capfd.readouterr().err
