@@ -8,7 +8,7 @@ across fields are each class's `_check`, run on construction and on decode. Ever
 
 Values are what msgpack carries without extensions (None, bool, int64/uint64, float, str, lists, str-keyed
 maps); tensors travel only in a `tensors` field, filled by the codec from its tensor table, never in the
-field map. Unknown fields are refused (`forbid_unknown_fields`, as before msgspec): both sides speak one
+field map. Unknown fields are refused (`forbid_unknown_fields`): both sides speak one
 `PROTOCOL_VERSION`, so an unknown field is a mismatch, not an extension to skip. A peer may leave out a
 field that has a default. Decoded, an int in a float field is a float and an array a list.
 """
@@ -65,7 +65,8 @@ class Kind(enum.IntEnum):
 
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Base of all wire messages: a keyword-only Struct bound to its `KIND`, listed in `MESSAGE_TYPES`."""
+    """Base of all wire messages: a keyword-only Struct bound to its `KIND`, listed in `MESSAGE_TYPES`.
+    Subclasses say `kw_only=True` again (msgspec does not inherit it; `forbid_unknown_fields` it does)."""
 
     KIND: ClassVar[Kind]
 

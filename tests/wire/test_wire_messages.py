@@ -32,6 +32,8 @@ def test_registry_covers_every_kind_once(messages):
         assert not hasattr(msg, "__dict__")  # slots=True
     with pytest.raises(TypeError):
         Ready(1)  # kw_only=True
+    for kind, cls in MESSAGE_TYPES.items():  # msgspec does not inherit kw_only: each class says it
+        assert cls.__match_args__ == () and cls.__struct_config__.forbid_unknown_fields, kind
 
 
 def test_kind_bytes_are_pinned():
