@@ -16,7 +16,8 @@ acknowledges it. Paths:
   receiver copies from it to its own GPU (the same GPU with one, cuda:1 with several); and ``d2d`` (one
   device-to-device copy in one process, that path's ceiling).
 
-``python -m dflash_pipe.bench.transport --out DIR`` runs it alone and writes DIR/transport.json.
+The summary also holds the control path (``bench.control``): encode + decode of the small messages per
+second, on the CPU. ``python -m dflash_pipe.bench.transport --out DIR`` runs it alone and writes DIR/transport.json.
 Plain pyzmq is imported here only to measure the baseline; the product's sockets live in ``wire.transport``.
 
 Past 400 lines because each transport path (tcp, ipc, shared memory, CUDA IPC) has its peer process and
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from dflash_pipe.bench.control import control_rate
 from dflash_pipe.bench.result import BenchResult
 
 WINDOW = 4
@@ -367,7 +369,7 @@ def run_transport_bench(
             "torch": torch.__version__,
         },
         rows=rows,
-        summary=_summary(rows, cuda, wire_frame_bytes // 1024),
+        summary={**_summary(rows, cuda, wire_frame_bytes // 1024), **control_rate()},
         chart={"x": "size_mib", "y": "gb_per_s", "group": "path", "title": "Transport GB/s by payload size"},
     )
 

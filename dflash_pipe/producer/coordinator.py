@@ -11,10 +11,10 @@ cross nodes. Its workers' ACKs come back through it and end the plan's lease her
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from dflash_pipe.producer.handshake import Peer, refusal, welcome
@@ -37,7 +37,7 @@ def admit_producer(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | N
     peer.same_host = bool(core.host_id) and msg.host_id == core.host_id
     peer.state = "starting"
     core.peers[peer_id] = peer
-    hello = dataclasses.replace(welcome(core, peer, len(core.eval_batches)), config=core.cfg.to_dict())
+    hello = msgspec.structs.replace(welcome(core, peer, len(core.eval_batches)), config=core.cfg.to_dict())
     core.out.send(peer_id, hello)
     for batch in core.eval_batches:
         if peer.left:

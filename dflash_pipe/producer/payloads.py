@@ -10,8 +10,7 @@ a redelivery reuses it.
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import torch
 
 from dflash_pipe.producer.scheduler import ReadyBatch
@@ -55,4 +54,4 @@ def _host_copy(msg: m.Batch, names: list[str], shm: SlotRing | None) -> tuple[m.
     copies = slot.views(stranded, offsets)
     for name, t in stranded.items():
         copies[name].copy_(t)
-    return dataclasses.replace(msg, tensors={**msg.tensors, **copies}), slot
+    return msgspec.structs.replace(msg, tensors={**msg.tensors, **copies}), slot

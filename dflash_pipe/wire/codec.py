@@ -29,8 +29,9 @@ Zero-copy rules:
   acknowledging. Encoding sends a CUDA tensor only by reference: one outside the ring is an error.
 
 Every size the header declares is checked against the frames and against `max_tensor_bytes` before any
-tensor is built; msgpack runs with `raw=False`, `strict_map_key=True`, explicit length limits and no
-extension types. Nothing but msgpack and raw bytes ever crosses the wire.
+tensor is built. msgspec reads the header: a map of str keys whose values are decoded one by one, `f` by the
+kind's typed decoder (`messages.decode_fields`); no extension type is accepted anywhere. Nothing but msgpack
+and raw bytes ever crosses the wire.
 
 Past 400 lines because the encoder and the decoder of one format stay together: every check on decode
 answers a step of encode.
@@ -42,7 +43,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import msgpack
+import msgspec
 import numpy as np
 import torch
 
@@ -52,8 +53,10 @@ from dflash_pipe.wire.messages import (
     PROTOCOL_VERSION,
     Kind,
     Message,
-    field_names,
+    decode_fields,
+    encode_fields,
     has_tensors,
+    refuse_ext,
 )
 
 INLINE_MAX_BYTES = 1023
@@ -86,6 +89,9 @@ DTYPES: Mapping[str, torch.dtype] = {n: getattr(torch, n) for n in _NAMES if has
 """Allow-list of tensor dtypes on the wire, by the name used in the header (torch's own names)."""
 _DTYPE_NAMES = {dt: n for n, dt in DTYPES.items()}
 _HEADER_KEYS = frozenset("vkft")
+_HEADER = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_PLAIN = msgspec.msgpack.Decoder(ext_hook=refuse_ext)
+_ENCODER = msgspec.msgpack.Encoder()
 
 Frame = bytes | bytearray | memoryview  # or anything with the buffer protocol (zmq.Frame)
 Alloc = Callable[[int], torch.Tensor]
@@ -168,15 +174,20 @@ def encode(
     if frame_bytes is not None and frame_bytes < MIN_FRAME_BYTES:
         raise ValueError(f"frame_bytes={frame_bytes} is below the minimum of {MIN_FRAME_BYTES}")
     cls = type(msg)
-    if MESSAGE_TYPES.get(getattr(cls, "KIND", None)) is not cls:
-        raise ProtocolError(f"cannot encode {cls.__name__}: not a registered wire message")
-    fields = {name: getattr(msg, name) for name in field_names(cls)}
+    fields = encode_fields(msg)  # refuses an unregistered class, checks every field
     table: list[list[Any]] = []
     frames: list[bytes | memoryview] = [b""]  # header goes in slot 0 once the table is complete
     if has_tensors(cls):
+        if not isinstance(msg.tensors, dict):
+            raise ProtocolError(f"field '{cls.__name__}.tensors': expected dict[str, torch.Tensor]")
         if len(msg.tensors) > MAX_TENSORS:
             raise ProtocolError(f"{cls.__name__}: {len(msg.tensors)} tensors, over the cap of {MAX_TENSORS}")
         for name, tensor in msg.tensors.items():
+            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                raise ProtocolError(
+                    f"field '{cls.__name__}.tensors.{name}': expected a torch.Tensor named by a str, "
+                    f"got {type(tensor).__name__}"
+                )
             if tensor.dim() > MAX_RANK:
                 raise ProtocolError(f"tensor {name!r}: rank {tensor.dim()} exceeds {MAX_RANK}")
             where = ring.locate(tensor) if ring is not None else None
@@ -190,8 +201,8 @@ def encode(
             else:
                 loc = _frame_locs(data, frames, frame_bytes)
             table.append([name, dtype_name(tensor.dtype), list(tensor.shape), loc])
-    header = {"v": PROTOCOL_VERSION, "k": int(cls.KIND), "f": fields, "t": table}
-    frames[0] = msgpack.packb(header, use_bin_type=True)
+    header = {"v": PROTOCOL_VERSION, "k": int(cls.KIND), "f": msgspec.Raw(fields), "t": table}
+    frames[0] = _ENCODER.encode(header)
     return frames
 
 
@@ -199,32 +210,30 @@ def encode(
 # decode
 
 
-def _reject_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack extension type {code} is not allowed in a wire header")
-
-
-def _unpack_header(buf: memoryview, max_header_bytes: int) -> Any:
+def _unpack_header(buf: memoryview, max_header_bytes: int) -> dict[str, msgspec.Raw]:
+    """The header's top-level map, each value still msgpack bytes (a `msgspec.Raw`)."""
     if buf.nbytes == 0:
         raise ProtocolError("empty header frame")
     if buf.nbytes > max_header_bytes:
         raise ProtocolError(f"header frame of {buf.nbytes} bytes exceeds the {max_header_bytes}-byte cap")
     try:
-        return msgpack.unpackb(
-            buf,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            ext_hook=_reject_ext,
-            max_str_len=max_header_bytes,
-            max_bin_len=INLINE_MAX_BYTES,
-            max_array_len=1 << 22,
-            max_map_len=1 << 16,
-            max_ext_len=0,
-        )
-    except ProtocolError:
-        raise
-    except Exception as e:  # msgpack raises several types (ExtraData, OutOfData, ValueError, ...)
+        return _HEADER.decode(buf)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"header must be a msgpack map with str keys: {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:
         raise ProtocolError(f"header frame is not valid msgpack: {type(e).__name__}: {e}") from None
+
+
+def _plain(raw: msgspec.Raw | None, what: str) -> Any:
+    """One header value as plain msgpack data (no extension types); None when the key is absent."""
+    if raw is None:
+        return None
+    try:
+        return _PLAIN.decode(raw)
+    except ProtocolError as e:  # an extension type
+        raise ProtocolError(f"header frame is not valid msgpack: {what}: {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise ProtocolError(f"header frame is not valid msgpack: {what}: {type(e).__name__}: {e}") from None
 
 
 def _as_bytes_view(frame: Any, index: int) -> memoryview:
@@ -259,7 +268,10 @@ def _check_entry(entry: Any, i: int) -> tuple[str, torch.dtype, list[int], Any, 
                 f"tensor {name!r}: a ring location must be {{'s': slot, 'o': offset}} of non-negative "
                 f"ints, got {loc!r:.60}"
             )
-    elif not (type(loc) is int or isinstance(loc, bytes)):
+    elif isinstance(loc, bytes):
+        if len(loc) > INLINE_MAX_BYTES:
+            raise ProtocolError(f"tensor {name!r}: {len(loc)} inline bytes, over {INLINE_MAX_BYTES}")
+    elif type(loc) is not int:
         raise ProtocolError(
             f"tensor {name!r}: loc must be a frame index, a frame range, a ring location or inline bytes, "
             f"got {loc!r:.40}"
@@ -323,16 +335,14 @@ def decode(
         )
     views = [_as_bytes_view(f, i) for i, f in enumerate(frames)]
     header = _unpack_header(views[0], max_header_bytes)
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    version = header.get("v")
+    version = _plain(header.get("v"), "'v'")
     if type(version) is not int:
         raise ProtocolError(f"header 'v' (protocol version) must be an int, got {version!r:.40}")
     if version != PROTOCOL_VERSION:
         raise ProtocolVersionError(theirs=version, ours=PROTOCOL_VERSION)
     if header.keys() != _HEADER_KEYS:
         raise ProtocolError(f"header keys must be {sorted(_HEADER_KEYS)}, got {sorted(header, key=repr)}")
-    kind_byte, fields, table = header["k"], header["f"], header["t"]
+    kind_byte = _plain(header["k"], "'k'")
     try:
         if type(kind_byte) is not int:
             raise ValueError
@@ -340,13 +350,8 @@ def decode(
     except (ValueError, KeyError):
         raise ProtocolError(f"unknown message kind {kind_byte!r:.40}") from None
     kind = cls.KIND.name
-    if not isinstance(fields, dict):
-        raise ProtocolError(f"{kind}: header 'f' must be a map, got {type(fields).__name__}")
-    expected = set(field_names(cls))
-    if missing := expected - fields.keys():
-        raise ProtocolError(f"{kind}: missing field(s) {sorted(missing)}")
-    if extra := fields.keys() - expected:
-        raise ProtocolError(f"{kind}: unknown field(s) {sorted(extra, key=repr)}")
+    msg = decode_fields(cls.KIND, header["f"])  # every field's type and bounds (tensors still UNSET)
+    table = _plain(header["t"], "'t'")
     if not isinstance(table, list):
         raise ProtocolError(f"{kind}: header 't' (tensor table) must be a list")
     if table and not has_tensors(cls):
@@ -407,8 +412,9 @@ def decode(
             raise ProtocolError(f"tensor {name!r}: bool data holds bytes other than 0/1")
         tensors[name] = tensor
     if has_tensors(cls):
-        fields["tensors"] = tensors
-    return cls(**fields)  # __post_init__ validates every field and raises ProtocolError
+        msg.tensors = tensors
+        msg.check_tensors()
+    return msg
 
 
 def _check_ring_loc(name: str, loc: dict, nbytes: int, itemsize: int, ring: SharedRing | None) -> None:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from test_core import LENGTHS, _compute_queued, _core, _hello
@@ -16,6 +17,7 @@ from test_core import LENGTHS, _compute_queued, _core, _hello
 from dflash_pipe.producer.upstream import LeasedSamples, Upstream, plan_samples
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.wire import messages as m
+from dflash_pipe.wire.codec import encode
 from dflash_pipe.wire.errors import ProtocolError
 
 
@@ -33,7 +35,7 @@ def test_a_producer_is_welcomed_with_the_runs_config_and_takes_no_worker_rank(tm
     core.handle(b"w", _hello("w"))
     assert core.peers[b"w"].rank == 0  # ranks count workers only
     assert out.of(b"w", m.Welcome)[0].config == {}
-    core.handle(b"p2", dataclasses.replace(_producer_hello("node1"), pid=2))  # another process, same name
+    core.handle(b"p2", msgspec.structs.replace(_producer_hello("node1"), pid=2))  # another process, same name
     assert "already in this run" in out.rejected[-1][1] and "producer" in out.rejected[-1][1]
 
 
@@ -124,8 +126,8 @@ def test_a_worker_of_another_node_counts_its_features_as_remote(tmp_path: Path) 
 
 
 def test_plan_and_role_are_validated() -> None:
-    with pytest.raises(ProtocolError, match="Hello.role"):
-        _hello("x", role="coordinator")
+    with pytest.raises(ProtocolError, match="Hello.role"):  # types are checked as the sender encodes
+        encode(_hello("x", role="coordinator"))
     with pytest.raises(ProtocolError, match="Plan.tensors.loss_mask"):
         m.Plan(batch_id=0, epoch=0, sample_ids=[1], lengths=[3], tensors={"input_ids": torch.arange(3)})
     with pytest.raises(ProtocolError, match="Plan.lengths"):
@@ -210,11 +212,11 @@ def test_an_attaching_producer_takes_the_run_dir_the_coordinator_resolved(tmp_pa
     core.cfg = dataclasses.replace(core.cfg, run_dir=Path("runs/relative"))  # as `launch --run-dir runs/x`
     core.handle(b"p", _producer_hello())
     (welcome,) = out.of(b"p", m.Welcome)
-    welcome = dataclasses.replace(welcome, run_dir=str(tmp_path))  # the coordinator's resolved path
+    welcome = msgspec.structs.replace(welcome, run_dir=str(tmp_path))  # the coordinator's resolved path
     cfg = attached_config(
         welcome, LayoutConfig(device="cpu", cpu_workers=1), bind="tcp://127.0.0.1:0", keys=None
     )
     assert cfg.run_dir == tmp_path and cfg.layout.cpu_workers == 1 and cfg.wire.bind == "tcp://127.0.0.1:0"
-    missing = dataclasses.replace(welcome, run_dir=str(tmp_path / "not-mounted"))
+    missing = msgspec.structs.replace(welcome, run_dir=str(tmp_path / "not-mounted"))
     with pytest.raises(AttachError, match="not visible on this node"):
         attached_config(missing, LayoutConfig(device="cpu"), bind="tcp://127.0.0.1:0", keys=None)

@@ -53,7 +53,7 @@ def every_kind() -> list[Message]:
             drafter={"hidden_size": 4096, "rope_scaling": None, "ids": [1, 2], "nested": {"a": 1.5}},
             train={"lr": 6e-4, "betas": [0.9, 0.95], "compile": "auto"},
             resume_from=None,
-            heartbeat_s=5,  # int in a float field: normalized to 5.0
+            heartbeat_s=5.0,
             peer_timeout_s=60.0,
             num_samples=1000,
             credits=2,

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 import torch
 
@@ -65,7 +66,7 @@ def test_offer_round_trips_as_plain_msgpack():
 
 def test_offer_rides_in_welcome_through_the_codec(messages):
     welcome = next(m for m in messages if isinstance(m, Welcome))
-    sent = dataclasses.replace(welcome, cuda_ring=an_offer().to_dict())
+    sent = msgspec.structs.replace(welcome, cuda_ring=an_offer().to_dict())
     got = decode(encode(sent))
     assert CudaIpcOffer.from_dict(got.cuda_ring) == an_offer() and got.ring == {}
 
@@ -120,14 +121,16 @@ def test_worker_that_cannot_open_the_handle_falls_back_to_shm_then_frames(messag
     with ProducerEndpoint("tcp://127.0.0.1:0") as ep:
         link = ProducerLink(ep.address)
         try:
-            offered = dataclasses.replace(welcome, cuda_ring=an_offer().to_dict(), ring=shm.offer().to_dict())
+            offered = msgspec.structs.replace(
+                welcome, cuda_ring=an_offer().to_dict(), ring=shm.offer().to_dict()
+            )
             ring = link.map_ring(offered, torch.device("cpu"))
             assert isinstance(ring, ShmRing) and ready_paths(ring) == {"shm": True, "cuda_ipc": False}
             err = capfd.readouterr().err
             assert err.count("cannot open the producer's CUDA IPC ring") == 1  # one warning, saying why
             assert "payloads come through shared memory" in err
             ring.close()
-            alone = dataclasses.replace(welcome, cuda_ring=an_offer().to_dict(), ring={})
+            alone = msgspec.structs.replace(welcome, cuda_ring=an_offer().to_dict(), ring={})
             assert link.map_ring(alone, torch.device("cpu")) is None
             assert "payloads come as frames" in capfd.readouterr().err
             assert ready_paths(None) == {"shm": False, "cuda_ipc": False}

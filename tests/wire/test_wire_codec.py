@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgpack
+import msgspec
 import pytest
 import torch
 
@@ -23,7 +22,7 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 
 def assert_same(a, b) -> None:
     assert type(a) is type(b)
-    for f in dataclasses.fields(a):
+    for f in msgspec.structs.fields(a):
         va, vb = getattr(a, f.name), getattr(b, f.name)
         if f.name == "tensors":
             assert list(va) == list(vb)
@@ -116,7 +115,7 @@ def test_golden_frame_layout(batch_factory):
 
     small = encode(batch_factory([4, 4], hidden=8))  # everything under 1 KiB: header only
     assert len(small) == 1 and all(isinstance(e[3], bytes) for e in header_of(small)["t"])
-    assert header_of(encode(dataclasses.replace(msg, tensors={})))["t"] == []
+    assert header_of(encode(msgspec.structs.replace(msg, tensors={})))["t"] == []
 
 
 def test_golden_frame_layout_with_frame_bytes(batch_factory):
