@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import pytest
-
 from dflash_pipe.producer.proc import drain, gone_reason
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire.errors import PeerGoneError, SendTimeoutError
