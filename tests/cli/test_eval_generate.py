@@ -18,6 +18,15 @@ from tests.tiny_models import tiny_qwen3_config
 from tests.trained_drafter import train_on_greedy
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is many times faster than several fighting over 2 shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A tiny random target over the demo tokenizer, saved as an HF dir, and a random drafter's export."""

@@ -16,6 +16,15 @@ from tests.tiny_models import tiny_qwen3_config
 from tests.trained_drafter import train_on_greedy
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is many times faster than several fighting over 2 shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("target")
