@@ -42,7 +42,8 @@ def check_back_pressure(ring) -> None:
     waiter = threading.Thread(target=wait_for_a_slot)
     waiter.start()
     assert cond.waiting.wait(30), "acquire never waited on the ring's condition"
-    assert not got and waiter.is_alive()  # blocked in acquire: nothing was overwritten
+    assert not got, "acquire handed out a slot while every slot was leased (an overwrite)"
+    assert waiter.is_alive()  # blocked in acquire until a release
     events.append("released")
     slots[-1].release()
     waiter.join(30)
