@@ -10,10 +10,21 @@ from click.testing import CliRunner
 from transformers import Qwen3ForCausalLM
 
 from dflash_pipe.cli import main
-from dflash_pipe.data import demo_data_path, demo_tokenizer
-from dflash_pipe.drafter import DFlashDrafter, export_drafter
+from dflash_pipe.data import DataConfig, demo_data_path, demo_tokenizer, load_samples
+from dflash_pipe.drafter import DFlashDrafter, export_drafter, load_exported
+from dflash_pipe.drafter.generate_eval import prompts_from_samples
 from tests.drafter.conftest import tiny_config
 from tests.tiny_models import tiny_qwen3_config
+from tests.trained_drafter import train_on_greedy
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is many times faster than several fighting over 2 shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +50,25 @@ def exported(tmp_path_factory):
     return root, data
 
 
-def run(root, data, *args):
-    base = ["eval", "--target-model", str(root / "target"), "--drafter", str(root / "drafter")]
+@pytest.fixture(scope="module")
+def trained(exported):
+    """The same drafter trained 40 steps on the target's greedy continuations of the eval prompts, exported
+    next to the untrained one."""
+    root, data = exported
+    tok = demo_tokenizer()
+    target = Qwen3ForCausalLM.from_pretrained(str(root / "target")).eval()
+    drafter = load_exported(
+        root / "drafter", embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings()
+    )
+    samples = load_samples(DataConfig(path=data, max_length=3072), tok).samples
+    train_on_greedy(target, drafter, prompts_from_samples(samples, 3), new_tokens=16, steps=40)
+    export_drafter(drafter, root / "trained")
+    return root / "trained"
+
+
+def run(root, data, *args, drafter=None):
+    drafter = drafter or root / "drafter"
+    base = ["eval", "--target-model", str(root / "target"), "--drafter", str(drafter)]
     return CliRunner().invoke(main, [*base, "--data", str(data), "--device", "cpu", *args])
 
 
@@ -56,6 +84,21 @@ def test_generate_mode_is_real_and_lossless(exported, tmp_path) -> None:
     assert 1.0 <= m["real/tau"] <= 4 and m["real/new_tokens"] <= 3 * 12
     assert m["real/tau_pooled"] == pytest.approx(1 + sum(m["real/acceptance_per_position"]))
     assert record["provenance"]["versions"]["transformers"]
+
+
+def test_a_trained_drafter_beats_the_untrained_one(exported, trained, tmp_path) -> None:
+    """The tau the command reports tells drafters apart: the trained export's is well above the untrained's."""
+    root, data = exported
+    taus = {}
+    for name, drafter in (("untrained", root / "drafter"), ("trained", trained)):
+        out = tmp_path / f"{name}.json"
+        args = ("--max-samples", "3", "--max-new-tokens", "12", "--out", str(out))
+        result = run(root, data, *args, drafter=drafter)
+        assert result.exit_code == 0, result.output
+        metrics = json.loads(out.read_text())["metrics"]
+        assert metrics["real/lossless_mismatches"] == 0
+        taus[name] = metrics["real/tau"]
+    assert taus["trained"] > taus["untrained"] + 1.0, taus
 
 
 def test_generate_mode_fails_loudly_when_not_lossless(exported, monkeypatch, tmp_path) -> None:

@@ -35,6 +35,33 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def untrained_export(exported: Path, out: Path) -> Path:
+    """The export's drafter at a fresh initialisation (its config, its untrained weights), exported to ``out``."""
+    import torch
+    from torch import nn
+
+    from dflash_pipe.drafter import export_drafter, load_exported
+
+    config = json.loads((exported / "config.json").read_text())
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    drafter = load_exported(
+        exported, embed_tokens=nn.Embedding(vocab, hidden), lm_head=nn.Linear(hidden, vocab, bias=False)
+    )
+    torch.manual_seed(0)
+    drafter.reset_parameters()
+    export_drafter(drafter, out)
+    return out
+
+
+def eval_tau(drafter: Path) -> float:
+    """The real tau `dflash-pipe eval` reports for ``drafter`` on 8 demo prompts against the demo target."""
+    target, data = str(default_cache_dir()), str(demo_data_path())
+    args = ["--target-model", target, "--drafter", str(drafter), "--data", data, "--max-samples", "8"]
+    out = cli("eval", *args, "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    return float(re.search(r"tau = ([0-9.]+)", out.stdout).group(1))
+
+
 def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     run_dir = tmp_path / "run"
     common = ["--device", "cpu", "--workers", "2", "--token-budget", "1024", "--max-length", "256"]
@@ -54,7 +81,7 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     assert any("simulated/tau" in r for r in metrics(run_dir))
     final = [r for r in metrics(run_dir) if "real/tau" in r]  # the real eval runs in the final evaluation
     assert len(final) == 1 and final[0]["step"] == 24 and final[0]["real/lossless_mismatches"] == 0
-    assert 1.0 <= final[0]["real/tau"] <= 16 and final[0]["real/prompts"] >= 1
+    assert final[0]["real/prompts"] >= 1  # real/tau itself is checked against an untrained drafter below
     counted = [r for r in metrics(run_dir) if "data/samples" in r]  # at the launch's start and its end
     assert [r["step"] for r in counted] == [0, 24] and counted[-1]["data/held_out"] == 16
     regenerated = counted[-1]["data/samples"] + counted[-1]["data/dropped"]  # so far: samples and voids
@@ -75,22 +102,9 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     out = cli("export", str(run_dir), str(exported))
     assert out.returncode == 0, out.stderr
     assert (exported / "config.json").exists() and (exported / "model.safetensors").exists()
-    out = cli(
-        "eval",
-        "--target-model",
-        str(default_cache_dir()),
-        "--drafter",
-        str(exported),
-        "--data",
-        str(demo_data_path()),
-        "--max-samples",
-        "8",
-        "--device",
-        "cpu",
-    )
-    assert out.returncode == 0, out.stderr
-    tau = float(re.search(r"tau = ([0-9.]+)", out.stdout).group(1))
-    assert tau > 1.0
+    untrained = untrained_export(exported, tmp_path / "untrained")
+    tau, tau_untrained = eval_tau(exported), eval_tau(untrained)
+    assert tau > tau_untrained + 0.2, (tau_untrained, tau)  # the 40 steps learnt what the target accepts
     steps = [r["step"] for r in metrics(run_dir) if "loss" in r]
     assert steps[-2:] == [30, 40]  # logged every 10 steps, continuing after 24
     assert [r["step"] for r in metrics(run_dir) if "simulated/tau" in r] == [24, 40]

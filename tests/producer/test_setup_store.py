@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from dflash_pipe.data import DataConfig, StoredSamples, demo_data_path, load_samples, loader
 from dflash_pipe.producer.setup import held_out_count, prepare_run
 from dflash_pipe.run.config import DrafterOptions, RunConfig
@@ -22,6 +24,7 @@ def config(run_dir: Path) -> RunConfig:
     )
 
 
+@pytest.mark.slow  # tokenizes the whole demo set and writes its store: ~15 s on 2 shared cores
 def test_a_run_trains_from_its_store_and_reuses_it(tmp_path: Path, monkeypatch):
     cfg = config(tmp_path / "r")
     ctx = prepare_run(cfg, resume=False, progress=False)

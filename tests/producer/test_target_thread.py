@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from dflash_pipe.producer.scheduler import PlannedBatch
 from dflash_pipe.producer.target_threads import TargetFailure, TargetThread
 from dflash_pipe.target import TargetCore
 from dflash_pipe.telemetry import RateMeter
+from dflash_pipe.wire.shm import ShmRing
 from dflash_pipe.wire.slots import PayloadSlot, PrivateStaging
 from tests.tiny_models import tiny_qwen3_config
 
@@ -43,29 +43,33 @@ def samples() -> list[Sample]:
     ]
 
 
-class TinyRing:
-    """A staging area of ``slots`` fixed slots that blocks (or times out) while all are leased."""
+class CountedRing:
+    """The producer's real shared-memory ring (one slot here), its ``acquire`` timeouts counted: the
+    target thread's flush path and its waiting loop show in ``timeouts``."""
 
     def __init__(self, slots: int, nbytes: int) -> None:
-        self.free = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(slots)]
-        self.cond = threading.Condition()
+        self.ring = ShmRing.create(slots=slots, slot_bytes=nbytes, pin=False)
         self.timeouts = 0
 
     def acquire(self, nbytes: int, timeout_s: float | None = None) -> PayloadSlot:
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.free, timeout=timeout_s):
-                self.timeouts += 1
-                raise TimeoutError("every slot is leased")
-            buffer = self.free.pop()
-        return PayloadSlot(buffer=buffer, nbytes=nbytes, _on_release=self._give_back)
-
-    def _give_back(self, slot: PayloadSlot) -> None:
-        with self.cond:
-            self.free.append(slot.buffer)
-            self.cond.notify_all()
+        assert nbytes <= self.ring.slot_bytes, "the batch must fit a slot, else it gets private memory"
+        try:
+            return self.ring.acquire(nbytes, timeout_s)
+        except TimeoutError:
+            self.timeouts += 1
+            raise
 
     def close(self) -> None:
-        pass
+        self.ring.close()
+
+
+@pytest.fixture
+def one_slot_ring(target_dir):
+    """A one-slot ring that holds the features of any one sample."""
+    core = TargetCore(target_dir, LAYERS, "cpu", torch.float32)
+    ring = CountedRing(slots=1, nbytes=max(LENGTHS) * len(LAYERS) * core.hidden_size * 4)
+    yield core, ring
+    ring.close()
 
 
 def _run(core, samples, plans, staging, *, release: bool, stop: bool = True):
@@ -131,12 +135,10 @@ def test_a_lone_plan_is_handed_over_without_waiting_for_the_next(target_dir, sam
     assert not thread.is_alive()
 
 
-def test_one_slot_ring_does_not_deadlock(target_dir, samples):
+def test_one_slot_ring_does_not_deadlock(one_slot_ring, samples):
     """The thread holds its previous batch while it acquires the next slot: with one slot in the whole ring
     it must hand that batch over first instead of waiting forever."""
-    core = TargetCore(target_dir, LAYERS, "cpu", torch.float32)
-    width = len(LAYERS) * core.hidden_size * 4
-    ring = TinyRing(slots=1, nbytes=max(LENGTHS) * 3 * width)
+    core, ring = one_slot_ring
     plans = [PlannedBatch(batch_id=i, epoch=0, sample_ids=[i]) for i in range(len(LENGTHS))]
     thread, ready, _, _ = _run(core, samples, plans, ring, release=True)
     thread.join(timeout=30)
@@ -202,10 +204,9 @@ def test_stop_ends_the_thread_after_the_batch_it_computes(target_dir, samples):
     assert not any(isinstance(item, TargetFailure) for item in list(ready_q.queue))
 
 
-def test_stop_ends_a_thread_waiting_for_a_staging_slot(target_dir, samples):
+def test_stop_ends_a_thread_waiting_for_a_staging_slot(one_slot_ring, samples):
     """Every slot leased (no worker ACKs any more): the thread waiting for one ends on stop(), silently."""
-    core = TargetCore(target_dir, LAYERS, "cpu", torch.float32)
-    ring = TinyRing(slots=1, nbytes=max(LENGTHS) * len(LAYERS) * core.hidden_size * 4)
+    core, ring = one_slot_ring
     plan_q: queue.Queue = queue.Queue()
     ready_q: queue.Queue = queue.Queue()
     for i in range(3):

@@ -46,6 +46,7 @@ def _decode(stack: DecodeStack, prompts: list[list[int]], steps: int) -> tuple[l
     return out, picked
 
 
+@pytest.mark.slow  # compiles the decoder layers: ~20 s on 2 shared cores
 @torch.inference_mode()
 def test_compiled_layers_give_the_eager_logits_and_tokens():
     model = _model()

@@ -157,6 +157,7 @@ def test_a_slot_takes_the_next_prompt_while_the_others_still_decode(model):
         assert session.reply == _hf_reply(model, prompt, limit, [-1])
 
 
+@pytest.mark.slow  # ~14 s on 2 shared cores
 def test_turns_that_end_one_by_one_share_prefill_calls(model, monkeypatch):
     """32 slots, replies of 2 to 33 tokens, a check after every step: turns end one or two at a time,
     and each prefill call (which stops every slot's decoding) takes several of them: at most half the calls

@@ -28,7 +28,7 @@ def _snapshot(d: Path) -> dict[str, tuple[int, bytes]]:
     return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(d.iterdir())}
 
 
-def test_build_is_idempotent_and_rebuilds_on_change(tmp_path, small_data):
+def test_build_is_idempotent_and_rebuilds_on_change(tmp_path, small_data, monkeypatch):
     out = tmp_path / "target"
     assert build_demo_target(out, recipe=TINY, data_path=small_data, progress=True) == out
     for name in ("config.json", "model.safetensors", "tokenizer_config.json", demo_mod.FINGERPRINT_FILE):
@@ -37,14 +37,18 @@ def test_build_is_idempotent_and_rebuilds_on_change(tmp_path, small_data):
     info = demo_mod.read_build_info(out)
     assert info["train"]["steps"] == 3 and info["fingerprint"]["recipe"]["steps"] == 3
 
-    start = time.perf_counter()
+    trainings = []
+    real_train = demo_mod._train_and_save
+    monkeypatch.setattr(
+        demo_mod, "_train_and_save", lambda *a, **k: trainings.append(1) or real_train(*a, **k)
+    )
     assert build_demo_target(out, recipe=TINY, data_path=small_data) == out
-    assert time.perf_counter() - start < 1.0
+    assert trainings == []  # the cache hit trained nothing
     assert _snapshot(out) == first  # untouched: same bytes, same mtimes
 
     # A different recipe is a different fingerprint: rebuilt in place.
     build_demo_target(out, recipe=DemoRecipe(steps=2, batch_size=4, warmup_steps=1), data_path=small_data)
-    assert demo_mod.read_build_info(out)["train"]["steps"] == 2
+    assert demo_mod.read_build_info(out)["train"]["steps"] == 2 and trainings == [1]
     # An incomplete dir (a file lost) is rebuilt too.
     (out / "model.safetensors").unlink()
     build_demo_target(out, recipe=TINY, data_path=small_data)
@@ -58,14 +62,52 @@ def test_same_recipe_gives_same_weights(tmp_path, small_data):
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
-def test_crash_leaves_no_half_build(tmp_path, small_data, monkeypatch):
+def _build_until_killed(out: Path, data: Path, started) -> None:
+    """A child's build that has written part of its files when it tells the parent, then never ends."""
+
+    def half_then_hang(tmp: Path, *args, **kwargs):
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text("{}")
+        started.set()
+        time.sleep(600)
+
+    demo_mod._train_and_save = half_then_hang  # in the child only
+    build_demo_target(out, recipe=TINY, data_path=data)
+
+
+def test_a_build_killed_midway_leaves_no_half_build(tmp_path, small_data):
+    """SIGKILL runs no cleanup: the half-written files stay in the temporary dir, never under the build's
+    name, and the killed builder's lock does not stop the next build."""
+    import multiprocessing
+    import signal
+
+    ctx = multiprocessing.get_context("fork")  # this process has imported everything already: fast
+    started = ctx.Event()
+    child = ctx.Process(target=_build_until_killed, args=(tmp_path / "target", small_data, started))
+    child.start()
+    try:
+        assert started.wait(60), f"the child build never started (exit code {child.exitcode})"
+        child.kill()
+        child.join(30)
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == -signal.SIGKILL
+    assert not (tmp_path / "target").exists()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".target.tmp-")]
+    assert len(leftovers) == 1 and (tmp_path / leftovers[0] / "config.json").is_file()  # what it had written
+    assert build_demo_target(tmp_path / "target", recipe=TINY, data_path=small_data) == tmp_path / "target"
+    assert demo_mod.read_build_info(tmp_path / "target")["train"]["steps"] == 3
+
+
+def test_an_error_midway_cleans_up_after_itself(tmp_path, small_data, monkeypatch):
     def boom(tmp: Path, *args, **kwargs):
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text("{}")
-        raise RuntimeError("killed mid-build")
+        raise RuntimeError("failed mid-build")
 
     monkeypatch.setattr(demo_mod, "_train_and_save", boom)
-    with pytest.raises(RuntimeError, match="killed mid-build"):
+    with pytest.raises(RuntimeError, match="failed mid-build"):
         build_demo_target(tmp_path / "target", recipe=TINY, data_path=small_data)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 

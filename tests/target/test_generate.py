@@ -102,6 +102,7 @@ def test_turn_two_is_prompted_with_the_regenerated_turn_one(model, tokenizer):
     assert "DATASET" not in " ".join(m["content"] for m in result.messages)
 
 
+@pytest.mark.slow  # ~14 s on 2 shared cores
 def test_sampling_is_reproducible_and_independent_of_batching(model, tokenizer):
     settings = {"temperature": 1.0, "top_p": 0.9, "seed": 7}
     batched = _generator(model, tokenizer, **settings).regenerate(list(enumerate(CONVERSATIONS)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -44,6 +45,7 @@ def _member(port: int, step: int, trained: list[int], out: mp.Queue) -> None:
         group.close()
 
 
+@pytest.mark.slow  # two spawned gloo members: ~20 s on 2 shared cores
 def test_the_newcomer_gets_weights_optimizer_step_and_ledger():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")

@@ -13,6 +13,16 @@ from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.real_eval import RealEval
 from tests.drafter.conftest import tiny_config
 from tests.tiny_models import tiny_qwen3_config
+from tests.trained_drafter import train_on_greedy
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is many times faster than several fighting over 2 shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +64,22 @@ def test_runs_when_asked(target_dir, mode, periodic, final) -> None:
     assert len(real._references) == 2  # greedy decoding once per prompt, reused by the next evaluation
     again = real.run(drafter_of(model))
     assert again["real/new_tokens"] == first["real/new_tokens"]
+
+
+def test_a_trained_drafter_beats_an_untrained_one(target_dir) -> None:
+    """What real/tau measures: 40 steps on the target's greedy continuations of the eval prompts lift it
+    well above the untrained drafter's (which drafts nothing the target accepts)."""
+    root, model = target_dir
+    real = RealEval(root, eval_batches(), TrainConfig(eval_max_new_tokens=8), torch.device("cpu"))
+    torch.manual_seed(0)
+    untrained = real.run(drafter_of(model))
+    torch.manual_seed(0)
+    drafter = drafter_of(model)
+    losses = train_on_greedy(model.eval(), drafter, real.prompts, new_tokens=12, steps=40)
+    trained = real.run(drafter)
+    assert losses[-1] < losses[0]
+    assert trained["real/lossless_mismatches"] == untrained["real/lossless_mismatches"] == 0
+    assert trained["real/tau"] > untrained["real/tau"] + 1.0, (untrained["real/tau"], trained["real/tau"])
 
 
 def test_prompt_limit_and_a_target_that_cannot_load(tmp_path, capsys) -> None:

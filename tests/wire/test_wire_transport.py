@@ -104,19 +104,22 @@ def test_received_tensors_view_the_zmq_frame(batch_factory):
 
 def test_recv_timeout_returns_none(pair):
     producer, worker = pair
-    t0 = time.monotonic()
-    assert producer.recv(0.1) is None
-    assert worker.recv(0.1) is None
-    assert 0.15 <= time.monotonic() - t0 < 2.0
+    for endpoint in (producer, worker):
+        t0 = time.monotonic()
+        assert endpoint.recv(0.1) is None
+        assert time.monotonic() - t0 >= 0.09  # it waited its timeout (a lower bound: load only adds to it)
 
 
-def test_send_to_unknown_peer_raises_quickly(pair):
-    producer, _ = pair
-    t0 = time.monotonic()
-    with pytest.raises(PeerGoneError, match="gone") as info:
-        producer.send(b"\x00nobody", Heartbeat(time=0.0))
-    assert info.value.peer == b"\x00nobody"
-    assert time.monotonic() - t0 < 0.5
+def test_send_to_unknown_peer_raises_at_once(address):
+    """No such peer is an immediate PeerGoneError: a send that waited for the peer would end, after
+    send_timeout_s, in a SendTimeoutError instead."""
+    producer = ProducerEndpoint(address, send_timeout_s=600.0)
+    try:
+        with pytest.raises(PeerGoneError, match="gone") as info:
+            producer.send(b"\x00nobody", Heartbeat(time=0.0))
+        assert info.value.peer == b"\x00nobody"
+    finally:
+        producer.close(linger_s=0)
 
 
 def test_send_to_disconnected_peer_raises(pair):
@@ -204,7 +207,7 @@ def test_closed_endpoint_raises():
 
 
 def test_reject_never_blocks_on_a_peer_that_does_not_read(address, caplog):
-    producer = ProducerEndpoint(address, hwm=1, send_timeout_s=10.0)
+    producer = ProducerEndpoint(address, hwm=1, send_timeout_s=60.0)
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     try:
@@ -214,7 +217,8 @@ def test_reject_never_blocks_on_a_peer_that_does_not_read(address, caplog):
             producer.recv(T)
         t0 = time.monotonic()
         queued = [producer.reject(info.value.peer, "x" * 100_000) for _ in range(500)]
-        assert time.monotonic() - t0 < 2.0  # a blocking send would wait send_timeout_s per message
+        # A blocking reject would wait send_timeout_s once the queue is full: 500 of them not one timeout.
+        assert time.monotonic() - t0 < producer.send_timeout_s
         assert queued[0] and not all(queued)  # the queue filled up and the rest were dropped
         assert 1 <= caplog.text.count("REJECT to peer") <= 10  # logged, rate limited
     finally:

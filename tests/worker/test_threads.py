@@ -1,17 +1,17 @@
 """Threaded mode trains exactly like process mode: 2 drafter threads in one member == 2 member processes.
 
 Both run the real ``run_training`` and ``DrafterGroup`` (gloo, elastic rendezvous on a local TCPStore) on the
-same batches, fed by an in-process stand-in for the producer link. The threaded member's layers are
-torch.compile'd (SDPA path) through the compile guard, on a fresh inductor cache; the process members run
-eager.
+same batches, fed over the real wire (a ``ProducerLink`` to an in-process producer endpoint on ipc://). The
+threaded member's layers are torch.compile'd (SDPA path) through the compile guard, on a fresh inductor
+cache; the process members run eager.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,39 +28,12 @@ from dflash_pipe.wire import messages as m
 from dflash_pipe.worker.loop import WorkerSession, regroup, run_training
 from dflash_pipe.worker.threads import ThreadedReplicas
 from tests.drafter.conftest import tiny_config
+from tests.worker.loopback import LoopbackProducer
+
+pytestmark = pytest.mark.slow  # a cold compile and three gloo members: minutes on 2 cores
 
 NUM_BATCHES = 6
 WIDTH = 2
-
-
-class FakeLink:
-    """The producer's side of the wire, in process: batches on request, DONE once all are acked."""
-
-    def __init__(self, batches: list[m.Batch]) -> None:
-        self.batches = list(batches)
-        self.expected = len(batches)
-        self.acked: list[int] = []
-        self.sent: list[object] = []
-        self.done_sent = False
-
-    def get(self, timeout_s: float) -> object | None:
-        if self.batches:
-            return self.batches.pop(0)
-        if len(self.acked) == self.expected and not self.done_sent:
-            self.done_sent = True
-            return m.Done(reason="all acked")
-        time.sleep(min(timeout_s, 0.01))
-        return None
-
-    def send(self, msg: object) -> None:
-        self.sent.append(msg)
-        if isinstance(msg, m.Ack):
-            self.acked += msg.batch_ids
-
-    def losses(self) -> list[float]:
-        return [
-            msg.values["loss"] for msg in self.sent if isinstance(msg, m.Metrics) and "loss" in msg.values
-        ]
 
 
 def make_batches() -> list[m.Batch]:
@@ -112,10 +85,11 @@ def train(
         f"tcp://127.0.0.1:{port}", run_id="t", device=devices[0], timeout_s=60, join_timeout_s=120
     )
     replicas = ThreadedReplicas(models, devices) if len(models) > 1 else None
+    producer = LoopbackProducer()
     try:
         train_cfg = TrainConfig(lr=1e-2, warmup_ratio=0.0, log_every=1, checkpoint_every=1000, epochs=1)
         s = WorkerSession(
-            link=FakeLink([]),
+            link=producer.link,
             group=group,
             model=models[0],
             optimizer=build_optimizer(models[0].trainable_parameters(), train_cfg),
@@ -130,12 +104,14 @@ def train(
         )
         regroup(s, "joining")
         batches = make_batches()
-        s.link = link = FakeLink(batches if pick is None else batches[s.rank :: group.world_size])
+        producer.offer(batches if pick is None else batches[s.rank :: group.world_size])
         result = run_training(s, lambda: False)
         assert result.stop_reason == "all acked", result
+        producer.finish()
         checksum = float(sum(p.detach().double().sum() for p in s.params))
-        return link.losses() if s.rank == 0 else [], checksum
+        return producer.losses() if s.rank == 0 else [], checksum
     finally:
+        producer.close()
         if replicas is not None:
             replicas.close()
         group.close()
