@@ -77,7 +77,7 @@ def worker(
     import socket
     import subprocess
 
-    from dflash_pipe.launcher import SAFE_GPU_ENV, compile_cache_env, worker_command
+    from dflash_pipe.worker_pool import SAFE_GPU_ENV, compile_cache_env, worker_command
     from dflash_pipe.run.layout import parse_gpu_spec
 
     if bool(device) == bool(gpus):

@@ -123,7 +123,7 @@ def run_attached(
 ) -> ProducerSummary:
     """Joins the run at ``address``, starts this node's workers (``layout``'s drafter devices) and serves
     them until the coordinator says DONE, every worker here leaves, or the coordinator is lost."""
-    from dflash_pipe.launcher import WorkerPool
+    from dflash_pipe.worker_pool import WorkerPool
     from dflash_pipe.producer.proc import ProducerProc
     from dflash_pipe.producer.target_threads import load_replicas
 

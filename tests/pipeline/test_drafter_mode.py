@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.data import DataConfig
-from dflash_pipe.launcher import WorkerPool
+from dflash_pipe.worker_pool import WorkerPool
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.layout import LayoutConfig
 

@@ -4,7 +4,7 @@ Bottom to top: the protocol (``wire``), what every part reads (telemetry, the da
 metadata the configs declare their flags with), the run formats
 (run config, layout, checkpoint, ledger, producer record, the part configs), compute (the shared compile
 and precision policy, then the target, the drafter, the training step), the processes (producer, worker,
-launcher) and the command line on top. Every import counts, the ones inside functions and under
+the worker pool, launcher) and the command line on top. Every import counts, the ones inside functions and under
 ``TYPE_CHECKING`` too: a lazy import of a higher layer is still a dependency on it. The AST of every module
 is read, nothing is imported, so a violation is named by file, line and import.
 
@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("target", ("target",)),
     ("drafter", ("drafter",)),
     ("training step", ("train",)),
-    ("processes", ("producer", "worker", "launcher", "regenerate")),
+    ("processes", ("producer", "worker", "worker_pool", "launcher", "regenerate")),
     ("command line", ("cli", "commands", "reference", "report", "bench", "__main__")),
 )
 """Bottom first. A module's layer is the one holding the longest prefix of its dotted name (below
