@@ -22,6 +22,7 @@ edge: every package would otherwise be a cycle with its own members.
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -254,7 +255,7 @@ def describe_cycles(graph: Graph) -> list[str]:
     out = []
     for component in strongly_connected(graph):
         cycle = shortest_cycle(graph, component)
-        steps = [f"  {graph[a][b]}: {a} -> {b}" for a, b in zip(cycle, cycle[1:], strict=False)]
+        steps = [f"  {graph[a][b]}: {a} -> {b}" for a, b in itertools.pairwise(cycle)]
         out.append(f"{len(component)} in a cycle: {', '.join(component)}\n" + "\n".join(steps))
     return out
 
@@ -264,6 +265,7 @@ def _short(module: str) -> str:
 
 
 def module_graph() -> Graph:
+    """Every module of the package (named below ``dflash_pipe``) with the modules it imports."""
     modules = _modules()
     graph: Graph = {_short(m): {} for m in modules}
     for module, path in modules.items():
@@ -288,6 +290,7 @@ def package_of(module: str) -> str:
 
 
 def package_graph(modules: Graph) -> Graph:
+    """The module graph with each module folded into its ``package_of``; imports inside a node drop out."""
     graph: Graph = {}
     for module, imports in modules.items():
         mine = package_of(module)
