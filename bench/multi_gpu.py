@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from dflash_pipe.launcher import SAFE_GPU_ENV, worker_command
+from dflash_pipe.worker_pool import SAFE_GPU_ENV, worker_command
 
 os.environ.update(SAFE_GPU_ENV)  # before torch (and NCCL) load, and inherited by every child process
 

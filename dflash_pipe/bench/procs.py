@@ -15,7 +15,7 @@ from typing import Any
 
 def child_env(cache_dir: Path, device: str, workers: int) -> dict[str, str]:
     """The environment the launcher gives a worker: shared compile cache, bounded threads, safe NCCL."""
-    from dflash_pipe.launcher import SAFE_GPU_ENV, compile_cache_env
+    from dflash_pipe.worker_pool import SAFE_GPU_ENV, compile_cache_env
 
     env = {**os.environ, **SAFE_GPU_ENV, "PYTHONUNBUFFERED": "1"}
     env.update(compile_cache_env(cache_dir, workers_on_host=workers))

@@ -102,7 +102,7 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from dflash_pipe.diskspace import DiskFullError
     from dflash_pipe.launcher import checkpoint_note
     from dflash_pipe.launcher import launch as run
-    from dflash_pipe.producer.core import NothingToTrain, RunAborted
+    from dflash_pipe.producer.errors import NothingToTrain, RunAborted
     from dflash_pipe.producer.setup import SetupError
     from dflash_pipe.report import print_summary
     from dflash_pipe.run.dir import RunDir

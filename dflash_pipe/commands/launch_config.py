@@ -253,10 +253,10 @@ def _target_line(cfg: RunConfig) -> str:
 
 def plan_text(cfg: RunConfig, *, resume: bool) -> str:
     """What ``launch`` would do with this config; touches no GPU, model or socket."""
-    from dflash_pipe.launcher import launched_worker_command
     from dflash_pipe.run.dir import RunDir
     from dflash_pipe.run.files import RunDirError
     from dflash_pipe.telemetry.metrics import sink_problem
+    from dflash_pipe.worker_pool import launched_worker_command
 
     lines = ["dflash-pipe launch --dry-run: the plan (nothing was started).", ""]
     run = RunDir(cfg.run_dir)

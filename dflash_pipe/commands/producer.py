@@ -62,7 +62,7 @@ def producer(**opts) -> None:
 
     from dflash_pipe.commands.launch_config import layout_from_flags
     from dflash_pipe.producer.attach import AttachError, run_attached
-    from dflash_pipe.producer.core import RunAborted
+    from dflash_pipe.producer.errors import RunAborted
     from dflash_pipe.wire.addresses import DEFAULT_ADDRESS
 
     given = {k: opts[k] for k in _LAYOUT if opts.get(k) is not None}

@@ -77,8 +77,8 @@ def worker(
     import socket
     import subprocess
 
-    from dflash_pipe.launcher import SAFE_GPU_ENV, compile_cache_env, worker_command
     from dflash_pipe.run.layout import parse_gpu_spec
+    from dflash_pipe.worker_pool import SAFE_GPU_ENV, compile_cache_env, worker_command
 
     if bool(device) == bool(gpus):
         raise click.UsageError("Give exactly one of --device (cpu, cuda:N) or --gpus (e.g. 6,7).")

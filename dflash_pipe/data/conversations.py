@@ -16,8 +16,9 @@ from typing import Any
 from .config import DataConfig
 from .formats import Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
 from .lines import decode_line
+from .resolved import Source, TableSource
 from .samples import DataError
-from .sources import Source, TableSource, resolve_source
+from .sources import resolve_source
 from .tables import table_rows
 
 

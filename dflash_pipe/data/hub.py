@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .resolved import ARROW, PARQUET, HubSpec, TableSource
 from .samples import DataError
-from .sources import ARROW, PARQUET, HubSpec, TableSource
 
 INSTALL = "pip install 'dflash-pipe[data]'"
 SPLIT_NAMES = ("train", "validation", "valid", "dev", "test", "eval")

@@ -27,9 +27,10 @@ from dflash_pipe.diskspace import DiskFullError
 from .config import DataConfig
 from .lines import Piece, Tokenized, tokenize_piece
 from .pool import MAX_PIECE_BYTES, piece_bytes, split_lines, tokenized_batches, tokenized_pieces, worker_pool
+from .resolved import Source, TableSource
 from .rows import tokenize_rows
 from .samples import DROP_NOT_REGENERATED, DataError, LoadedData, Sample
-from .sources import Source, TableSource, resolve_source
+from .sources import resolve_source
 from .store import StoreWriter, open_store, store_key
 from .tables import record_batches
 

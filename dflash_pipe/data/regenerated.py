@@ -40,8 +40,9 @@ from .conversations import (  # noqa: F401 -- their home is conversations.py; ca
     load_conversations,
 )
 from .formats import BOOKKEEPING_KEY
+from .resolved import Source, TableSource
 from .samples import DataError
-from .sources import Source, TableSource, resolve_source
+from .sources import resolve_source
 
 FILE_VERSION = 1
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import glob
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
+from .resolved import ARROW, PARQUET, HubSpec, JsonlSource, Source
 from .samples import DataError
 
-PARQUET, ARROW = "parquet", "arrow"
 TABLE_SUFFIXES = {".parquet": PARQUET, ".arrow": ARROW}
 """File name endings read as tables; any other file is JSONL (as before tables were read)."""
 _MAGIC = ((b"PAR1", PARQUET), (b"ARROW1", ARROW), (b"\xff\xff\xff\xff", ARROW))
@@ -27,50 +26,6 @@ ACCEPTED = (
     "Pass a JSONL file, a parquet or arrow file, a folder or glob of parquet/arrow shards, a "
     "datasets save_to_disk folder, or a Hugging Face dataset id (ORG/NAME[:SPLIT]) in the local cache"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class JsonlSource:
-    """One JSONL file: one conversation or pre-tokenized sample per line."""
-
-    path: Path
-
-    @property
-    def label(self) -> str:
-        return str(self.path)
-
-
-@dataclass(frozen=True, slots=True)
-class TableSource:
-    """Rows of one or more parquet or arrow files, in this order: row ``i`` of the dataset is sample
-    candidate ``i`` (what ``FILE:ROW`` errors and regeneration's indexes count)."""
-
-    label: str
-    """The ``--data`` value as the user wrote it: what every error names."""
-    files: tuple[Path, ...]
-    kind: str
-    """``PARQUET`` or ``ARROW`` (IPC file or stream format; told apart when a file is opened)."""
-    rows: int | None = None
-    """Rows in all, where known without reading the files (progress bars)."""
-    what: str = ""
-    """How the data was found, for the launch summary (e.g. ``Hub dataset ... from the cache ...``)."""
-
-    @property
-    def size(self) -> int:
-        """Bytes of the files (what decides whether worker processes tokenize it)."""
-        return sum(f.stat().st_size for f in self.files)
-
-
-Source = JsonlSource | TableSource
-
-
-@dataclass(frozen=True, slots=True)
-class HubSpec:
-    """A Hub dataset id as ``--data`` wrote it."""
-
-    repo_id: str
-    config: str | None
-    split: str | None
 
 
 def resolve_source(path: Path | str) -> Source:

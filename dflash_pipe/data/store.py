@@ -26,8 +26,8 @@ from typing import Any, overload
 import numpy as np
 
 from .config import DataConfig
+from .resolved import JsonlSource, Source
 from .samples import DataError, LoadedData, Sample
-from .sources import JsonlSource, Source
 
 STORE_VERSION = 1
 """Bumped when the layout or what tokenization makes of a record changes: older stores are rebuilt."""

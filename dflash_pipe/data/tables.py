@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .formats import BOOKKEEPING_KEY
+from .resolved import PARQUET, TableSource
 from .samples import DataError
-from .sources import PARQUET, TableSource
 
 COLUMNS = ("messages", "conversations", "input_ids", "loss_mask", BOOKKEEPING_KEY)
 """Top-level keys ``formats.parse_record`` reads: the only columns read from a table."""

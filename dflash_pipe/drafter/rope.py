@@ -14,12 +14,24 @@ Static frequencies: "dynamic" and "longrope" switch frequencies only past the or
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .config import DrafterConfig
+
+class RopeShape(Protocol):
+    """The drafter shapes its RoPE is built from (a ``DrafterConfig`` is one): typed here so the config,
+    which checks its RoPE builds, can import this module without it importing the config back."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict | None
+
 
 # Keys of a target's rope parameters that describe the target's own attention, not a RoPE variant: the
 # drafter rotates its whole head_dim over 1-D text positions (docs/drafter.md, "RoPE").
@@ -38,7 +50,7 @@ def known_rope_types() -> tuple[str, ...]:
     return ("default", *sorted(k for k in ROPE_INIT_FUNCTIONS if k != "default"))
 
 
-def rope_parameters(cfg: DrafterConfig) -> dict[str, Any]:
+def rope_parameters(cfg: RopeShape) -> dict[str, Any]:
     """The transformers-5 ``rope_parameters`` dict of the drafter (what the export writes)."""
     return {
         **(cfg.rope_scaling or {}),
@@ -47,7 +59,7 @@ def rope_parameters(cfg: DrafterConfig) -> dict[str, Any]:
     }
 
 
-def _hf_config(cfg: DrafterConfig) -> Any:
+def _hf_config(cfg: RopeShape) -> Any:
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -60,7 +72,7 @@ def _hf_config(cfg: DrafterConfig) -> Any:
     )
 
 
-def rope_inv_freq(cfg: DrafterConfig) -> tuple[Tensor, float]:
+def rope_inv_freq(cfg: RopeShape) -> tuple[Tensor, float]:
     """([head_dim/2] float32 inverse frequencies, attention factor), as transformers computes them."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -123,9 +123,9 @@ def run_attached(
 ) -> ProducerSummary:
     """Joins the run at ``address``, starts this node's workers (``layout``'s drafter devices) and serves
     them until the coordinator says DONE, every worker here leaves, or the coordinator is lost."""
-    from dflash_pipe.launcher import WorkerPool
     from dflash_pipe.producer.proc import ProducerProc
     from dflash_pipe.producer.target_threads import load_replicas
+    from dflash_pipe.worker_pool import WorkerPool
 
     console.print(f"dflash-pipe producer {name}: joining the run at {address}", markup=False, highlight=False)
     endpoint = WorkerEndpoint(address, keys=keys)

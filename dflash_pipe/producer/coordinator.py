@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from dflash_pipe.producer.handshake import Peer, refusal, welcome
+from dflash_pipe.producer.handshake import refusal, welcome
+from dflash_pipe.producer.state import Peer
 from dflash_pipe.producer.target_threads import pack
 from dflash_pipe.wire import messages as m
 
 if TYPE_CHECKING:
-    from dflash_pipe.producer.core import ProducerCore
+    from dflash_pipe.producer.state import CoreState
 
 
-def admit_producer(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
+def admit_producer(core: CoreState, peer_id: bytes, msg: m.Hello) -> Peer | None:
     """WELCOME with the run's config and the held-out set's PLANs, or REJECT naming why."""
     if (why := refusal(core, msg)) is not None:
         core.out.reject(peer_id, why)
@@ -59,7 +60,7 @@ def eval_plan(batch: m.Batch) -> m.Plan:
     )
 
 
-def lease_plans(core: ProducerCore) -> None:
+def lease_plans(core: CoreState) -> None:
     """A plan to every attaching producer holding a credit, while there are plans. The coordinator's own
     replicas are served first (``ProducerCore.refill`` runs before this), so a producer that attaches takes
     only what would otherwise wait."""
@@ -86,7 +87,7 @@ def lease_plans(core: ProducerCore) -> None:
             peer.credits -= 1
 
 
-def send_plan(core: ProducerCore, peer: Peer, plan: m.Plan) -> None:
+def send_plan(core: CoreState, peer: Peer, plan: m.Plan) -> None:
     core.out.send(peer.identity, plan)
     peer.link_bytes += sum(t.numel() * t.element_size() for t in plan.tensors.values())
 
@@ -102,7 +103,7 @@ def count_features(peer: Peer, batch: m.Batch) -> None:
 LINK_KEYS = ("wire/feature_bytes_local", "wire/feature_bytes_remote")
 
 
-def own_link_bytes(core: ProducerCore) -> dict[str, float]:
+def own_link_bytes(core: CoreState) -> dict[str, float]:
     """Bytes this producer sent itself, by link: features to workers of its node and of other nodes, and
     the plans' tokens to attaching producers; with its produced tokens/s (what an attaching producer
     reports up, ``report_links``)."""
@@ -118,7 +119,7 @@ def own_link_bytes(core: ProducerCore) -> dict[str, float]:
     return totals
 
 
-def take_link_report(core: ProducerCore, peer: Peer, msg: m.Metrics) -> bool:
+def take_link_report(core: CoreState, peer: Peer, msg: m.Metrics) -> bool:
     """An attaching producer's own figures (not its rank 0's training metrics): kept for ``link_bytes``
     and logged under its name. False for any other METRICS."""
     if peer.role != "producer" or not set(LINK_KEYS) <= set(msg.values) or "loss" in msg.values:
@@ -128,7 +129,7 @@ def take_link_report(core: ProducerCore, peer: Peer, msg: m.Metrics) -> bool:
     return True
 
 
-def link_bytes(core: ProducerCore) -> dict[str, float]:
+def link_bytes(core: CoreState) -> dict[str, float]:
     """The run's bytes by link as this producer knows them: its own and the latest each attaching producer
     reported (a coordinator's totals are the whole run's), and the supply of the attached producers."""
     totals = {k: v for k, v in own_link_bytes(core).items() if k.startswith("wire/")}

@@ -7,18 +7,17 @@ summary and the dashboard show. It speaks through an ``Outbox`` (send a message,
 drives it with plain lists; ``ProducerProc`` (``producer.proc``) is the process shell with the socket,
 the target threads and signals.
 
-Past 400 lines because it is one state machine (admission, routing, watching) whose steps share its
-counters; what attaching producers add lives in ``producer.coordinator``.
+What it keeps (peers, queues, counters) is ``CoreState`` (``producer.state``), which the steps in their
+own modules (``handshake``, ``coordinator``, ``display``) read; what attaching producers add lives in
+``producer.coordinator``.
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from dflash_pipe.data import plan_batches, sample_lengths
 from dflash_pipe.diskspace import DiskFullError, human
 from dflash_pipe.producer.coordinator import (
     admit_producer,
@@ -29,38 +28,15 @@ from dflash_pipe.producer.coordinator import (
     take_link_report,
 )
 from dflash_pipe.producer.display import log_worker_metrics
-from dflash_pipe.producer.handshake import Peer, admit
+from dflash_pipe.producer.errors import NothingToTrain, RunAborted
+from dflash_pipe.producer.handshake import admit
 from dflash_pipe.producer.payloads import payload_for
-from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
-from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
-from dflash_pipe.producer.setup import RunContext
+from dflash_pipe.producer.regen import GenerateDone
+from dflash_pipe.producer.scheduler import ReadyBatch
+from dflash_pipe.producer.state import CoreState, Peer
 from dflash_pipe.producer.target_threads import EvalDone, EvalJob, TargetFailure
 from dflash_pipe.run.dir import RunDir
-from dflash_pipe.telemetry import MetricsLogger, RateMeter, RunState, TimeShares
 from dflash_pipe.wire import messages as m
-
-if TYPE_CHECKING:
-    from dflash_pipe.producer.rings import Rings
-
-
-class RunAborted(RuntimeError):
-    """Every worker is gone, or a target replica failed; the run stopped (resume from the last checkpoint)."""
-
-
-class NothingToTrain(RunAborted):
-    """Regeneration left no sample to train: a resume would find the same, so none is suggested."""
-
-
-class Outbox(Protocol):
-    """How the core talks to workers (the process shell's socket; a list in a test)."""
-
-    def send(self, peer_id: bytes, msg: Any, *, ring: Any = None) -> None:
-        """Send ``msg``; a peer that is gone is dropped (``ProducerCore.drop``), never raised."""
-        ...
-
-    def reject(self, peer_id: bytes, reason: str) -> None:
-        """Answer REJECT without ever blocking (the peer may not be reading)."""
-        ...
 
 
 class WorkerWatch(Protocol):
@@ -75,96 +51,8 @@ class WorkerWatch(Protocol):
         ...
 
 
-class ProducerCore:
-    def __init__(
-        self,
-        ctx: RunContext,
-        *,
-        out: Outbox,
-        metrics: MetricsLogger,
-        rings: Rings,
-        host_id: str,
-        rendezvous: str,
-        warn: Any = None,
-        plans: Iterator[PlannedBatch | None] | None = None,
-    ) -> None:
-        """``warn(line)``: where a lost worker is announced (the dashboard's console). ``plans``: plans
-        made elsewhere (an attaching producer's, from the coordinator) instead of this run's own."""
-        self.ctx, self.cfg = ctx, ctx.cfg
-        self.out, self.metrics, self.rings = out, metrics, rings
-        self.host_id, self.rendezvous = host_id, rendezvous
-        self.warn = warn or (lambda _line: None)
-        self.peers: dict[bytes, Peer] = {}
-        self.regen = ctx.regen
-        start_epoch = first_open_epoch(ctx.ledger, self.regen.voids if self.regen else set())
-        self.scheduler = BatchScheduler(
-            plan_epoch=self._plan_epoch,
-            epochs=self.cfg.train.epochs,
-            start_epoch=min(start_epoch, self.cfg.train.epochs),
-            trained_in_start_epoch=ctx.ledger.trained(start_epoch)
-            if start_epoch < ctx.ledger.epochs
-            else set(),
-            source=plans,
-        )
-        self.target_rate = RateMeter()
-        self.wire_rate = RateMeter()
-        self.train_rate = RateMeter()
-        self.plans: queue.Queue[PlannedBatch | GenerateJob | EvalJob | None] = queue.Queue()
-        self.ready: queue.Queue[ReadyBatch | GenerateDone | EvalDone | TargetFailure] = queue.Queue()
-        self.target_threads = 0
-        """Target threads taking from ``plans`` (set by the shell when it starts them)."""
-        self.jobs_per_thread = 1
-        """Generation jobs handed to each target thread at once: 2 where the slot engine decodes (a thread
-        takes the second into its free slots while the first finishes), 1 on the plain path."""
-        self.generate_seconds: Callable[[], float] = lambda: 0.0
-        """The target threads' seconds spent generating so far (set by the process that runs them)."""
-        self.in_target = 0
-        self.generating = 0
-        """Regeneration jobs handed to the target threads and not back yet."""
-        self.done_sent = False
-        self.state = RunState()
-        """What the dashboard shows of the workers' metrics (loss, acc, lr, tau)."""
-        self.loss_history: list[float] = []
-        self.last_checkpoint: str | None = None
-        self.last_checkpoint_at: float | None = None
-        """When the latest CHECKPOINT arrived (monotonic): a drain's summary says whether one came after the
-        signal."""
-        self.save_asked: str | None = None
-        """Why a checkpoint was asked of the workers (a preemption signal) and has not arrived yet."""
-        self.step = ctx.resume_step
-        self.messages: list[str] = []
-        self.bye_reason: str | None = None
-        self.first_ack: tuple[float, int] | None = None
-        self.window_start: tuple[int, float, int, float] | None = None
-        """(step, time, acked tokens, produced tokens) at the latest ACK of the first trained step."""
-        self.last_ack: tuple[float, int, float] | None = None
-        """(time, acked tokens, produced tokens) at the latest ACK."""
-        self.waits = TimeShares()
-        """From the first ACK to DONE: idle target share, starved worker share, ready queue depth."""
-        self.eval_batches: list[m.Batch] = []
-        self.eval_pending = self.regen is not None
-        """The held-out set is still being regenerated (or its BATCHes computed): workers welcomed
-        meanwhile are told so, and get its BATCHes once they exist (``_install_eval``)."""
-        self._eval_queued = False
-        self._waiting_note = False
-        self.attached_first_steps: dict[str, float] = {}
-        """Time to the first step of each worker of an attaching producer (its METRICS name it)."""
-        self.lost: list[str] = []
-        """One line per worker that died or vanished (the run went on without it)."""
-        self.sent_by_ref = {"shm": 0, "cuda_ipc": 0}
-        """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
-        self._last_beat = 0.0
-
-    def _plan_epoch(self, epoch: int, exclude: set[int]) -> Iterable[list[int] | None]:
-        if self.regen is not None:
-            return self.regen.epoch0(exclude) if epoch == 0 else self.regen.later_epoch(epoch, exclude)
-        lengths = sample_lengths(self.ctx.train_samples)
-        return plan_batches(
-            lengths, self.cfg.data.token_budget, seed=self.cfg.train.seed, epoch=epoch, exclude=exclude
-        )
-
-    def note(self, text: str) -> None:
-        self.messages = (self.messages + [text])[-5:]
+class ProducerCore(CoreState):
+    """The state machine of one run: admission, routing and watching, over the state ``CoreState`` holds."""
 
     # --- inbound -----------------------------------------------------------------------------------------
 
@@ -404,26 +292,6 @@ class ProducerCore:
             elif not any(p.name == name for p in self.peers.values()):  # died before its HELLO
                 self.lost.append(f"{name} {why}")
                 self.note(f"warning: {name} {why.splitlines()[0]}")
-
-    def drop(self, peer: Peer, why: str) -> None:
-        """A worker died or vanished: its leases go back to the queue, the others train on."""
-        peer.left = True
-        peer.state = "lost"
-        released = self.scheduler.release(peer.identity)
-        line = f"{peer.role} {peer.name} ({peer.device}, pid {peer.pid}) {why}"
-        self.lost.append(line)
-        first = line.splitlines()[0]
-        self.metrics.log(
-            {
-                "workers_lost": float(len(self.lost)),
-                "released_samples": self.scheduler.stats.released_samples,
-            },
-            self.step,
-        )
-        self.note(
-            f"warning: {first}; {released} leased {'plan' if peer.role == 'producer' else 'batch'}(es) go to the others"
-        )
-        self.warn(f"[yellow]warning:[/] {first}; the run goes on without it")
 
     def watch_peers(self) -> None:
         """Heartbeats every ``heartbeat_s``; drops a worker silent for ``peer_timeout_s``."""

@@ -12,7 +12,7 @@ from dflash_pipe.producer.coordinator import link_bytes
 from dflash_pipe.telemetry import RunState
 
 if TYPE_CHECKING:
-    from dflash_pipe.producer.core import Peer, ProducerCore
+    from dflash_pipe.producer.state import CoreState, Peer
     from dflash_pipe.wire import messages as m
 
 MIN_RATE_SPAN_S = 1.0
@@ -57,9 +57,7 @@ class ProducerSummary:
         return self.steps - self.start_step
 
 
-def summary(
-    core: ProducerCore, *, stop_reason: str, wall_s: float, busy: dict[str, float]
-) -> ProducerSummary:
+def summary(core: CoreState, *, stop_reason: str, wall_s: float, busy: dict[str, float]) -> ProducerSummary:
     """``busy``: the target threads' busy and generating seconds (``wait_report``)."""
     return ProducerSummary(
         steps=core.step,
@@ -81,7 +79,7 @@ def summary(
     )
 
 
-def data_report(core: ProducerCore) -> dict[str, Any]:
+def data_report(core: CoreState) -> dict[str, Any]:
     """What the data gave and what was left out: training samples, held-out samples, bad lines skipped by
     reason, samples dropped by reason (with regeneration: the conversations that came out with nothing to
     train, so far), samples cut to ``max_length``, and the note when nothing could be held out."""
@@ -140,7 +138,7 @@ def reason_key(reason: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", reason.lower()).strip("_") or "other"
 
 
-def _ack_window(core: ProducerCore) -> dict[str, float]:
+def _ack_window(core: CoreState) -> dict[str, float]:
     if core.window_start is None or core.last_ack is None:
         return {}
     _, t0, acked0, produced0 = core.window_start
@@ -152,7 +150,7 @@ def _ack_window(core: ProducerCore) -> dict[str, float]:
     }
 
 
-def _steady_rate(core: ProducerCore) -> float:
+def _steady_rate(core: CoreState) -> float:
     if core.first_ack is None:
         return 0.0
     t0, tokens0 = core.first_ack
@@ -160,7 +158,7 @@ def _steady_rate(core: ProducerCore) -> float:
     return (core.scheduler.stats.acked_tokens - tokens0) / elapsed if elapsed > 0 else 0.0
 
 
-def wait_report(core: ProducerCore, busy: dict[str, float]) -> dict[str, float]:
+def wait_report(core: CoreState, busy: dict[str, float]) -> dict[str, float]:
     """Shares of the observed time: target replicas idle (the ready queue at its bound, waiting for
     credits), workers holding unused credits (waiting for batches), and the mean ready-queue depth; the
     replicas' busy seconds, and of those the seconds spent regenerating conversations (``busy``)."""
@@ -186,7 +184,7 @@ def stage_rates(core: Any) -> dict[str, float]:
     return {key: meter.rate() for key, meter in meters.items() if meter.span() >= MIN_RATE_SPAN_S}
 
 
-def log_worker_metrics(core: ProducerCore, peer: Peer, msg: m.Metrics) -> None:
+def log_worker_metrics(core: CoreState, peer: Peer, msg: m.Metrics) -> None:
     """A worker's METRICS, checked, with the producer's own figures added to each training record."""
     values, bad = checked_metrics(msg.values)
     if bad:
@@ -256,7 +254,7 @@ def checked_metrics(values: dict) -> tuple[dict, list[str]]:
     return good, bad
 
 
-def dashboard_state(core: ProducerCore, started: float) -> RunState:
+def dashboard_state(core: CoreState, started: float) -> RunState:
     """The dashboard's view of the run now (``started``: the producer's start, monotonic)."""
     s, cfg = core.state, core.cfg
     s.step = core.step

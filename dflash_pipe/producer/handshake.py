@@ -7,53 +7,20 @@ A worker is admitted when it speaks this protocol version, supports frames, the 
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_pipe.producer.state import Peer
 from dflash_pipe.wire import messages as m
 
 if TYPE_CHECKING:
-    from dflash_pipe.producer.core import ProducerCore
+    from dflash_pipe.producer.state import CoreState
 
 REQUIRED_CAPABILITIES = ("frames",)
 """What a worker must support: payloads as raw tensor frames on the socket."""
 
 
-@dataclass(slots=True)
-class Peer:
-    identity: bytes
-    name: str
-    device: str
-    host: str
-    pid: int
-    rank: int = -1
-    credits: int = 0
-    last_heard: float = field(default_factory=time.monotonic)
-    state: str = "joining"
-    steps: int = 0
-    first_step_s: float | None = None
-    left: bool = False
-    ring_offered: bool = False
-    cuda_offered: bool = False
-    shm: bool = False
-    """The worker mapped the shared-memory ring: its BATCH headers name slots instead of carrying frames."""
-    cuda_ipc: bool = False
-    """The worker opened the CUDA IPC ring: its BATCH headers name slots in the target GPU's memory."""
-    role: str = "worker"
-    """"producer": target replicas attached from another node, leasing PLANs (``producer.coordinator``)."""
-    host_id: str = ""
-    """Its ``wire.shm.host_identity()``: which node it runs on."""
-    same_host: bool = False
-    """Same host identity as this producer: what it is sent stays on the node."""
-    link_bytes: int = 0
-    """Bytes of features sent to this worker, or of plans' tokens to this producer."""
-    report: dict[str, float] = field(default_factory=dict)
-    """An attaching producer's latest own figures (its links' bytes, its tokens/s)."""
-
-
-def refusal(core: ProducerCore, msg: m.Hello) -> str | None:
+def refusal(core: CoreState, msg: m.Hello) -> str | None:
     """Why a HELLO (a worker's or an attaching producer's) is refused, or None: another protocol, missing
     capabilities, a finishing run, or a name already in the run."""
     if msg.protocol_version != m.PROTOCOL_VERSION:
@@ -76,7 +43,7 @@ def refusal(core: ProducerCore, msg: m.Hello) -> str | None:
     return None
 
 
-def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
+def admit(core: CoreState, peer_id: bytes, msg: m.Hello) -> Peer | None:
     """Admits a worker: WELCOME and the eval batches, or REJECT naming why."""
     if (why := refusal(core, msg)) is not None:
         core.out.reject(peer_id, why)
@@ -117,7 +84,7 @@ def admit(core: ProducerCore, peer_id: bytes, msg: m.Hello) -> Peer | None:
     return peer
 
 
-def node_producer(core: ProducerCore, host_id: str) -> Peer | None:
+def node_producer(core: CoreState, host_id: str) -> Peer | None:
     """An attaching producer on the node ``host_id`` names, if one is in the run."""
     if not host_id:
         return None
@@ -126,7 +93,7 @@ def node_producer(core: ProducerCore, host_id: str) -> Peer | None:
     )
 
 
-def welcome(core: ProducerCore, peer: Peer, eval_batches: int) -> m.Welcome:
+def welcome(core: CoreState, peer: Peer, eval_batches: int) -> m.Welcome:
     wire, rings = core.cfg.wire, core.rings
     return m.Welcome(
         run_id=core.ctx.run_id,

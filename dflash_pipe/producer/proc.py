@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from dflash_pipe.producer.balance import balance_hint
-from dflash_pipe.producer.core import ProducerCore, RunAborted, WorkerWatch
+from dflash_pipe.producer.core import ProducerCore, WorkerWatch
 from dflash_pipe.producer.display import ProducerSummary, dashboard_state, data_metrics, data_report, summary
+from dflash_pipe.producer.errors import RunAborted
 from dflash_pipe.producer.rings import make_rings
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.target_threads import TargetThread, build_eval_batches, load_replicas

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipe.data import sample_lengths
-from dflash_pipe.producer.core import RunAborted
+from dflash_pipe.producer.errors import RunAborted
 from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.wire.cuda_ipc import CudaIpcRing
 from dflash_pipe.wire.ring import RingUnavailable

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from dflash_pipe.target.core import TargetCore
+from dflash_pipe.target.packing import Packing
 
 log = logging.getLogger("dflash_pipe.target")
 
@@ -149,7 +149,24 @@ def describe_target(config: Any) -> str:
     return "; ".join(parts)
 
 
-def check_loaded(core: TargetCore) -> None:
+class LoadedTarget(Protocol):
+    """What the load-time probe reads and switches on a target (a ``TargetCore`` is one): typed here so the
+    core, which runs the probe, imports this module without it importing the core back."""
+
+    model_path: str
+    plan: TargetPlan
+    dtype: torch.dtype
+    packing: Packing
+    hidden_size: int
+    vocab_size: int
+    layer_ids: tuple[int, ...]
+
+    def features(self, input_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor: ...
+
+    def use_padded(self) -> None: ...
+
+
+def check_loaded(core: LoadedTarget) -> None:
     """Probes a freshly loaded target on one row of two samples: refuses a non-causal model, and moves a
     packed target whose samples leak into each other to padded rows (one log line)."""
     from dflash_pipe.compute.compile import apply_dynamo_settings
@@ -189,7 +206,7 @@ def check_loaded(core: TargetCore) -> None:
         core.use_padded()
 
 
-def _threshold(core: TargetCore, floor: float) -> float:
+def _threshold(core: LoadedTarget, floor: float) -> float:
     """How far a feature may move without a leak. Measured: exactly 0 for every family of the coverage test
     (fp32 and bf16, CPU); a leak moves it by 6e-4 (a tiny random BERT's bidirectional attention) to tens of %
     (recurrent state across samples). bf16 leaves room for rounding; kernels that are not deterministic
@@ -198,7 +215,7 @@ def _threshold(core: TargetCore, floor: float) -> float:
     return max(base, 20 * floor)
 
 
-def _moved(a: torch.Tensor, b: torch.Tensor, core: TargetCore) -> float:
+def _moved(a: torch.Tensor, b: torch.Tensor, core: LoadedTarget) -> float:
     """The largest relative change of any selected layer's slice (a deep layer amplifies rounding, a leak
     shows from the first layer after it)."""
     hidden = core.hidden_size

@@ -87,6 +87,3 @@ class TimeShares:
 
     def mean(self, name: str) -> float:
         return self.seconds(name) / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def snapshot(self) -> dict[str, float]:
-        return dict(self._integral)

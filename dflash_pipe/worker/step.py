@@ -6,20 +6,35 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from dflash_pipe.compute.precision import autocast
 from dflash_pipe.train.batches import DeviceBatch, unpack
+from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.wire import messages as m
 
-if TYPE_CHECKING:
-    from dflash_pipe.worker.loop import WorkerSession
+
+class StepSession(Protocol):
+    """What a step reads of the worker's session (``worker.loop.WorkerSession`` is one): typed here so the
+    loop imports the step without the step importing the loop back."""
+
+    @property
+    def train(self) -> TrainConfig: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def feature_size(self) -> int | None: ...
 
 
 def forward_backward(
-    s: WorkerSession,
+    s: StepSession,
     model: torch.nn.Module,
     batch: m.Batch,
     *,

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.data import DataConfig
-from dflash_pipe.launcher import WorkerPool
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.layout import LayoutConfig
+from dflash_pipe.worker_pool import WorkerPool
 
 
 def test_processes_mode_is_one_process_per_device():

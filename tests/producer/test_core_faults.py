@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.producer.core import RunAborted
+from dflash_pipe.producer.errors import RunAborted
 from dflash_pipe.wire import messages as m
 from tests.producer.test_core import _core, _hello
 

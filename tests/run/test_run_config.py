@@ -49,7 +49,7 @@ def test_resume_refuses_flags_that_cannot_change(tmp_path: Path):
 
 
 def test_reconnect_timeout_reaches_the_launched_workers(tmp_path: Path):
-    from dflash_pipe.launcher import WorkerPool
+    from dflash_pipe.worker_pool import WorkerPool
 
     cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu", "reconnect_timeout": 42.0})
     assert cfg.wire.reconnect_timeout_s == 42.0
@@ -146,7 +146,7 @@ def test_the_dry_run_shows_the_command_launch_runs_for_each_worker(tmp_path: Pat
     import shlex
 
     from dflash_pipe.commands.launch_config import plan_text
-    from dflash_pipe.launcher import WorkerPool
+    from dflash_pipe.worker_pool import WorkerPool
 
     keys = tmp_path / "keys"
     cfg, _ = build_run_config({"run_dir": tmp_path, "device": "cpu", "reconnect_timeout": 42.0, "keys": keys})

@@ -4,14 +4,25 @@ Bottom to top: the protocol (``wire``), what every part reads (telemetry, the da
 metadata the configs declare their flags with), the run formats
 (run config, layout, checkpoint, ledger, producer record, the part configs), compute (the shared compile
 and precision policy, then the target, the drafter, the training step), the processes (producer, worker,
-launcher) and the command line on top. Every import counts, the ones inside functions and under
+the worker pool, launcher) and the command line on top. Every import counts, the ones inside functions and under
 ``TYPE_CHECKING`` too: a lazy import of a higher layer is still a dependency on it. The AST of every module
 is read, nothing is imported, so a violation is named by file, line and import.
+
+No import cycles either, between modules or between packages (a package is a first dotted component, or a
+prefix ``LAYERS`` names: see ``package_of``): a cycle is a pair of files a reader cannot read one before
+the other, and it hides from the layers when both ends sit in one layer. Tarjan's algorithm finds each
+strongly connected component; the failure lists its members and one shortest loop in it, with the file and
+line of every import on the way. ``TYPE_CHECKING`` imports count here too: a type a module names is one the
+reader must look up, and the fix is the same (a small Protocol, or the type moved down to where both ends
+can import it). A name a package exports lazily (``lazy_exports``) counts as an import of the submodule
+that defines it, since that is what loads. The implicit import of a module's parent ``__init__`` is not an
+edge: every package would otherwise be a cycle with its own members.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -32,7 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("target", ("target",)),
     ("drafter", ("drafter",)),
     ("training step", ("train",)),
-    ("processes", ("producer", "worker", "launcher", "regenerate")),
+    ("processes", ("producer", "worker", "worker_pool", "launcher", "regenerate")),
     ("command line", ("cli", "commands", "reference", "report", "bench", "__main__")),
 )
 """Bottom first. A module's layer is the one holding the longest prefix of its dotted name (below
@@ -67,8 +78,31 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _lazy_exports(path: Path, package: str) -> dict[str, str]:
+    """Name -> submodule of a package ``__init__`` that exports lazily (``lazy_exports`` over an
+    ``_EXPORTS`` or ``_FROM`` literal): ``from package import Name`` loads that submodule on first use,
+    so the import depends on it, not on the (import-free) ``__init__``."""
+    exports: dict[str, str] = {}
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        target = node.targets[0]
+        if not isinstance(target, ast.Name) or not isinstance(node.value, ast.Dict):
+            continue
+        if target.id == "_EXPORTS":
+            exports |= ast.literal_eval(node.value)
+        elif target.id == "_FROM":
+            exports |= {n: mod for mod, names in ast.literal_eval(node.value).items() for n in names}
+    return {name: package + mod if mod.startswith(".") else mod for name, mod in exports.items()}
+
+
+def _init_of(module: str) -> Path:
+    return PACKAGE.joinpath(*module.split(".")[1:], "__init__.py")
+
+
 def _imports(module: str, path: Path, known_modules: set[str]) -> list[tuple[int, str]]:
-    """(line, imported module of this package) for every import in ``path``."""
+    """(line, imported module of this package) for every import in ``path``; a name a package exports
+    lazily counts as an import of the submodule that defines it."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -82,9 +116,10 @@ def _imports(module: str, path: Path, known_modules: set[str]) -> list[tuple[int
                 source = node.module or ""
             if source.split(".")[0] != NAME:
                 continue
+            lazy = _lazy_exports(_init_of(source), source) if _init_of(source).is_file() else {}
             for alias in node.names:  # `from pkg import submodule` depends on the submodule
                 sub = f"{source}.{alias.name}"
-                out.append((node.lineno, sub if sub in known_modules else source))
+                out.append((node.lineno, sub if sub in known_modules else lazy.get(alias.name, source)))
     return sorted(set(out))
 
 
@@ -152,3 +187,183 @@ def test_the_scan_sees_top_level_and_lazy_imports(
     got = _imports("dflash_pipe.wire.probe", path, modules)
     assert [name for _, name in got] == [imported]
     assert (_rank(imported)[0] > _rank("dflash_pipe.wire.probe")[0]) is expected
+
+
+Graph = dict[str, dict[str, str]]
+"""node -> {node it imports: "file:line" of one such import}."""
+
+
+def strongly_connected(graph: Graph) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one node (or one node importing itself), each
+    sorted, the list sorted: every import cycle lies inside exactly one of them."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, {}):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, {}):
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def shortest_cycle(graph: Graph, component: list[str]) -> list[str]:
+    """A shortest cycle through the component's first node, as [a, b, ..., a] (breadth first inside it)."""
+    start, members = component[0], set(component)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt_frontier = []
+        for node in frontier:
+            for nxt in sorted(graph.get(node, {})):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if nxt in members and nxt not in came_from:
+                    came_from[nxt] = node
+                    nxt_frontier.append(nxt)
+        frontier = nxt_frontier
+    raise AssertionError(f"{component} is no cycle")
+
+
+def describe_cycles(graph: Graph) -> list[str]:
+    """One paragraph per component: its members, then one cycle in it with the import behind each step."""
+    out = []
+    for component in strongly_connected(graph):
+        cycle = shortest_cycle(graph, component)
+        steps = [f"  {graph[a][b]}: {a} -> {b}" for a, b in itertools.pairwise(cycle)]
+        out.append(f"{len(component)} in a cycle: {', '.join(component)}\n" + "\n".join(steps))
+    return out
+
+
+def _short(module: str) -> str:
+    return module.removeprefix(NAME + ".") or NAME
+
+
+def module_graph() -> Graph:
+    """Every module of the package (named below ``dflash_pipe``) with the modules it imports."""
+    modules = _modules()
+    graph: Graph = {_short(m): {} for m in modules}
+    for module, path in modules.items():
+        for line, imported in _imports(module, path, set(modules)):
+            where = f"{path.relative_to(PACKAGE.parent)}:{line}"
+            graph[_short(module)].setdefault(_short(imported), where)
+    return graph
+
+
+def package_of(module: str) -> str:
+    """The package node of a module: its first dotted component (``target`` for ``target.decode.stack``;
+    a module at the top such as ``launcher`` is its own node), or the longer prefix ``LAYERS`` names when
+    there is one (``drafter.config`` is a run format apart from the drafter's compute, so it is a node of
+    its own). A subpackage is no node of its own: ``target.decode`` sits between target's base modules
+    (layers, packing) and ``target.generate``, a layering inside one package that the module graph checks;
+    as a node it would count as a cycle with ``target`` and ask to split the package for no reader's sake."""
+    full = f"{NAME}.{module}" if module != NAME else NAME
+    candidates = [module.split(".")[0]] + [
+        prefix for _, prefixes in LAYERS for prefix in prefixes if prefix and _under(full, (prefix,))
+    ]
+    return max(candidates, key=len)
+
+
+def package_graph(modules: Graph) -> Graph:
+    """The module graph with each module folded into its ``package_of``; imports inside a node drop out."""
+    graph: Graph = {}
+    for module, imports in modules.items():
+        mine = package_of(module)
+        graph.setdefault(mine, {})
+        for imported, where in imports.items():
+            theirs = package_of(imported)
+            if theirs != mine:
+                graph[mine].setdefault(theirs, f"{where} ({module} -> {imported})")
+    return graph
+
+
+def test_no_import_cycles_between_modules() -> None:
+    found = describe_cycles(module_graph())
+    assert not found, (
+        "modules that import each other, directly or round a loop (move the shared part into a module both "
+        "import, or type against a Protocol):\n" + "\n".join(found)
+    )
+
+
+def test_no_import_cycles_between_packages() -> None:
+    found = describe_cycles(package_graph(module_graph()))
+    assert not found, "packages that import each other (move the shared code below both):\n" + "\n".join(
+        found
+    )
+
+
+SYNTHETIC: Graph = {
+    "a": {"b": "a.py:1"},
+    "b": {"c": "b.py:1", "d": "b.py:2"},
+    "c": {"a": "c.py:1"},
+    "d": {"e": "d.py:1"},
+    "e": {},
+    "f": {"f": "f.py:1"},
+    "g": {"h": "g.py:1"},
+    "h": {"g": "h.py:1", "a": "h.py:2"},
+}
+"""a -> b -> c -> a is one loop (b's way out to d -> e is none), f imports itself, g <-> h is a second loop
+that leads into the first without being part of it."""
+
+
+def test_the_cycle_finder_on_a_small_graph() -> None:
+    assert strongly_connected(SYNTHETIC) == [["a", "b", "c"], ["f"], ["g", "h"]]
+    assert shortest_cycle(SYNTHETIC, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert shortest_cycle(SYNTHETIC, ["f"]) == ["f", "f"]
+    first = describe_cycles(SYNTHETIC)[0]
+    assert first.splitlines() == [
+        "3 in a cycle: a, b, c",
+        "  a.py:1: a -> b",
+        "  b.py:1: b -> c",
+        "  c.py:1: c -> a",
+    ]
+
+
+def test_the_cycle_finder_sees_no_cycle_in_a_tree() -> None:
+    tree: Graph = {"a": {"b": "", "c": ""}, "b": {"c": ""}, "c": {}}
+    assert strongly_connected(tree) == []
+
+
+def test_packages_group_modules_by_their_first_component_and_the_layer_prefixes() -> None:
+    assert package_of("target.decode.stack") == "target"
+    assert package_of("drafter.config") == "drafter.config"
+    assert package_of("drafter.model") == "drafter"
+    assert package_of("launcher") == "launcher"
+    graph = package_graph({"run.config": {"drafter.presets": "x:1"}, "drafter.model": {"run.files": "y:2"}})
+    assert graph == {
+        "run": {"drafter.presets": "x:1 (run.config -> drafter.presets)"},
+        "drafter": {"run": "y:2 (drafter.model -> run.files)"},
+    }
+    assert strongly_connected(graph) == []
+
+
+def test_a_lazily_exported_name_is_an_import_of_its_submodule(tmp_path: Path) -> None:
+    path = tmp_path / "probe.py"
+    path.write_text("from dflash_pipe.drafter import DrafterConfig\nfrom dflash_pipe.wire import Batch\n")
+    got = _imports("dflash_pipe.wire.probe", path, set(_modules()))
+    assert [name for _, name in got] == ["dflash_pipe.drafter.config", "dflash_pipe.wire.messages"]
