@@ -17,14 +17,7 @@ from tests.drafter.conftest import tiny_config
 from tests.tiny_models import tiny_qwen3_config
 from tests.trained_drafter import train_on_greedy
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is many times faster than several fighting over 2 shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

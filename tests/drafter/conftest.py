@@ -61,9 +61,5 @@ def drafter() -> DFlashDrafter:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread(one_torch_thread):
     """Tiny matmuls are much faster on one thread, and the CI box is shared by other test runs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
