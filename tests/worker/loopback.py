@@ -36,11 +36,18 @@ class LoopbackProducer:
         self._thread = threading.Thread(target=self._serve, name="loopback-producer", daemon=True)
         self._thread.start()
 
-    def offer(self, batches: list[m.Batch]) -> None:
-        """The worker's batches: sent on its READY (sent here, as a worker does after its WELCOME)."""
+    def offer(self, batches: list[m.Batch], timeout_s: float = 60.0) -> None:
+        """The worker's batches: sent on its READY (sent here, as a worker does after its WELCOME), and
+        returns once all of them are in the link's inbox. A step trains the batches that have arrived (up
+        to one per replica), so on a loaded machine batches trickling in would make steps of one batch
+        where the test means steps of two: waiting makes the steps the same on every run."""
         with self._lock:
             self._batches, self._expected = list(batches), len(batches)
         self.link.send(m.Ready(credits=len(batches)))
+        deadline = time.monotonic() + timeout_s
+        while self.link._inbox.qsize() < len(batches):  # noqa: SLF001 - the link has no public count
+            assert time.monotonic() < deadline, f"{len(batches)} batches not delivered in {timeout_s:.0f} s"
+            time.sleep(0.01)
 
     def losses(self) -> list[float]:
         return [
