@@ -1,11 +1,11 @@
 """The compiled training step checked against an eager one before training starts, with a fallback.
 
 ``train.compile=full`` (the default on CUDA) hands whole decoder layers and the CE terms to Inductor. A
-compiler *failure* already falls back inside ``train.build.CompiledLayers``, but a wrong kernel, or one that fails only when it
-runs (torch 2.11 once raised a shape error from a split reduction at run time), would not. So after its
-warm-up each worker runs one synthetic batch (of a shape the warm-up compiled) through the compiled step
-and through ``DFlashDrafter.reference()`` (eager, attention through SDPA with the dense mask: another
-kernel than flex's) and compares the loss and the whole gradient. On a disagreement or a run-time error it
+compiler *failure* already falls back inside ``train.build.CompiledLayers``, but a wrong kernel, or one that
+fails only when it runs (torch 2.11 once raised a shape error from a split reduction at run time), would
+not. So after its warm-up each worker runs one synthetic batch (of a shape the warm-up compiled) through the
+compiled step and through ``DFlashDrafter.reference()`` (eager, attention through SDPA with the dense mask:
+another kernel than flex's) and compares the loss and the whole gradient. On a disagreement or a run-time error it
 re-applies compile with less (``train.build.apply_attention_only``: ``train.compile=attention``), warms
 that up, trains on with it, warns, and reports ``compile_fallback`` with its warm-up metrics.
 """

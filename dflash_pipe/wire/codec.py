@@ -49,14 +49,15 @@ import torch
 
 from dflash_pipe.wire.errors import ProtocolError, ProtocolVersionError
 from dflash_pipe.wire.messages import (
+    ENCODER,
     MESSAGE_TYPES,
+    PLAIN,
     PROTOCOL_VERSION,
     Kind,
     Message,
     decode_fields,
     encode_fields,
     has_tensors,
-    refuse_ext,
 )
 
 INLINE_MAX_BYTES = 1023
@@ -90,8 +91,6 @@ DTYPES: Mapping[str, torch.dtype] = {n: getattr(torch, n) for n in _NAMES if has
 _DTYPE_NAMES = {dt: n for n, dt in DTYPES.items()}
 _HEADER_KEYS = frozenset("vkft")
 _HEADER = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
-_PLAIN = msgspec.msgpack.Decoder(ext_hook=refuse_ext)
-_ENCODER = msgspec.msgpack.Encoder()
 
 Frame = bytes | bytearray | memoryview  # or anything with the buffer protocol (zmq.Frame)
 Alloc = Callable[[int], torch.Tensor]
@@ -202,7 +201,7 @@ def encode(
                 loc = _frame_locs(data, frames, frame_bytes)
             table.append([name, dtype_name(tensor.dtype), list(tensor.shape), loc])
     header = {"v": PROTOCOL_VERSION, "k": int(cls.KIND), "f": msgspec.Raw(fields), "t": table}
-    frames[0] = _ENCODER.encode(header)
+    frames[0] = ENCODER.encode(header)
     return frames
 
 
@@ -229,7 +228,7 @@ def _plain(raw: msgspec.Raw | None, what: str) -> Any:
     if raw is None:
         return None
     try:
-        return _PLAIN.decode(raw)
+        return PLAIN.decode(raw)
     except ProtocolError as e:  # an extension type
         raise ProtocolError(f"header frame is not valid msgpack: {what}: {e}") from None
     except (msgspec.DecodeError, RecursionError) as e:

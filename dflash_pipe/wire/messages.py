@@ -319,12 +319,14 @@ def _refuse_tensor(tp: type, obj: Any) -> NoReturn:
     raise TypeError("tensors travel in the header's tensor table 't', not in its field map 'f'")
 
 
-_ENCODER = msgspec.msgpack.Encoder()
+ENCODER = msgspec.msgpack.Encoder()
+"""The one msgpack encoder of the wire (the field map here, the header in the codec)."""
 _DECODERS = {
     kind: msgspec.msgpack.Decoder(cls, dec_hook=_refuse_tensor, ext_hook=refuse_ext)
     for kind, cls in MESSAGE_TYPES.items()
 }
-_PLAIN = msgspec.msgpack.Decoder(ext_hook=refuse_ext)
+PLAIN = msgspec.msgpack.Decoder(ext_hook=refuse_ext)
+"""Untyped msgpack values, extension types refused (header values, error texts)."""
 
 
 def encode_fields(msg: Message) -> bytes:
@@ -337,7 +339,7 @@ def encode_fields(msg: Message) -> bytes:
         fields = msgspec.structs.asdict(msg)
         del fields["tensors"]
     try:
-        data = _ENCODER.encode(fields)
+        data = ENCODER.encode(fields)
     except OverflowError as e:
         raise ProtocolError(f"cannot encode {cls.__name__}: {e} (msgpack carries int64/uint64)") from None
     except (TypeError, ValueError) as e:
@@ -353,7 +355,7 @@ def decode_fields(kind: Kind, data: bytes | memoryview) -> Message:
     except msgspec.ValidationError as e:
         if isinstance(e.__cause__, ProtocolError):  # a `_check` rule, run by msgspec after the types
             raise e.__cause__ from None
-        raise field_error(MESSAGE_TYPES[kind], data, str(e), _PLAIN) from None
+        raise field_error(MESSAGE_TYPES[kind], data, str(e), PLAIN) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"{kind.name}: header 'f' is not valid msgpack: {e}") from None
     except RecursionError:
