@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflash_pipe.cpus import threads_per_process
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.worker_pool import SAFE_GPU_ENV, WorkerPool
@@ -111,7 +112,7 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
     from dflash_pipe.producer.proc import ProducerProc
 
     if cfg.layout.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.layout.num_workers + 1)))
+        torch.set_num_threads(threads_per_process(cfg.layout.num_workers + 1))
     else:
         cfg.layout.validate_against(torch.cuda.device_count())
         if shared := cfg.layout.shared_gpus():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from dflash_pipe.cpus import threads_per_process, usable_cpus
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.dir import RunDir
 
@@ -30,7 +31,7 @@ SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 def compile_cache_env(cache_dir: Path, *, workers_on_host: int) -> dict[str, str]:
     """Set before torch is imported in a worker: one cache per run, bounded compile threads."""
-    cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     return {
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
         "TRITON_CACHE_DIR": str(cache_dir / "triton"),
@@ -128,7 +129,6 @@ class WorkerPool:
         logs = self.logs
         logs.mkdir(parents=True, exist_ok=True)
         drafters = self.cfg.layout.num_workers
-        cpus = os.cpu_count() or 1
         running = {w["name"]: w for w in previous or [] if _is_worker_process(int(w["pid"]), self.address)}
         for i, devices in enumerate(self.cfg.layout.worker_processes()):
             name, device = f"{self.prefix}worker{i}", ",".join(devices)
@@ -138,7 +138,7 @@ class WorkerPool:
             env = {**os.environ, **SAFE_GPU_ENV, "PYTHONUNBUFFERED": "1"}
             env.update(compile_cache_env(self.cfg.cache_dir, workers_on_host=drafters))
             if devices[0] == "cpu":
-                env["OMP_NUM_THREADS"] = str(max(1, cpus * len(devices) // (drafters + 1)))
+                env["OMP_NUM_THREADS"] = str(threads_per_process(drafters + 1, share=len(devices)))
             log_path = logs / f"{name}.log"
             log = open(log_path, "ab")  # noqa: SIM115 -- held open for the child; closed in stop()
             cmd = self.worker_command(name, device)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_pipe.cpus import threads_per_process
+
 
 def child_env(cache_dir: Path, device: str, workers: int) -> dict[str, str]:
     """The environment the launcher gives a worker: shared compile cache, bounded threads, safe NCCL."""
@@ -22,7 +24,7 @@ def child_env(cache_dir: Path, device: str, workers: int) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     if device == "cpu":
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (workers + 1)))
+        env["OMP_NUM_THREADS"] = str(threads_per_process(workers + 1))
     return env
 
 

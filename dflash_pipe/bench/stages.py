@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from dflash_pipe.bench.procs import Children, start_children
+from dflash_pipe.cpus import threads_per_process
 from dflash_pipe.data import plan_batches, sample_lengths
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import RunContext, prepare_run
@@ -89,7 +90,7 @@ def prepare_work(cfg: RunConfig) -> BenchWork:
 
     hf_logging.disable_progress_bar()
     if cfg.layout.device == "cpu":  # the producer's thread budget in a CPU launch, for every stage here
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.layout.num_workers + 1)))
+        torch.set_num_threads(threads_per_process(cfg.layout.num_workers + 1))
     ctx = prepare_run(cfg, resume=False, progress=False)
     lengths = sample_lengths(ctx.train_samples)
     plans = plan_batches(lengths, cfg.data.token_budget, seed=cfg.train.seed, epoch=0, exclude=set())

@@ -11,7 +11,6 @@ on how the data was tokenized.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 from collections import Counter
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_pipe.cpus import usable_cpus
 from dflash_pipe.diskspace import DiskFullError
 
 from .config import DataConfig
@@ -73,7 +73,7 @@ def tokenize_workers(cfg: DataConfig, size: int) -> int:
 def auto_workers() -> int:
     """``tokenize_workers=None``: one per CPU core this process may use but one (the launcher's own thread
     loads the target meanwhile), at most ``MAX_AUTO_WORKERS``."""
-    return min(MAX_AUTO_WORKERS, _cpu_count() - 1)
+    return min(MAX_AUTO_WORKERS, usable_cpus() - 1)
 
 
 class DataFuture:
@@ -273,13 +273,6 @@ def no_fit_message(path: Path | str, cfg: DataConfig, shortest: int, *, need: in
         f"no sample of {path} fits --max-length {cfg.max_length}: the shortest {what} is {shortest} tokens; "
         f"raise --max-length (data.max_length) to at least {need}"
     )
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 @contextmanager

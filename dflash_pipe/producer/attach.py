@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_pipe.compute.precision import compute_dtype
+from dflash_pipe.cpus import threads_per_process
 from dflash_pipe.data import LoadedData
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.producer.display import ProducerSummary
@@ -128,6 +129,10 @@ def run_attached(
     from dflash_pipe.worker_pool import WorkerPool
 
     console.print(f"dflash-pipe producer {name}: joining the run at {address}", markup=False, highlight=False)
+    if layout.device == "cpu":  # as a launch does: the target's threads and its workers' share the cores
+        import torch
+
+        torch.set_num_threads(threads_per_process(layout.num_workers + 1))
     endpoint = WorkerEndpoint(address, keys=keys)
     try:
         welcome = join(endpoint, name=name, devices=layout.target_devices(), timeout_s=join_timeout_s)

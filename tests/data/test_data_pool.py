@@ -146,14 +146,14 @@ def test_close_stops_an_in_process_load(write_jsonl):
 
 
 def test_worker_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(loader, "_cpu_count", lambda: 8)
+    monkeypatch.setattr(loader, "usable_cpus", lambda: 8)
     big, small = loader.POOL_MIN_BYTES, loader.POOL_MIN_BYTES - 1
     assert loader.tokenize_workers(DataConfig(path=tmp_path), big) == 7
     assert loader.tokenize_workers(DataConfig(path=tmp_path), small) == 0
     assert loader.tokenize_workers(DataConfig(path=tmp_path, tokenize_workers=3), big) == 3
     for n in (0, 1):
         assert loader.tokenize_workers(DataConfig(path=tmp_path, tokenize_workers=n), big) == 0
-    monkeypatch.setattr(loader, "_cpu_count", lambda: 64)
+    monkeypatch.setattr(loader, "usable_cpus", lambda: 64)
     assert loader.tokenize_workers(DataConfig(path=tmp_path), big) == loader.MAX_AUTO_WORKERS
     with pytest.raises(ValueError, match="DataConfig.tokenize_workers must be >= 0"):
         DataConfig(path=tmp_path, tokenize_workers=-1)

@@ -34,7 +34,7 @@ NAME = "dflash_pipe"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("protocol", ("", "wire")),
-    ("support", ("telemetry", "data", "fields", "diskspace")),
+    ("support", ("telemetry", "data", "fields", "diskspace", "cpus")),
     (
         "formats",
         ("run", "drafter.config", "drafter.rope", "drafter.presets", "train.config"),
