@@ -50,6 +50,7 @@ def worker_command(
     reconnect_timeout_s: float | None = None,
     stop_timeout_s: float | None = None,
     compile_cache: Path | None = None,
+    redirect: bool = True,
     python: str = sys.executable,
 ) -> list[str]:
     """The ``dflash-pipe worker`` command line (the one users run), wherever one is built: the launcher's
@@ -69,6 +70,8 @@ def worker_command(
         cmd += ["--compile-cache", str(compile_cache)]
     if keys is not None:
         cmd += ["--keys", str(keys)]
+    if not redirect:
+        cmd += ["--no-redirect"]
     return cmd
 
 

@@ -48,6 +48,12 @@ from dflash_pipe.run.config import WireConfig
     help="If the producer dies, seconds to keep trying the same address (for `launch --resume`); 0 exits.",
 )
 @click.option(
+    "--no-redirect",
+    is_flag=True,
+    help="Stay with the producer at --connect: the run's coordinator otherwise sends a worker to the "
+    "producer attached on its own node, so its features do not cross the network.",
+)
+@click.option(
     "--stop-timeout",
     type=float,
     default=WireConfig.__dataclass_fields__["stop_timeout_s"].default,
@@ -64,6 +70,7 @@ def worker(
     join_timeout: float,
     keys: Path | None,
     reconnect_timeout: float,
+    no_redirect: bool,
     stop_timeout: float,
 ) -> None:
     """Run drafter worker(s) that connect to a producer.
@@ -73,6 +80,11 @@ def worker(
       dflash-pipe worker --connect tcp://10.0.0.5:5555 --gpus 6,7
       dflash-pipe worker --connect tcp://127.0.0.1:5555 --device cpu
       dflash-pipe worker --connect tcp://10.0.0.5:5555 --gpus 6,7 --threads   # one process, two threads
+
+    \b
+    Given the run's coordinator, a worker on a node where a producer of the run is attached (`dflash-pipe
+    producer --connect`) is sent to that producer and trains on its features (shared memory or CUDA IPC),
+    unless --no-redirect.
     """
     import socket
     import subprocess
@@ -100,6 +112,7 @@ def worker(
                     stop_timeout_s=stop_timeout,
                     compile_cache=compile_cache,
                     keys=keys,
+                    redirect=not no_redirect,
                 )
             )
             for d in devices
@@ -118,6 +131,7 @@ def worker(
             keys=keys,
             reconnect_timeout_s=reconnect_timeout,
             stop_timeout_s=stop_timeout,
+            redirect=not no_redirect,
         )
     )
 

@@ -91,8 +91,20 @@ class ProducerCore(CoreState):
             peer.left = True
             peer.state = "left"
             self.scheduler.release(peer_id)
+        elif isinstance(msg, m.Serving):
+            self._serving(peer, msg)
         elif isinstance(msg, m.Hello):
             self.out.send(peer_id, m.Reject(reason="already joined"))
+
+    def _serving(self, peer: Peer, msg: m.Serving) -> None:
+        """An attached producer says where its node's workers find it: workers of that node that say
+        HELLO here are sent there from now on (``handshake.redirect_for``). Only a producer's word counts."""
+        if peer.role != "producer":
+            self.note(f"ignored SERVING from worker {peer.name}: only an attached producer serves workers")
+            return
+        if peer.serves != msg.address:
+            peer.serves = msg.address
+            self.note(f"producer {peer.name} serves the workers of its node at {msg.address}")
 
     def _ack(self, peer: Peer, msg: m.Ack) -> None:
         tokens_before = self.scheduler.stats.acked_tokens

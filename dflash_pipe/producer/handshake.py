@@ -1,8 +1,11 @@
 """The handshake: a worker's HELLO answered with WELCOME (and the eval batches, or word that they come
-later: the held-out set is still being regenerated) or REJECT naming why.
+later: the held-out set is still being regenerated), REJECT naming why, or REDIRECT to the producer of
+the worker's own node.
 
 A worker is admitted when it speaks this protocol version, supports frames, the run is not finishing and
-``wire.payload_path`` can serve it; ``choose_offers`` says which same-host ring it is offered.
+``wire.payload_path`` can serve it; ``choose_offers`` says which same-host ring it is offered. The run's
+coordinator first sends a worker from a node where an attached producer serves (``redirect_for``) to that
+producer, so its features stay on its node: only gradients and control messages cross nodes.
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ def admit(core: CoreState, peer_id: bytes, msg: m.Hello) -> Peer | None:
     if (why := refusal(core, msg)) is not None:
         core.out.reject(peer_id, why)
         return None
+    if (redirect := redirect_for(core, msg)) is not None:
+        core.out.redirect(peer_id, redirect)
+        core.redirected += 1
+        core.metrics.log({"workers_redirected": float(core.redirected)}, core.step)
+        core.note(
+            f"{msg.worker_name} ({msg.device} on {msg.host}) sent to producer {redirect.producer} at "
+            f"{redirect.address}: it runs on that worker's node, so its features stay there"
+        )
+        return None
     try:
         cuda_offered, ring_offered = choose_offers(
             core.cfg.wire.payload_path,
@@ -65,10 +77,7 @@ def admit(core: CoreState, peer_id: bytes, msg: m.Hello) -> Peer | None:
     peer.same_host = bool(core.host_id) and msg.host_id == core.host_id
     core.peers[peer_id] = peer
     if not peer.same_host and (local := node_producer(core, msg.host_id)) is not None:
-        core.note(
-            f"warning: {peer.name} gets its features over the network, but producer {local.name} runs on its "
-            f"node: start it with `dflash-pipe worker --connect` to that producer's address (its log says it)"
-        )
+        core.note(network_warning(peer, local, redirects=m.REDIRECT_CAPABILITY in msg.capabilities))
     # Ranks come from the drafters' rendezvous, not from here: this one is the arrival order, for the
     # dashboard. Every worker gets the eval set, since any of them may become rank 0.
     peer.rank = sum(1 for p in core.peers.values() if not p.left and p.role == "worker") - 1
@@ -82,6 +91,41 @@ def admit(core: CoreState, peer_id: bytes, msg: m.Hello) -> Peer | None:
     if core.step > 0:
         core.note(f"{peer.name} ({peer.device}) joins the run at step {core.step}")
     return peer
+
+
+def redirect_for(core: CoreState, msg: m.Hello) -> m.Redirect | None:
+    """REDIRECT for a worker whose node has an attached producer serving it, or None (welcome it here).
+
+    Only the coordinator redirects: an attached producer serves its own node, so a redirect never bounces.
+    Only a worker that follows redirects (``wire.messages.REDIRECT_CAPABILITY``), never one on this
+    producer's own node, and only to a producer that is live and said where it serves (SERVING, sent once
+    its loop answers HELLOs: a worker sent there is answered at once). If it dies before the worker's HELLO, the worker
+    comes back after ``timeout_s`` (the run's peer timeout, by which the producer is dropped here too)
+    without the capability and is welcomed here."""
+    if core.ctx.attached or m.REDIRECT_CAPABILITY not in msg.capabilities:
+        return None
+    if core.host_id and msg.host_id == core.host_id:
+        return None
+    local = node_producer(core, msg.host_id)
+    if local is None or not local.serves:
+        return None
+    return m.Redirect(producer=local.name, address=local.serves, timeout_s=core.cfg.wire.peer_timeout_s)
+
+
+def network_warning(peer: Peer, local: Peer, *, redirects: bool) -> str:
+    """Why a worker welcomed here is fed over the network although producer ``local`` runs on its node,
+    and what keeps its features there."""
+    if redirects:  # it would have followed: that producer did not say where it serves yet
+        why = "which did not serve yet (its target was loading); restart the worker to be sent there"
+    else:
+        why = (
+            "but this worker did not follow a redirect (`worker --no-redirect`, or that producer did not "
+            "answer it); restart it without --no-redirect, or connect it to that producer's address"
+        )
+    return (
+        f"warning: {peer.name} gets its features over the network, but producer {local.name} runs on its "
+        f"node, {why}"
+    )
 
 
 def node_producer(core: CoreState, host_id: str) -> Peer | None:

@@ -166,6 +166,9 @@ class ProducerProc:
     def reject(self, peer_id: bytes, reason: str) -> None:
         self.endpoint.reject(peer_id, reason)
 
+    def redirect(self, peer_id: bytes, msg: m.Redirect) -> None:
+        self.endpoint.try_send(peer_id, msg)
+
     # --- set-up ----------------------------------------------------------------------------------------
 
     def start_targets(self) -> None:

@@ -54,6 +54,9 @@ class Peer:
     """Its ``wire.shm.host_identity()``: which node it runs on."""
     same_host: bool = False
     """Same host identity as this producer: what it is sent stays on the node."""
+    serves: str = ""
+    """An attaching producer's address for the workers of its node (its SERVING), "" until it says: the
+    coordinator redirects a worker of that node there (``handshake.redirect_for``)."""
     link_bytes: int = 0
     """Bytes of features sent to this worker, or of plans' tokens to this producer."""
     report: dict[str, float] = field(default_factory=dict)
@@ -69,6 +72,10 @@ class Outbox(Protocol):
 
     def reject(self, peer_id: bytes, reason: str) -> None:
         """Answer REJECT without ever blocking (the peer may not be reading)."""
+        ...
+
+    def redirect(self, peer_id: bytes, msg: m.Redirect) -> None:
+        """Answer REDIRECT without ever blocking: like REJECT, the last word to a peer that never joins."""
         ...
 
 
@@ -150,6 +157,8 @@ class CoreState:
         """Time to the first step of each worker of an attaching producer (its METRICS name it)."""
         self.lost: list[str] = []
         """One line per worker that died or vanished (the run went on without it)."""
+        self.redirected = 0
+        """Workers sent to the producer of their own node instead of being welcomed here."""
         self.sent_by_ref = {"shm": 0, "cuda_ipc": 0}
         """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
         self._last_beat = 0.0

@@ -4,7 +4,9 @@ The attaching producer is a ``ProducerProc`` whose plans come from here instead 
 (``BatchScheduler(source=...)``): the coordinator's PLANs carry the samples' tokens, which
 ``LeasedSamples`` holds until their batch is ACKed. Each loop turn ``pump`` takes what the coordinator sent,
 asks for as many plans as its replicas and ready queue can take (READY credits, as a worker asks for
-batches), sends heartbeats and notices a silent coordinator. Its workers' ACKs, METRICS and CHECKPOINTs
+batches), sends heartbeats and notices a silent coordinator. Once its replicas are loaded (its loop
+answers HELLOs from then on) it tells the coordinator where it serves its node's workers (SERVING), so
+the coordinator sends the workers of this node that say HELLO there to it instead. Its workers' ACKs, METRICS and CHECKPOINTs
 go up unchanged (``forward``): the coordinator ends the plans' leases and keeps the run's record.
 """
 
@@ -93,6 +95,10 @@ class Upstream:
         self.ended = False
         """The coordinator said DONE: no plan comes any more."""
         self.plans_received = 0
+        self.serves = ""
+        """This producer's address for the workers of its node (set by ``run_attached`` once bound)."""
+        self.announced = False
+        """SERVING went up: the coordinator redirects this node's workers here."""
         self._last_heard = self._last_sent = self._last_report = time.monotonic()
 
     def source(self) -> Iterator[PlannedBatch | None]:
@@ -116,6 +122,9 @@ class Upstream:
                 f"the coordinator at {self.address} has been silent for {now - self._last_heard:.0f} s "
                 f"(--peer-timeout {self.peer_timeout_s:.0f}); it probably died"
             )
+        if self.serves and not self.announced and core.target_threads > 0:
+            self._send(m.Serving(address=self.serves))
+            self.announced = True
         if now - self._last_report >= REPORT_EVERY_S:
             self._last_report = now
             values = own_link_bytes(core)

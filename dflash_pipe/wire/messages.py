@@ -26,17 +26,26 @@ from msgspec import UNSET, Meta, UnsetType
 
 from dflash_pipe.wire.errors import ProtocolError, field_error
 
-PROTOCOL_VERSION = 6
-"""Bumped on any change to the header layout, a kind's fields or their meaning."""
+PROTOCOL_VERSION = 7
+"""Bumped on any change to the header layout, a kind's fields or their meaning (7: SERVING and REDIRECT,
+and HELLO's "redirect" capability, so a worker is sent to the producer of its own node)."""
 
 Role = Literal["worker", "producer"]
 """Who says HELLO: a drafter worker, or a producer attaching its target replicas to the run."""
+
+REDIRECT_CAPABILITY = "redirect"
+"""A HELLO capability: this worker follows a REDIRECT to the producer of its own node (not said by
+``worker --no-redirect``, nor by a worker that already followed one: it goes at most once)."""
 
 _MAX_PLAIN_DEPTH = 32  # nesting bound for free-form dict fields (drafter/train configs)
 
 NonNegative = Annotated[int, Meta(ge=0)]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(gt=0)]
+Address = Annotated[str, Meta(min_length=7, max_length=1024, pattern=r"^(tcp|ipc)://[^\x00-\x20]+$")]
+"""A ZeroMQ address a worker may connect to (tcp:// or ipc://, no spaces or control characters, bounded)."""
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+"""A worker's or producer's name (the dashboard's and the logs' key)."""
 Tensors = dict[str, torch.Tensor]
 """Named tensors; on the wire, the header's tensor table (`wire.codec`), never its field map."""
 
@@ -58,6 +67,8 @@ class Kind(enum.IntEnum):
     DONE = 0x0C  # producer -> worker
     BYE = 0x0D  # worker -> producer
     PLAN = 0x0E  # coordinator -> attaching producer: the tokens of a batch to compute and serve
+    SERVING = 0x0F  # attaching producer -> coordinator: the address its node's workers connect to
+    REDIRECT = 0x10  # coordinator -> worker: join the producer on your own node instead
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -118,11 +129,11 @@ class Hello(Message, kw_only=True):
     """Worker introduces itself; the producer answers WELCOME or REJECT."""
 
     KIND = Kind.HELLO
-    worker_name: str
+    worker_name: Name
     host: str
     pid: NonNegative
     device: str  # e.g. "cuda:0", "cpu"
-    capabilities: list[str] = []  # "frames"; "shm"; "cuda_ipc" (a CUDA device)
+    capabilities: list[str] = []  # "frames"; "shm"; "cuda_ipc" (a CUDA device); "redirect" (follows REDIRECT)
     host_id: str = ""  # wire.shm.host_identity(): equal on both sides means the ring can be shared
     protocol_version: NonNegative = PROTOCOL_VERSION
     role: Role = "worker"  # "producer": target replicas on another node that lease PLANs
@@ -239,6 +250,26 @@ class Plan(Message, kw_only=True):
                 )
 
 
+class Serving(Message, kw_only=True):
+    """An attaching producer answers its node's workers at ``address`` (sent once its loop serves them).
+    The coordinator sends a worker of that node there (REDIRECT), so its features never cross nodes."""
+
+    KIND = Kind.SERVING
+    address: Address
+
+
+class Redirect(Message, kw_only=True):
+    """Instead of WELCOME: producer ``producer`` of the run runs on the worker's own node and serves at
+    ``address``; the worker closes this link and says HELLO there (without the "redirect" capability: a
+    redirect never bounces). No WELCOME from there within ``timeout_s`` (the producer died meanwhile):
+    the worker comes back here, again without "redirect", and is fed over the network."""
+
+    KIND = Kind.REDIRECT
+    producer: Name
+    address: Address
+    timeout_s: Seconds
+
+
 class Ack(Message, kw_only=True):
     """The worker finished these batches (their leases end) at optimizer step `step`."""
 
@@ -295,7 +326,10 @@ class Bye(Message, kw_only=True):
     reason: str
 
 
-_CLASSES = (Hello, Welcome, Reject, Ready, Batch, Ack, Metrics, Checkpoint, Heartbeat, Error, Done, Bye, Plan)
+_CLASSES = (
+    Hello, Welcome, Reject, Ready, Batch, Ack, Metrics, Checkpoint, Heartbeat, Error, Done, Bye, Plan, Serving,
+    Redirect,
+)  # fmt: skip
 MESSAGE_TYPES: Mapping[Kind, type[Message]] = types.MappingProxyType({cls.KIND: cls for cls in _CLASSES})
 """Kind -> message class. The only dispatch table: the codec looks kinds up here, never by name."""
 if len(MESSAGE_TYPES) != len(_CLASSES):

@@ -7,8 +7,8 @@ goes wrong is reported to the producer as an ERROR message before the process ex
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import socket
 import sys
 import time
 import traceback
@@ -33,29 +33,12 @@ from dflash_pipe.train.distributed import DrafterGroup, GpuTakenError, GroupBrok
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.wire import messages as m
-from dflash_pipe.wire.cuda_ipc import cuda_ipc_supported
 from dflash_pipe.wire.ring import SlotRing
-from dflash_pipe.wire.shm import host_identity, shm_supported
-from dflash_pipe.wire.welcome import await_welcome
+from dflash_pipe.wire.welcome import Redirected
+from dflash_pipe.worker.join import HandshakeError, ProducerLost, RedirectUnanswered, follow, handshake
 from dflash_pipe.worker.link import ProducerLink, ready_paths
 from dflash_pipe.worker.loop import WorkerSession, checkpoint, evaluate, regroup, run_training
 from dflash_pipe.worker.threads import ThreadedReplicas
-
-CAPABILITIES = ["frames", "shm"] if shm_supported() else ["frames"]
-""""frames": payloads on the socket; "shm": can map a same-host producer's shared-memory ring. A worker on
-a CUDA device adds "cuda_ipc": it can open a same-host producer's ring in GPU memory."""
-
-
-class HandshakeError(RuntimeError):
-    """The producer refused this worker or never answered."""
-
-
-class _ProducerLost(Exception):
-    """This session's producer went away; the worker may reconnect to the same address."""
-
-    def __init__(self, reason: str, *, welcomed: bool) -> None:
-        super().__init__(reason)
-        self.welcomed = welcomed
 
 
 def run_worker(
@@ -68,10 +51,12 @@ def run_worker(
     stop_timeout_s: float,
     started_at: float | None = None,
     keys: Path | None = None,
+    redirect: bool = True,
 ) -> int:
     """Serves one producer; if it dies, keeps trying the same address for ``reconnect_timeout_s`` and
     joins the resumed run (``dflash-pipe launch --resume``) from its latest checkpoint. The timeouts have
-    their defaults in one place, the ``worker`` command's options.
+    their defaults in one place, the ``worker`` command's options. ``redirect``: follow the coordinator's
+    REDIRECT to the producer of this node (``worker.join``); False is ``worker --no-redirect``.
 
     SIGINT/SIGTERM: while training, finish the step, return the leases, leave the group (the last worker to
     leave checkpoints) within ``stop_timeout_s``, else exit hard; before training (connecting, warming up,
@@ -89,6 +74,7 @@ def run_worker(
             started_at=started_at,
             keys=keys,
             signals=signals,
+            redirect=redirect,
         )
     except StopNow as exc:
         print(f"dflash-pipe worker {name}: stopped by {exc} before training", file=sys.stderr, flush=True)
@@ -107,23 +93,25 @@ def _serve_until_done(
     started_at: float,
     keys: Path | None,
     signals: Signals,
+    redirect: bool,
 ) -> int:
-    """``_serve`` again after a lost producer, until it comes back or ``reconnect_timeout_s`` has passed."""
+    """``_serve`` again after a lost producer, until it comes back or ``reconnect_timeout_s`` has passed.
+    Each session starts at ``connect`` (``follow``: the coordinator may send it to its node's producer
+    again, or welcome it itself once that producer is gone)."""
     leave = signals.stop
     deadline: float | None = None
+    serve = functools.partial(
+        _serve, device=device, name=name, started_at=started_at, keys=keys, signals=signals
+    )
+
+    def say(line: str) -> None:
+        print(f"dflash-pipe worker {name}: {line}", file=sys.stderr, flush=True)
+
     while True:
         timeout_s = join_timeout_s if deadline is None else max(1.0, deadline - time.monotonic())
         try:
-            return _serve(
-                connect,
-                device=device,
-                name=name,
-                timeout_s=timeout_s,
-                started_at=started_at,
-                keys=keys,
-                signals=signals,
-            )
-        except _ProducerLost as lost:
+            return follow(serve, connect, redirect=redirect, timeout_s=timeout_s, say=say)
+        except ProducerLost as lost:
             if leave.is_set() or reconnect_timeout_s <= 0:
                 print(f"dflash-pipe worker {name}: {lost}; exiting.", file=sys.stderr, flush=True)
                 return 3
@@ -150,14 +138,17 @@ def _serve_until_done(
 def _serve(
     connect: str,
     *,
+    redirect: bool,
+    timeout_s: float,
+    unanswered: type[HandshakeError],
     device: str,
     name: str,
-    timeout_s: float,
     started_at: float,
     keys: Path | None,
     signals: Signals,
 ) -> int:
-    """One session with one producer: handshake, build, join the group, train, leave cleanly."""
+    """One session with one producer: handshake, build, join the group, train, leave cleanly. Its REDIRECT
+    (``Redirected``) and silence after one (``unanswered``) go up to ``follow``."""
     leave = signals.stop
     try:
         link = ProducerLink(connect, keys=keys)
@@ -169,7 +160,9 @@ def _serve(
     ring: SlotRing | None = None
     replicas: ThreadedReplicas | None = None
     try:
-        welcome = _handshake(link, name=name, device=device, timeout_s=timeout_s)
+        welcome = handshake(
+            link, name=name, device=device, timeout_s=timeout_s, redirect=redirect, unanswered=unanswered
+        )
         link.heartbeat_s = welcome.heartbeat_s
         link.peer_timeout_s = welcome.peer_timeout_s
         devs = [torch.device(d) for d in device.split(",")]
@@ -245,13 +238,15 @@ def _serve(
     except StopNow as exc:  # a signal before training: nothing to drain, the producer hears BYE
         link.send_and_flush(m.Bye(reason=f"{name} stopped by {exc} before training"))
         raise
+    except (Redirected, RedirectUnanswered):  # never joined here: ``follow`` goes on (the link closes below)
+        raise
     except BaseException as exc:  # report every failure to the producer, then exit non-zero
         if link.refused is not None:  # wrong or missing CURVE keys: the fix is here, retrying cannot help
             print(f"dflash-pipe worker {name}: {link.refused}", file=sys.stderr, flush=True)
             return 2
         if link.lost_reason is not None or isinstance(exc, RendezvousLostError):
             reason = link.lost_reason or f"the producer at {connect} is gone ({exc})"
-            raise _ProducerLost(reason, welcomed=welcome is not None) from None
+            raise ProducerLost(reason, welcomed=welcome is not None) from None
         message = f"{type(exc).__name__}: {exc}"
         whole = isinstance(
             exc, (HandshakeError, KeyboardInterrupt, DiskFullError, GpuTakenError)
@@ -301,29 +296,6 @@ def _build_replicas(
             )
         models.append(model)
     return models, warm
-
-
-def _handshake(link: ProducerLink, *, name: str, device: str, timeout_s: float) -> m.Welcome:
-    link.send(
-        m.Hello(
-            protocol_version=m.PROTOCOL_VERSION,
-            worker_name=name,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            device=device,
-            capabilities=CAPABILITIES + (["cuda_ipc"] if cuda_ipc_supported(device.split(",")[0]) else []),
-            host_id=host_identity(),
-        )
-    )
-    return await_welcome(
-        lambda timeout: link.get(timeout_s=timeout),
-        address=link.address,
-        peer="producer",
-        me="worker",
-        error=HandshakeError,
-        timeout_s=timeout_s,
-        hint="Is `dflash-pipe launch` running there, and is the address (host and port) the one it printed?",
-    )
 
 
 def _receive_eval_set(s: WorkerSession, welcome: m.Welcome) -> None:

@@ -3,8 +3,9 @@ producer attached with ``dflash-pipe producer --connect`` with its own workers, 
 another node (``DFLASH_PIPE_NODE``: no ring between the nodes, features counted as crossing the network).
 
 What the ledger and metrics.jsonl must say: every sample of the epoch trained exactly once across both
-producers, no feature byte between the nodes (only plans' tokens), and after the second node's producer
-and workers are SIGKILLed mid-epoch, nothing lost. Each test prints its figures (``-s`` to see them).
+producers, no feature byte between the nodes (only plans' tokens), after the second node's producer
+and workers are SIGKILLed mid-epoch, nothing lost, and a worker of the second node pointed at the
+coordinator is sent to its own node's producer (REDIRECT). Each test prints its figures (``-s``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def attach_node(address: str, name: str, log: Path, workers: int = 2) -> subproc
     env["DFLASH_PIPE_NODE"] = name
     cmd = [sys.executable, "-m", "dflash_pipe", "producer", "--connect", address, "--device", "cpu"]
     cmd += ["--workers", str(workers), "--name", name]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def node_worker(address: str, name: str, node: str, log: Path) -> subprocess.Popen:
+    """``dflash-pipe worker --connect ADDRESS`` started by hand on the simulated node ``node``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env["DFLASH_PIPE_NODE"] = node
+    cmd = [sys.executable, "-m", "dflash_pipe", "worker", "--connect", address, "--device", "cpu"]
+    cmd += ["--name", name, "--reconnect-timeout", "5"]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -109,6 +120,56 @@ def test_a_sigkilled_node_loses_nothing_and_the_run_finishes(tmp_path: Path):
         f"\nFIGURES node SIGKILL: group of 2 again {recover_s:.1f} s after its workers were killed (step "
         f"{regrouped['step']}), steps {step}, samples lost {EPOCHS * ledger.num_samples - ledger.total_trained()}, "
         f"duplicates {ledger.duplicates} (given back: {released:.0f} samples)"
+    )
+
+
+def test_a_worker_pointed_at_the_coordinator_is_sent_to_its_nodes_producer(tmp_path: Path):
+    """One worker a node (a third comes by hand to node1 with the coordinator's address): the coordinator
+    redirects it to node1's producer, it trains in the run's one group there, and no feature byte crosses
+    between the nodes. The run is stopped (SIGINT, a drain) a few steps after the third worker joined."""
+    data = small_data(tmp_path, 240)
+    args = ["--data", str(data), "--workers", "1", "--epochs", "50", "--eval-samples", "4"]
+    run = LiveRun(tmp_path / "run", *args, "--checkpoint-every", "100000")
+    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
+    node = attach_node(address, "node1", tmp_path / "node1.log", workers=1)
+    extra: subprocess.Popen | None = None
+    log = tmp_path / "extra.log"
+    try:
+        wait_for_row(run, lambda r: r.get("world_size") == 2, timeout=180)  # node1 serves (it welcomed one)
+        extra = node_worker(address, "extra", "node1", log)
+        joined = wait_for_row(run, lambda r: r.get("world_size") == 3, timeout=180)
+        wait_for_row(run, lambda r: "loss" in r and r["step"] >= joined["step"] + 3, timeout=180)
+        run.proc.send_signal(signal.SIGINT)
+        rc, out = run.finish(timeout=180)
+        assert rc == 0, out
+        assert node.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()
+        assert extra.wait(timeout=60) == 0, log.read_text()
+    finally:
+        for proc in (node, extra):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    node1_log, extra_log = (tmp_path / "node1.log").read_text(), log.read_text()
+    served_at = _served_at(tmp_path / "node1.log")
+    assert (
+        f"redirected by the coordinator to producer node1 at {served_at}: it runs on this node, so features "
+        "stay here"
+    ) in extra_log, extra_log
+    assert last(run.run_dir, "workers_redirected") == 1.0
+    assert last(run.run_dir, "time_to_first_step_s/extra") > 0  # its first step, reported by node1's producer
+    assert "gets its features over the network" not in out + node1_log
+    remote = [
+        last(run.run_dir, k)
+        for k in ("wire/feature_bytes_remote", "producer/node1/wire/feature_bytes_remote")
+    ]
+    node1_features = last(run.run_dir, "producer/node1/wire/feature_bytes_local")
+    own_features = last(run.run_dir, "wire/feature_bytes_local") - node1_features
+    plan_bytes = last(run.run_dir, "wire/plan_bytes")
+    assert remote == [0.0, 0.0] and node1_features > 0 and own_features > 0, (remote, node1_features)
+    print(
+        f"\nFIGURES redirect: the third worker joined at step {joined['step']} through node1's producer; "
+        f"feature bytes node0 local {own_features / 1e6:.1f} MB, node1 local {node1_features / 1e6:.1f} MB, "
+        f"remote {remote[0]:.0f} (coordinator's links) and {remote[1]:.0f} (node1's); plans "
+        f"{plan_bytes / 1e3:.0f} KB"
     )
 
 

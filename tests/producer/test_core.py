@@ -32,12 +32,16 @@ class Outbox:
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, Any]] = []
         self.rejected: list[tuple[bytes, str]] = []
+        self.redirected: list[tuple[bytes, m.Redirect]] = []
 
     def send(self, peer_id: bytes, msg: Any, *, ring: Any = None) -> None:
         self.sent.append((peer_id, msg))
 
     def reject(self, peer_id: bytes, reason: str) -> None:
         self.rejected.append((peer_id, reason))
+
+    def redirect(self, peer_id: bytes, msg: m.Redirect) -> None:
+        self.redirected.append((peer_id, msg))
 
     def of(self, peer_id: bytes, kind: type) -> list[Any]:
         return [msg for who, msg in self.sent if who == peer_id and isinstance(msg, kind)]

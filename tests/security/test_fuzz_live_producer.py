@@ -59,6 +59,8 @@ def _valid_frames() -> list[list[bytes]]:
         m.Bye(reason="bye"),
         m.Done(reason="done"),
         m.Reject(reason="no"),
+        m.Serving(address="tcp://127.0.0.1:1"),  # from a peer that never said HELLO as a producer
+        m.Redirect(producer="node1", address="ipc:///tmp/fuzz.sock", timeout_s=1.0),
         batch,
     ]
     return [[bytes(f) for f in encode(msg)] for msg in msgs]

@@ -18,7 +18,9 @@ from dflash_pipe.wire import (
     Metrics,
     Plan,
     Ready,
+    Redirect,
     Reject,
+    Serving,
     Welcome,
 )
 
@@ -79,6 +81,8 @@ def every_kind() -> list[Message]:
                 "loss_mask": torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8),
             },
         ),
+        Serving(address="tcp://10.0.0.7:41234"),
+        Redirect(producer="node1", address="ipc:///tmp/dflash/node1.sock", timeout_s=120.0),
     ]
 
 

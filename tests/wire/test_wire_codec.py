@@ -98,7 +98,7 @@ def test_golden_frame_layout(batch_factory):
     assert len(frames) == 3
     header = header_of(frames)
     assert list(header) == ["v", "k", "f", "t"]
-    assert header["v"] == 6 and header["k"] == Kind.BATCH == 5
+    assert header["v"] == 7 and header["k"] == Kind.BATCH == 5
     assert header["f"] == {
         "batch_id": 7,
         "epoch": 2,

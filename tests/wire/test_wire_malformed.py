@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import dflash_pipe.wire.codec as codec
-from dflash_pipe.wire import Heartbeat, ProtocolError, ProtocolVersionError, decode, encode
+from dflash_pipe.wire import Heartbeat, ProtocolError, ProtocolVersionError, Redirect, Serving, decode, encode
 from dflash_pipe.wire.messages import PROTOCOL_VERSION
+
+_REDIRECT = Redirect(producer="node1", address="tcp://127.0.0.1:4000", timeout_s=30.0)
 
 
 @pytest.fixture
@@ -154,3 +156,42 @@ def test_frame_count_and_tensor_table_are_capped(batch_frames):
 
 def test_header_cap_is_configurable(batch_frames):
     rejects(batch_frames, "header frame of .* exceeds the 16-byte cap", max_header_bytes=16)
+
+
+@pytest.mark.parametrize(
+    "msg, edit, match",
+    [
+        (
+            Serving(address="tcp://10.0.0.7:4000"),
+            lambda f: f.update(address=7),
+            "Serving.address': expected str",
+        ),
+        (
+            Serving(address="tcp://10.0.0.7:4000"),
+            lambda f: f.pop("address"),
+            r"missing field\(s\) \['address'\]",
+        ),
+        (Serving(address="tcp://10.0.0.7:4000"), lambda f: f.update(address="inproc://x"), "matching regex"),
+        (
+            Serving(address="tcp://10.0.0.7:4000"),
+            lambda f: f.update(address="tcp://a\nb:1"),
+            "matching regex",
+        ),
+        (
+            Serving(address="tcp://10.0.0.7:4000"),
+            lambda f: f.update(address="tcp://" + "9" * 5000),
+            "<= 1024",
+        ),
+        (Serving(address="tcp://10.0.0.7:4000"), lambda f: f.update(serves="x"), r"unknown field\(s\)"),
+        (_REDIRECT, lambda f: f.update(address="file:///etc/passwd"), "Redirect.address'.*matching regex"),
+        (_REDIRECT, lambda f: f.update(producer="p" * 300), "Redirect.producer'.*<= 256"),
+        (_REDIRECT, lambda f: f.update(producer=["node1"]), "Redirect.producer': expected str"),
+        (_REDIRECT, lambda f: f.update(timeout_s=-1.0), "Redirect.timeout_s': must be > 0"),
+        (_REDIRECT, lambda f: f.update(timeout_s="soon"), "Redirect.timeout_s': expected float"),
+        (_REDIRECT, lambda f: f.pop("timeout_s"), r"missing field\(s\) \['timeout_s'\]"),
+    ],
+)
+def test_hostile_serving_and_redirect_are_refused(msg, edit, match):
+    """The address an attached producer announces and the redirect a worker follows are bounded and
+    checked before anyone connects anywhere: tcp:// or ipc:// only, no whitespace, at most 1024 bytes."""
+    rejects(repack(encode(msg), lambda h: edit(h["f"])), match)

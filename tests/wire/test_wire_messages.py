@@ -16,6 +16,8 @@ from dflash_pipe.wire import (
     Metrics,
     ProtocolError,
     Ready,
+    Redirect,
+    Serving,
     Welcome,
     decode,
     encode,
@@ -38,11 +40,11 @@ def test_registry_covers_every_kind_once(messages):
 
 def test_kind_bytes_are_pinned():
     # Golden: kind bytes are part of the protocol; changing one needs a PROTOCOL_VERSION bump.
-    assert PROTOCOL_VERSION == 6
+    assert PROTOCOL_VERSION == 7
     assert {k.name: k.value for k in Kind} == {
         "HELLO": 1, "WELCOME": 2, "REJECT": 3, "READY": 4, "BATCH": 5, "ACK": 7,
         "METRICS": 8, "CHECKPOINT": 9, "HEARTBEAT": 10, "ERROR": 11, "DONE": 12, "BYE": 13,
-        "PLAN": 14,
+        "PLAN": 14, "SERVING": 15, "REDIRECT": 16,
     }  # fmt: skip
 
 
@@ -67,6 +69,8 @@ def test_field_names_are_pinned():
         "DONE": ["reason", "evaluate"],
         "BYE": ["reason"],
         "PLAN": ["batch_id", "epoch", "sample_ids", "lengths", "tensors", "eval_set"],
+        "SERVING": ["address"],
+        "REDIRECT": ["producer", "address", "timeout_s"],
     }  # fmt: skip
 
 
@@ -91,6 +95,18 @@ def test_normalization(messages):
         (lambda: Ack(batch_ids=[1, -1], step=0), "Ack.batch_ids[1]': must be >= 0"),
         (lambda: Ack(batch_ids=5, step=0), "Ack.batch_ids': expected array, got int 5"),
         (lambda: Hello(worker_name=3, host="h", pid=1, device="cpu"), "Hello.worker_name': expected str"),
+        (lambda: Hello(worker_name="w" * 257, host="h", pid=1, device="cpu"), "of length <= 256"),
+        (lambda: Serving(address="http://node1:80"), "Serving.address': expected `str` matching regex"),
+        (lambda: Serving(address="tcp://node1 :1"), "Serving.address': expected `str` matching regex"),
+        (
+            lambda: Serving(address="tcp://" + "a" * 1100),
+            "Serving.address': expected `str` of length <= 1024",
+        ),
+        (lambda: Redirect(producer="", address="tcp://n:1", timeout_s=1.0), "Redirect.producer': expected"),
+        (
+            lambda: Redirect(producer="n", address="tcp://n:1", timeout_s=0.0),
+            "Redirect.timeout_s': must be > 0",
+        ),
         (lambda: Metrics(step=0, values={"a": "x"}), "Metrics.values[...]': expected float | array, got str"),
         (lambda: Metrics(step=0, values={1: 1.0}), "Metrics.values key'"),
         (lambda: Batch(batch_id=0, epoch=0, sample_ids=[1], lengths=[], tensors={}), "1 sample_ids"),
