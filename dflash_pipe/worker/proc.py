@@ -128,8 +128,9 @@ def _serve_until_done(
                 deadline = time.monotonic() + reconnect_timeout_s
             print(
                 f"dflash-pipe worker {name}: {lost}. Reconnecting to {connect} for up to "
-                f"{reconnect_timeout_s:.0f} s (--reconnect-timeout); restart the producer with "
-                "`dflash-pipe launch --resume RUN_DIR`.",
+                f"{reconnect_timeout_s:.0f} s (--reconnect-timeout). If the run's coordinator is gone too, "
+                "resume it with `dflash-pipe launch --resume RUN_DIR` (a lost attached producer needs nothing: "
+                "the coordinator takes this worker back).",
                 file=sys.stderr,
                 flush=True,
             )
