@@ -23,6 +23,7 @@ from dflash_pipe.telemetry import MetricsLogger, RateMeter, RunState, TimeShares
 from dflash_pipe.wire import messages as m
 
 if TYPE_CHECKING:
+    from dflash_pipe.producer.min_workers import GroupWait
     from dflash_pipe.producer.rings import Rings
 
 
@@ -153,6 +154,8 @@ class CoreState:
         self.sent_by_ref = {"shm": 0, "cuda_ipc": 0}
         """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
         self._last_beat = 0.0
+        self.group_wait: GroupWait | None = None
+        """The drafters wait for ``train.min_workers`` before this launch's first step (``min_workers``)."""
 
     def _plan_epoch(self, epoch: int, exclude: set[int]) -> Iterable[list[int] | None]:
         if self.regen is not None:
