@@ -120,3 +120,68 @@ def _served_at(log: Path, timeout: float = 60) -> str:
                 return line.rsplit("serving them at ", 1)[1].strip()
         time.sleep(0.2)
     raise AssertionError(log.read_text())
+
+
+# --- issue 31: two nodes train like one ----------------------------------------------------------------------
+
+CURVE_SAMPLES = 160
+CURVE_EPOCHS = 2
+WINDOWS = 4
+LOSS_TOLERANCE = 0.0
+"""Set from the measurement in the docstring of the test below."""
+
+
+def one_node(tmp_path: Path, data: Path, *args: str) -> LiveRun:
+    """``launch`` of four CPU workers, a loss row at every step."""
+    config = tmp_path / "log_every_step.yaml"
+    config.write_text("train:\n  log_every: 1\n")
+    return LiveRun(
+        tmp_path / "run",
+        "--config",
+        str(config),
+        "--data",
+        str(data),
+        "--epochs",
+        str(CURVE_EPOCHS),
+        "--eval-samples",
+        "4",
+        *args,
+    )
+
+
+def two_nodes(tmp_path: Path, data: Path, *args: str) -> tuple[LiveRun, subprocess.Popen]:
+    """The coordinator with two workers and an attached producer with two more."""
+    run = one_node(tmp_path, data, "--workers", "2", *args)
+    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
+    return run, attach_node(address, "node1", tmp_path / "node1.log")
+
+
+def finish(run: LiveRun, node: subprocess.Popen | None = None) -> None:
+    try:
+        rc, out = run.finish(timeout=300)
+        assert rc == 0, out
+        if node is not None:
+            assert node.wait(timeout=60) == 0
+    finally:
+        if node is not None and node.poll() is None:
+            node.kill()
+
+
+def curve(run_dir: Path) -> list[dict]:
+    """One row per step with its loss, progress (the share of all planned samples trained) and world size."""
+    by_step = {}
+    for r in rows(run_dir):
+        if "loss" in r:
+            by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def window_means(points: list[dict], windows: int = WINDOWS) -> list[float]:
+    """Mean loss of the steps in each of ``windows`` equal slices of the run's progress (samples trained,
+    not steps: a step of fewer batches is a smaller part of the run)."""
+    sums, counts = [0.0] * windows, [0] * windows
+    for r in points:
+        i = min(int(r["progress"] * windows), windows - 1)
+        sums[i] += r["loss"]
+        counts[i] += 1
+    return [s / max(c, 1) for s, c in zip(sums, counts, strict=True)]
