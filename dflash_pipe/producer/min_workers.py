@@ -10,23 +10,10 @@ comes must not leave a cluster idle without a word.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash_pipe.producer.errors import RunAborted
-
-if TYPE_CHECKING:
-    from dflash_pipe.producer.state import CoreState
-
-
-@dataclass(slots=True)
-class GroupWait:
-    """The group is below ``train.min_workers`` and has taken no step in this launch."""
-
-    since: float
-    """When the producer first heard of it (monotonic)."""
-    needed: int
-    present: int
+from dflash_pipe.producer.state import CoreState, GroupWait
 
 
 def waiting_line(needed: int, present: int) -> str:

@@ -23,8 +23,18 @@ from dflash_pipe.telemetry import MetricsLogger, RateMeter, RunState, TimeShares
 from dflash_pipe.wire import messages as m
 
 if TYPE_CHECKING:
-    from dflash_pipe.producer.min_workers import GroupWait
     from dflash_pipe.producer.rings import Rings
+
+
+@dataclass(slots=True)
+class GroupWait:
+    """The drafters' group is below ``train.min_workers`` and has taken no step in this launch
+    (``producer.min_workers``)."""
+
+    since: float
+    """When the producer first heard of it (monotonic)."""
+    needed: int
+    present: int
 
 
 @dataclass(slots=True)
