@@ -50,5 +50,6 @@ def watch_group_wait(core: CoreState, *, coordinator: bool, now: float | None = 
             f"--min-workers {wait.needed}: only {wait.present} worker(s) joined the drafters' group within "
             f"{limit:.0f} s (wire.join_timeout_s), so no step was taken. Start the missing nodes' producers "
             "(`dflash-pipe producer --connect`) or workers, or resume with fewer: `dflash-pipe launch --resume "
-            f"RUN_DIR --min-workers {max(wait.present, 1)}` (a config file's join_timeout waits longer)."
+            f"RUN_DIR --min-workers {max(wait.present, 1)}`; to wait longer, set wire.join_timeout_s in a "
+            "--config file."
         )
