@@ -20,7 +20,8 @@ def test_min_workers_never_reached_stops_the_run_then_a_resume_waits_again_until
     config = tmp_path / "short_wait.yaml"
     config.write_text("wire:\n  join_timeout_s: 20\n")
     args = ["--config", str(config), "--workers", "1", "--data", str(data), "--epochs", "1"]
-    run = LiveRun(tmp_path / "run", *args, "--eval-samples", "4", "--min-workers", "2")
+    # a wait 4x the peer timeout: a waiting worker keeps beating, so it is not dropped as silent meanwhile
+    run = LiveRun(tmp_path / "run", *args, "--eval-samples", "4", "--min-workers", "2", "--peer-timeout", "5")
     t0 = time.monotonic()
     rc, out = run.finish(timeout=180)
     stopped_s = time.monotonic() - t0
@@ -28,6 +29,7 @@ def test_min_workers_never_reached_stops_the_run_then_a_resume_waits_again_until
     assert "waiting for 2 workers (1 in) before the first step (--min-workers 2)" in out, out
     assert "--min-workers 2: only 1 worker(s) joined the drafters' group within 20 s" in out, out
     assert not [r for r in rows(run.run_dir) if "loss" in r]  # not one step at world 1
+    assert "silent" not in out, out
     log = (run.run_dir / "logs" / "worker0.log").read_text()
     assert log.count("waiting for 2 workers (1 in)") == 1, log
 
