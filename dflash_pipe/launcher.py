@@ -138,6 +138,8 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
         f"{len(ctx.train_samples)} training samples, run dir {cfg.run_dir}"
         + (f", resuming from {ctx.resume_from.name}" if ctx.resume_from else "")
     )
+    if cfg.train.min_workers > 1:
+        console.print(f"note: first step {cfg.first_step_note()}", markup=False, highlight=False)
     for note in ctx.notes:
         console.print(f"note: {note}", markup=False, highlight=False)
     left_out = ctx.data.skipped_lines + sum(ctx.data.drop_reasons.values()) + ctx.data.truncated

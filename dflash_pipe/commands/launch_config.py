@@ -328,6 +328,8 @@ def plan_text(cfg: RunConfig, *, resume: bool) -> str:
             cfg, "<producer address>", name=f"worker{i}", device=",".join(devices), python="python"
         )
         lines.append(" " * 15 + shlex.join(cmd))
+    if cfg.train.min_workers > 1:
+        row("first step", cfg.first_step_note())
     row("compile cache", f"{cfg.cache_dir} (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)")
     sinks = []
     for kind in dict.fromkeys(["jsonl", *cfg.log]):

@@ -30,6 +30,7 @@ from dflash_pipe.producer.coordinator import (
 from dflash_pipe.producer.display import log_worker_metrics
 from dflash_pipe.producer.errors import NothingToTrain, RunAborted
 from dflash_pipe.producer.handshake import admit
+from dflash_pipe.producer.min_workers import watch_group_wait
 from dflash_pipe.producer.payloads import payload_for
 from dflash_pipe.producer.regen import GenerateDone
 from dflash_pipe.producer.scheduler import ReadyBatch
@@ -306,8 +307,10 @@ class ProducerCore(CoreState):
                 self.note(f"warning: {name} {why.splitlines()[0]}")
 
     def watch_peers(self) -> None:
-        """Heartbeats every ``heartbeat_s``; drops a worker silent for ``peer_timeout_s``."""
+        """Heartbeats every ``heartbeat_s``; drops a worker silent for ``peer_timeout_s``; a group that
+        waits for ``train.min_workers`` too long stops the run (``producer.min_workers``)."""
         now = time.monotonic()
+        watch_group_wait(self, coordinator=not self.ctx.attached, now=now)
         if now - self._last_beat >= self.cfg.wire.heartbeat_s:
             self._last_beat = now
             for peer in self.peers.values():

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dflash_pipe.producer.coordinator import link_bytes
+from dflash_pipe.producer.min_workers import heard_waiting
 from dflash_pipe.telemetry import RunState
 
 if TYPE_CHECKING:
@@ -194,6 +195,8 @@ def log_worker_metrics(core: CoreState, peer: Peer, msg: m.Metrics) -> None:
             f"worker {peer.name}: its compiled step failed the check against eager (train.compile=full); it "
             "trains with --compile attention, slower steps (its log says why)"
         )
+    if "group/min_workers" in values:
+        heard_waiting(core, values)
     if "time_to_first_step_s" in values:
         peer.first_step_s = float(values["time_to_first_step_s"])
         values = {f"time_to_first_step_s/{peer.name}": peer.first_step_s}

@@ -27,6 +27,17 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class GroupWait:
+    """The drafters' group is below ``train.min_workers`` and has taken no step in this launch
+    (``producer.min_workers``)."""
+
+    since: float
+    """When the producer first heard of it (monotonic)."""
+    needed: int
+    present: int
+
+
+@dataclass(slots=True)
 class Peer:
     """A worker (or an attaching producer) in the run, as the core tracks it from its HELLO on."""
 
@@ -162,6 +173,8 @@ class CoreState:
         self.sent_by_ref = {"shm": 0, "cuda_ipc": 0}
         """BATCHes whose features went through each ring (a slot reference) instead of socket frames."""
         self._last_beat = 0.0
+        self.group_wait: GroupWait | None = None
+        """The drafters wait for ``train.min_workers`` before this launch's first step (``min_workers``)."""
 
     def _plan_epoch(self, epoch: int, exclude: set[int]) -> Iterable[list[int] | None]:
         if self.regen is not None:

@@ -281,6 +281,17 @@ class RunConfig:
     def cache_dir(self) -> Path:
         return self.compile_cache or self.run_dir / COMPILE_CACHE_DIR
 
+    def first_step_note(self) -> str:
+        """When the first step comes under ``--min-workers`` (the dry run's plan, the launch's note)."""
+        need, here = self.train.min_workers, self.layout.num_workers
+        line = f"once {need} drafters are in the group (--min-workers {need}); this launch starts {here}"
+        if need > here:
+            line += (
+                ": the others attach (`dflash-pipe producer --connect` on other nodes, or `dflash-pipe worker "
+                "--connect`)"
+            )
+        return line
+
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
 

@@ -65,6 +65,18 @@ class TrainConfig:
         default=None, metadata=flag("--max-steps", "Stop after this many optimizer steps.", resume=True)
     )
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
+    min_workers: int = field(
+        default=1,
+        metadata=flag(
+            "--min-workers",
+            "Take no step until this many drafters are in the group, over every node (like torchrun's "
+            "--nnodes MIN:MAX; default 1: start with whoever is in). Workers of attached producers count.",
+            resume=True,
+        ),
+    )
+    """Drafters the group must hold before this launch's first optimizer step (a cluster starts at its full
+    size instead of taking its first steps with the first node alone). Counted again at every launch
+    (``--resume`` too); once the first step is taken, members that leave or die never stop the run."""
     compile: Literal["auto", "full", "attention", "off", "on"] = field(
         default="auto",
         metadata=flag(
@@ -139,6 +151,11 @@ class TrainConfig:
             )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 or unset, got {self.max_steps}.")
+        if self.min_workers < 1:
+            raise ValueError(
+                f"train.min_workers (--min-workers) must be >= 1, got {self.min_workers}; 1 starts training "
+                "with whoever is in."
+            )
         for name in ("compile", "compile_warmup", "activation_checkpointing"):
             check_choice(self, name, f"train.{name}")
         if self.log_every < 1:

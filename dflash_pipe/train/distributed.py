@@ -9,9 +9,10 @@ socket closes, or after the collective timeout), which we raise as ``GroupBroken
 then move to the next round, where the rendezvous drops the dead node once its keep-alive expires.
 
 Workers receive batches at different moments, so every step starts with a tiny vote: who has a batch,
-who wants to stop, who leaves, whether someone waits to join. Gradients are summed (not averaged) and
-divided by the global CE weight, so the update equals one big batch of all ranks' samples, whatever the
-split or the world size.
+who wants to stop, who leaves, whether someone waits to join, how many drafters each member runs and
+whether the launch has started (``StepVote.may_step``: ``train.min_workers``). Gradients are summed (not
+averaged) and divided by the global CE weight, so the update equals one big batch of all ranks' samples,
+whatever the split or the world size.
 """
 
 from __future__ import annotations
@@ -99,10 +100,20 @@ class StepVote:
     """Per rank: it leaves the group after this vote (Ctrl-C on that worker)."""
     waiting: int
     """Workers waiting in the rendezvous to join."""
+    drafters: int = 1
+    """Drafters in the group: one per member process, more for a threaded member."""
+    started: bool = True
+    """Some member has seen this launch's first step allowed (or the run's store says so)."""
 
     @property
     def regroup(self) -> bool:
         return any(self.leaving) or self.waiting > 0
+
+    def may_step(self, min_workers: int) -> bool:
+        """Whether the group may take an optimizer step: once ``min_workers`` drafters are in, and from then
+        on whatever the group's size (a member lost later must not freeze the run). Read from the vote
+        alone, so every rank decides alike: one rank stepping while another waits would deadlock."""
+        return self.started or self.drafters >= min_workers
 
 
 class DrafterGroup:
@@ -128,9 +139,13 @@ class DrafterGroup:
         self.world_size = 0
         self.generation = 0
         """How many groups this worker has formed (1 = the first)."""
+        self.started = False
+        """This launch may step (``mark_started``): sticky for this process, shared through every vote."""
         self._timeout = timedelta(seconds=timeout_s)
         self._comm_device = device if self.backend == "nccl" else torch.device("cpu")
         store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=self._timeout)
+        self._store = store
+        self._started_key = f"drafters-{run_id}/started"
         if device.type == "cuda":
             claim_gpu(store, str(torch.cuda.get_device_properties(device).uuid), name or f"pid {os.getpid()}")
         self._handler: DynamicRendezvousHandler | None = DynamicRendezvousHandler.from_backend(
@@ -163,10 +178,12 @@ class DrafterGroup:
         self.rank, self.world_size = info.rank, info.world_size
         self.generation += 1
 
-    def vote(self, *, has_batch: bool, stop: bool, leave: bool, num_ids: int) -> StepVote:
-        with _rendezvous():
+    def vote(self, *, has_batch: bool, stop: bool, leave: bool, num_ids: int, drafters: int = 1) -> StepVote:
+        """``drafters``: how many this member trains (its replicas)."""
+        with _rendezvous(store=True):
             waiting = self._handler.num_nodes_waiting()
-        row = [int(has_batch), int(stop), num_ids, int(leave), waiting]
+            started = self.started or self._store.check([self._started_key])
+        row = [int(has_batch), int(stop), num_ids, int(leave), waiting, drafters, int(started)]
         table = self.all_gather_ints(row)
         return StepVote(
             active=int(table[:, 0].sum()),
@@ -174,7 +191,18 @@ class DrafterGroup:
             counts=table[:, 2].tolist(),
             leaving=[bool(x) for x in table[:, 3].tolist()],
             waiting=int(table[:, 4].max()),
+            drafters=int(table[:, 5].sum()),
+            started=bool(table[:, 6].any()),
         )
+
+    def mark_started(self) -> None:
+        """This launch's first step is allowed: remembered here and in the run's store, so a member that
+        joins later (even after every member that saw it is gone) never waits for ``min_workers`` again.
+        The store lives in the producer: a new launch (``--resume``) starts with a new one."""
+        if not self.started:
+            self.started = True
+            with _rendezvous(store=True):
+                self._store.set(self._started_key, "1")
 
     def all_gather_ints(self, row: list[int]) -> torch.Tensor:
         """Every rank's row of small ints -> [world_size, len(row)] int64 on CPU."""
@@ -268,12 +296,16 @@ class _collective:
 
 
 class _rendezvous:
-    """Turns a lost connection to the rendezvous store into RendezvousLostError."""
+    """Turns a lost connection to the rendezvous store into RendezvousLostError. ``store``: the block also
+    calls the store itself (not through the rendezvous), whose errors are torch's ``DistError``s."""
+
+    def __init__(self, *, store: bool = False) -> None:
+        self.errors = (RendezvousConnectionError, dist.DistError) if store else (RendezvousConnectionError,)
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
-        if isinstance(exc, RendezvousConnectionError):
+        if isinstance(exc, self.errors):
             raise RendezvousLostError(f"the drafters' rendezvous store stopped answering: {exc}") from exc
         return False

@@ -31,6 +31,8 @@ from dflash_pipe.worker.link import ProducerLink
 from dflash_pipe.worker.step import forward_backward, zero_totals
 
 _POLL_S = 0.05
+_GATED_POLL_S = 0.25
+"""Between the votes of a group waiting for ``train.min_workers``: no step to take, so vote less often."""
 
 
 class ProducerRefusedError(RuntimeError):
@@ -111,6 +113,8 @@ class WorkerSession:
     """The target checkpoint (the real evaluation loads it), for an eval set that arrives late."""
     eval_incoming: list[DeviceBatch] = field(default_factory=list)
     """Eval BATCHes of a late held-out set received so far (evaluated only once all have come)."""
+    waiting_for: int = 0
+    """While the group is below ``train.min_workers`` before the first step: the drafter count last said."""
 
     def __post_init__(self) -> None:
         if self.replicas is None:
@@ -139,13 +143,17 @@ def run_training(s: WorkerSession, leave_requested: Callable[[], bool]) -> LoopR
     """Trains in lockstep until the run stops, this worker leaves, or the producer is lost (raises).
 
     Membership changes happen only at a step boundary: a vote that shows a leaver or a waiting joiner, or
-    a collective that failed because a member died, sends every member to the next group generation."""
+    a collective that failed because a member died, sends every member to the next group generation.
+    Before this launch's first step the group waits (batches kept, unacknowledged) until it holds
+    ``train.min_workers`` drafters."""
     pending: deque[m.Batch] = deque()
     done_reason: str | None = None
     last_checkpoint: Path | None = None
     first_step_done = False
+    gated = False
     while True:
-        done_reason = _collect(s, pending, wait=not pending and done_reason is None) or done_reason
+        wait_s = _GATED_POLL_S if gated else 0.0 if pending else _POLL_S
+        done_reason = _collect(s, pending, wait_s=0.0 if done_reason else wait_s) or done_reason
         if s.save_requested:  # a preemption warning: checkpoint now, at this step boundary, and train on
             s.save_requested = False
             if s.saved_step != s.step:
@@ -160,7 +168,11 @@ def run_training(s: WorkerSession, leave_requested: Callable[[], bool]) -> LoopR
         pairs = _id_pairs(batches)
         try:
             vote = s.group.vote(
-                has_batch=bool(batches), stop=stop_reason is not None, leave=leave, num_ids=len(pairs)
+                has_batch=bool(batches),
+                stop=stop_reason is not None,
+                leave=leave,
+                num_ids=len(pairs),
+                drafters=s.replicas.width,
             )
             everyone_leaves = all(vote.leaving) and vote.waiting == 0
             if vote.stop or everyone_leaves or vote.regroup:
@@ -173,6 +185,12 @@ def run_training(s: WorkerSession, leave_requested: Callable[[], bool]) -> LoopR
             if vote.regroup:
                 regroup(s, "a worker joins" if vote.waiting else "a worker leaves")
                 continue
+            gated = not vote.may_step(s.train.min_workers)
+            if gated:
+                pending.extendleft(reversed(batches))
+                say_waiting(s, vote)
+                continue
+            s.group.mark_started()
             if vote.active == 0:
                 continue
             totals, weight, grad_norm = _train_step(s, batches, pairs, vote)
@@ -250,6 +268,25 @@ def regroup(s: WorkerSession, why: str) -> None:
     )
 
 
+def say_waiting(s: WorkerSession, vote: StepVote) -> None:
+    """The group is below ``train.min_workers`` before its first step: said once in this worker's log, and
+    by rank 0 to the producer whenever the count changes (its dashboard says what the run waits for)."""
+    if s.waiting_for == vote.drafters:
+        return
+    need = s.train.min_workers
+    if not s.waiting_for:
+        print(
+            f"dflash-pipe worker: waiting for {need} workers ({vote.drafters} in) before the first step "
+            f"(--min-workers {need}); the batches received wait for it",
+            file=sys.stderr,
+            flush=True,
+        )
+    s.waiting_for = vote.drafters
+    if s.rank == 0:
+        values = {"group/min_workers": float(need), "group/drafters": float(vote.drafters)}
+        s.link.send(m.Metrics(step=s.step, values=values))
+
+
 def checkpoint(s: WorkerSession) -> Path | None:
     """Rank 0 writes; every rank holds the same ledger, so rank 0's view is the group's. At step 0 nothing is
     written: untrained weights are no checkpoint (a resume starts the same from scratch, and an export or a
@@ -311,9 +348,10 @@ def evaluate(s: WorkerSession, *, final: bool = False) -> dict[str, Any]:
     return values
 
 
-def _collect(s: WorkerSession, pending: deque, *, wait: bool) -> str | None:
-    """Moves everything the producer sent into ``pending``; returns DONE's reason if it came."""
-    deadline = time.monotonic() + (_POLL_S if wait else 0.0)
+def _collect(s: WorkerSession, pending: deque, *, wait_s: float) -> str | None:
+    """Moves everything the producer sent into ``pending`` (waiting up to ``wait_s`` for the first message);
+    returns DONE's reason if it came."""
+    deadline = time.monotonic() + wait_s
     done = None
     while True:
         msg = s.link.get(timeout_s=max(deadline - time.monotonic(), 0.0))

@@ -74,3 +74,17 @@ def test_a_max_length_no_sample_fits_stops_before_regenerating(tmp_path: Path):
     dataset = launch("--max-length", "8", "--responses", "dataset", "--run-dir", str(tmp_path / "d"))
     assert dataset.exit_code == 2, dataset.output
     assert "fits --max-length 8: the shortest sample is " in dataset.output
+
+
+def test_min_workers_0_is_refused_and_more_than_this_launch_starts_is_planned(tmp_path: Path):
+    """0 cannot be met by any group; more than this launch's own workers can (attached nodes bring the
+    rest), so the plan says how they come."""
+    refused = launch("--min-workers", "0", "--run-dir", str(tmp_path / "r"))
+    assert refused.exit_code != 0 and "--min-workers) must be >= 1, got 0" in refused.output, refused.output
+    assert "Traceback" not in refused.output and not (tmp_path / "r").exists()
+    planned = launch("--workers", "2", "--min-workers", "4", "--run-dir", str(tmp_path / "r"), "--dry-run")
+    assert planned.exit_code == 0, planned.output
+    assert (
+        "first step     once 4 drafters are in the group (--min-workers 4); this launch starts 2: the others"
+        in (planned.output)
+    )

@@ -138,3 +138,31 @@ def test_multinode_recipe_attaches_every_other_node_as_a_producer(rank: str, tmp
     assert "cuda:0, cuda:1, cuda:2, cuda:3, cuda:4, cuda:5" in lines and "2 on cuda:6, cuda:7" in lines
     assert f"keys           {tmp_path / 'run'}.keys" in lines and "nothing was started" in lines
     assert not (tmp_path / "run").exists() and not (tmp_path / "run.keys").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needed"),
+    [({"NNODES": "3"}, "12"), ({"NNODES": "2", "DRAFTER_GPUS": "0,2,5-6"}, "8"), ({}, None)],
+)
+def test_multinode_recipe_waits_for_the_whole_cluster(
+    extra: dict[str, str], needed: str | None, tmp_path: Path
+):
+    """Node 0 of launch/multinode.sh with NNODES: no step before every node's drafters are in (--min-workers
+    = nodes x drafter GPUs per node); without it, today's start with whoever is in."""
+    env = {**_env(), "RUN_DIR": str(tmp_path / "run"), "NODE_RANK": "0", **extra}
+    out = subprocess.run(
+        ["bash", str(LAUNCH / "multinode.sh"), "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    if needed is None:
+        assert "  min_workers: 1\n" in out.stdout and "first step" not in out.stdout
+    else:
+        assert f"  min_workers: {needed}\n" in out.stdout, out.stdout
+        assert (
+            f"first step     once {needed} drafters are in the group (--min-workers {needed})" in out.stdout
+        )

@@ -61,12 +61,12 @@ def test_a_late_eval_set_is_taken_whole_and_never_trained():
     train = m.Batch(batch_id=3, epoch=0, sample_ids=[0], lengths=[4], tensors={"input_ids": torch.arange(4)})
     s = _session([_eval_batch(0, of=2), train])
     pending: deque = deque()
-    _collect(s, pending, wait=False)
+    _collect(s, pending, wait_s=0.0)
     assert list(pending) == [train]  # the eval BATCH is not a training batch
     assert s.eval_batches == [] and len(s.eval_incoming) == 1 and s.eval_pending  # half a set: not used
     assert evaluate(s) == {"eval/skipped": 1.0}
     s.link.messages.append(_eval_batch(1, of=2))
-    _collect(s, pending, wait=False)
+    _collect(s, pending, wait_s=0.0)
     assert len(s.eval_batches) == 2 and s.eval_incoming == [] and not s.eval_pending
     assert s.eval_batches[1].input_ids.shape == (2, 5)  # unpacked: one padded row per sample
     assert s.real_eval is None  # train.eval_generate off
@@ -74,7 +74,7 @@ def test_a_late_eval_set_is_taken_whole_and_never_trained():
 
 def test_a_late_eval_set_gets_its_real_evaluation():
     s = _session([_eval_batch(0, of=1)], eval_generate="end")
-    _collect(s, deque(), wait=False)
+    _collect(s, deque(), wait_s=0.0)
     assert isinstance(s.real_eval, RealEval) and str(s.real_eval.target_path) == "/models/target"
     assert s.real_eval.prompts and s.real_eval.due(final=True) and not s.real_eval.due(final=False)
 
