@@ -62,6 +62,17 @@ def _env() -> dict[str, str]:
     return {**env, "PATH": bin_dir + os.pathsep + env.get("PATH", "")}
 
 
+def _multinode_dry_run(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(LAUNCH / "multinode.sh"), "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize("script", LAUNCH_SCRIPTS, ids=lambda p: str(p.relative_to(LAUNCH)))
 def test_script_runs_as_written_with_dry_run(script: Path, tmp_path: Path):
     env = {**_env(), "RUN_DIR": str(tmp_path / "run"), "SLURM_SUBMIT_DIR": str(ROOT)}
@@ -124,14 +135,7 @@ def test_multinode_recipe_attaches_every_other_node_as_a_producer(rank: str, tmp
     joins node 0's coordinator with that node's own split of GPUs and the run's keys."""
     env = {**_env(), "RUN_DIR": str(tmp_path / "run"), "MASTER_ADDR": "node-a", "NODE_RANK": rank}
     env.update({"MASTER_PORT": "6000", "TARGET_GPUS": "0-5", "DRAFTER_GPUS": "6,7"})
-    out = subprocess.run(
-        ["bash", str(LAUNCH / "multinode.sh"), "--dry-run"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _multinode_dry_run(env)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout
     assert f"producer node{rank} (dry run): would join the run at tcp://node-a:6000" in lines
@@ -150,14 +154,7 @@ def test_multinode_recipe_waits_for_the_whole_cluster(
     """Node 0 of launch/multinode.sh with NNODES: no step before every node's drafters are in (--min-workers
     = nodes x drafter GPUs per node); without it, today's start with whoever is in."""
     env = {**_env(), "RUN_DIR": str(tmp_path / "run"), "NODE_RANK": "0", **extra}
-    out = subprocess.run(
-        ["bash", str(LAUNCH / "multinode.sh"), "--dry-run"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _multinode_dry_run(env)
     assert out.returncode == 0, out.stdout + out.stderr
     if needed is None:
         assert "  min_workers: 1\n" in out.stdout and "first step" not in out.stdout

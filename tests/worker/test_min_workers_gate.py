@@ -82,23 +82,29 @@ def _batch(i: int) -> m.Batch:
     return m.Batch(batch_id=i, epoch=0, sample_ids=[i], lengths=[3], tensors={})
 
 
-def test_no_step_and_no_ack_until_four_then_the_kept_batches_train(tmp_path: Path, capsys):
-    link = Link([_batch(i) for i in range(3)])
-    # votes: 2 in, 2 in, 3 in (waiting), 4 in (first step), then a node lost (2 in): steps go on
-    group = ScriptedGroup([2, 2, 3, 4, 2, 2, 2], link)
+def _session(link: Link, group: ScriptedGroup, *, samples: int, train: TrainConfig, run_dir: Path):
     model = torch.nn.Linear(2, 2)
-    s = WorkerSession(
+    return WorkerSession(
         link=link,
         group=group,
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        ledger=Ledger(3, 1),
-        train=TrainConfig(min_workers=4, eval_generate="off"),
+        ledger=Ledger(samples, 1),
+        train=train,
         drafter_config={},
-        run_dir=tmp_path,
+        run_dir=run_dir,
         device=torch.device("cpu"),
         block_size=BLOCK,
         replicas=Replicas(),
+    )
+
+
+def test_no_step_and_no_ack_until_four_then_the_kept_batches_train(tmp_path: Path, capsys):
+    link = Link([_batch(i) for i in range(3)])
+    # votes: 2 in, 2 in, 3 in (waiting), 4 in (first step), then a node lost (2 in): steps go on
+    group = ScriptedGroup([2, 2, 3, 4, 2, 2, 2], link)
+    s = _session(
+        link, group, samples=3, train=TrainConfig(min_workers=4, eval_generate="off"), run_dir=tmp_path
     )
     result = run_training(s, lambda: False)
     first_ack = next(i for i, msg in enumerate(link.sent) if isinstance(msg, m.Ack))
@@ -124,20 +130,7 @@ def test_no_step_and_no_ack_until_four_then_the_kept_batches_train(tmp_path: Pat
 def test_the_default_steps_at_once(tmp_path: Path):
     link = Link([_batch(0)])
     group = ScriptedGroup([1], link)
-    model = torch.nn.Linear(2, 2)
-    s = WorkerSession(
-        link=link,
-        group=group,
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        ledger=Ledger(1, 1),
-        train=TrainConfig(eval_generate="off"),
-        drafter_config={},
-        run_dir=tmp_path,
-        device=torch.device("cpu"),
-        block_size=BLOCK,
-        replicas=Replicas(),
-    )
+    s = _session(link, group, samples=1, train=TrainConfig(eval_generate="off"), run_dir=tmp_path)
     run_training(s, lambda: False)
     assert [(a.batch_ids, a.step) for a in link.sent if isinstance(a, m.Ack)] == [([0], 1)]
     assert not any(isinstance(x, m.Metrics) and "group/min_workers" in x.values for x in link.sent)
