@@ -1,4 +1,8 @@
-"""The training loop of one drafter worker: the DFlash recipe, step by step, in lockstep with the group."""
+"""The training loop of one drafter worker: the DFlash recipe, step by step, in lockstep with the group.
+
+Just past 400 lines: the loop and the step-boundary helpers it calls (regroup, checkpoint, evaluation, the
+``--min-workers`` wait) all read and write the one ``WorkerSession``, and read best beside the loop.
+"""
 
 from __future__ import annotations
 
