@@ -30,10 +30,12 @@ sys.path.insert(0, str(ROOT))
 from dflash_pipe.bench.attach import read_rows, summarize  # noqa: E402
 from dflash_pipe.bench.save import provenance  # noqa: E402
 from dflash_pipe.data.demo import demo_data_path  # noqa: E402
+from dflash_pipe.run.dir import RunDir  # noqa: E402
 
 
 def start(cmd: list[str], *, cores: set[int], node: str | None, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     if node:
         env["DFLASH_PIPE_NODE"] = node
     with open(log, "wb") as out:
@@ -95,7 +97,7 @@ def main() -> None:
     attach_times: list[float] = []
     try:
         address = wait_for(coordinator_log, r"producer at (tcp://\S+?),", coordinator, 600).group(1)
-        metrics = run_dir / "metrics.jsonl"
+        metrics = RunDir(run_dir).metrics
         while not any("loss" in r for r in read_rows(metrics)):  # phase 1 starts with training
             if coordinator.poll() is not None:
                 raise SystemExit(coordinator_log.read_text())

@@ -89,11 +89,12 @@ def summarize(run_dir: Path, producers: list[str], *, settle_s: float = 12.0) ->
     """The ledger of the run's last checkpoint, the feature bytes per link (each producer's own, local to
     its node or remote), the plan bytes, and the phases."""
     from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
+    from dflash_pipe.run.dir import RunDir
     from dflash_pipe.run.ledger import Ledger
 
     state = read_trainer_state(latest_checkpoint(run_dir))
     ledger = Ledger.from_dict(state.ledger)
-    rows = read_rows(run_dir / "metrics.jsonl")
+    rows = read_rows(RunDir(run_dir).metrics)
     attached_local = {p: last_value(rows, f"producer/{p}/wire/feature_bytes_local") for p in producers}
     trained = [ledger.count(e) for e in range(ledger.epochs)]
     return {
