@@ -10,11 +10,12 @@ phase before.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from dflash_pipe.telemetry.metrics import read_metrics
 
 SUPPLY_KEYS = ("tokens_per_s/producer", "tokens_per_s/attached_producers")
 """The coordinator's own produced tokens/s and the sum its attached producers last reported."""
@@ -36,16 +37,9 @@ class Phase:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """A metrics.jsonl's records ([] when it does not exist); a line cut short by a kill is skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    """A metrics.jsonl's records (``telemetry.metrics.read_metrics``: a last line still being written is
+    skipped), or [] before the run wrote one."""
+    return read_metrics(path) if path.exists() else []
 
 
 def phases(rows: list[dict[str, Any]], *, settle_s: float = 12.0) -> list[Phase]:
