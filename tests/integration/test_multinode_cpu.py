@@ -277,7 +277,8 @@ def test_two_nodes_with_min_workers_train_like_one_node(tmp_path: Path):
     (``producer.scheduler``) and leases plans to the attached producer; which four batches make one step
     depends on timing, in one node as in two.
 
-    Noise, measured on this 2-core machine (2026-12-05, 160 samples, 2 epochs, token budget 256): six
+    Noise, measured on this 2-core machine (2026-12-05, 160 samples, 2 epochs, token budget 256;
+    ``bench/multinode_curves.py`` reruns it): six
     one-node runs of four workers (seed 0 three times, seeds 1, 2, 3) took 42 steps each; the loss first fell
     below 5 at progress 0.112-0.138 (the knee); their window means over progress quarters spread 7.82-8.78,
     3.56-3.74, 3.09-3.37, 2.92-3.11, and the late mean (quarters 2-4) 3.19-3.41: 0.215 between the farthest
