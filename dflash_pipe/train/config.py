@@ -15,7 +15,8 @@ class TrainConfig:
     lr: float = field(default=6e-4, metadata=flag("--lr", "Peak learning rate (recipe: 6e-4)."))
     """Peak AdamW learning rate."""
     warmup_ratio: float = 0.04
-    """Fraction of all planned samples spent warming the LR up linearly."""
+    """Fraction of the run spent warming the LR up linearly: of all planned samples, or of ``max_steps`` when
+    those end the run first (the schedule then decays to the last step)."""
     min_lr_ratio: float = 0.0
     """Cosine decay floor, as a fraction of ``lr``."""
     epochs: int = field(
@@ -62,7 +63,13 @@ class TrainConfig:
     )
     """Each real-evaluation answer stops at its end-of-turn token or after this many tokens."""
     max_steps: int | None = field(
-        default=None, metadata=flag("--max-steps", "Stop after this many optimizer steps.", resume=True)
+        default=None,
+        metadata=flag(
+            "--max-steps",
+            "Stop after this many optimizer steps; the LR schedule warms up and decays over them when they end "
+            "the run before its epochs do.",
+            resume=True,
+        ),
     )
     """Stop after this many optimizer steps (the demo uses it); None trains all epochs."""
     min_workers: int = field(

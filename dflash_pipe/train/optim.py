@@ -1,7 +1,10 @@
 """AdamW and the recipe's warmup + cosine schedule, driven by training progress rather than step count.
 
 Progress (samples trained / samples planned) is the same on every rank and does not depend on how many
-workers there are, so the schedule survives workers joining or leaving.
+workers there are, so the schedule survives workers joining or leaving. A run cut short by
+``--max-steps`` follows its steps instead when they end it first (``schedule_progress``): it warms up over
+``warmup_ratio`` of its steps and decays to its last one, rather than ending inside the warm-up of an
+epoch plan it never reaches.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> t
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None
     )
+
+
+def schedule_progress(sample_progress: float, step: int, cfg: TrainConfig) -> float:
+    """Where the schedule stands before optimizer step ``step`` (0-based): the share of planned samples
+    trained, or of ``max_steps`` taken, whichever is further along (the same on every rank: every rank takes
+    every step)."""
+    if cfg.max_steps is None:
+        return sample_progress
+    return max(sample_progress, step / cfg.max_steps)
 
 
 def lr_at(progress: float, cfg: TrainConfig) -> float:

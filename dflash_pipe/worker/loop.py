@@ -28,7 +28,7 @@ from dflash_pipe.train.batches import DeviceBatch, unpack
 from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, StepVote
 from dflash_pipe.train.handover import hand_over
-from dflash_pipe.train.optim import lr_at, set_lr
+from dflash_pipe.train.optim import lr_at, schedule_progress, set_lr
 from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.wire import messages as m
 from dflash_pipe.worker.link import ProducerLink
@@ -233,7 +233,7 @@ def _train_step(
             p.grad.div_(weight)
         if s.train.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(s.params, s.train.grad_clip))
-        set_lr(s.optimizer, lr_at(s.ledger.progress(), s.train))
+        set_lr(s.optimizer, lr_at(schedule_progress(s.ledger.progress(), s.step, s.train), s.train))
         s.optimizer.step()
         s.replicas.sync()
     s.optimizer.zero_grad(set_to_none=False)

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from dflash_pipe.train.config import TrainConfig
-from dflash_pipe.train.optim import lr_at
+from dflash_pipe.train.optim import lr_at, schedule_progress
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -23,3 +23,23 @@ def test_warmup_then_cosine_to_the_floor():
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"train.{field}"):
         TrainConfig(**{field: value})
+
+
+def test_a_max_steps_run_warms_up_over_its_steps_and_decays_to_its_end():
+    """200 steps of a plan of 6 epochs that they never finish: the epoch plan alone would still be warming
+    up at the end (half the peak); following the steps, the peak comes at 4% and the rate decays to the floor."""
+    cfg = TrainConfig(lr=6e-4, max_steps=200)
+    per_step = 1 / (200 * 50)  # the samples of a step, as a share of the planned ones
+    rates = [lr_at(schedule_progress(step * per_step, step, cfg), cfg) for step in range(200)]
+    peak = max(rates)
+    assert peak == pytest.approx(6e-4, rel=1e-3)
+    assert rates.index(peak) == 8  # 4% of 200 steps
+    assert all(a <= b for a, b in zip(rates[:8], rates[1:9], strict=True))
+    assert all(a >= b for a, b in zip(rates[8:], rates[9:], strict=False))
+    assert rates[-1] < 0.001 * peak
+    assert lr_at(200 * per_step, cfg) == pytest.approx(0.5 * peak)  # the epoch plan alone, at the end
+
+
+def test_without_max_steps_or_when_the_epochs_end_first_samples_drive_the_schedule():
+    assert schedule_progress(0.3, 10, TrainConfig()) == 0.3
+    assert schedule_progress(0.9, 10, TrainConfig(max_steps=1000)) == 0.9
