@@ -86,8 +86,9 @@ class ArrayRecords:
         self.count = 0
         self.note: str | None = None
 
-    def batches(self, size: int = BATCH_RECORDS) -> Iterator[tuple[int, int, list[Any]]]:
-        """``(first index, bytes read for them, records)`` of at most ``size`` records each."""
+    def batches(self, size: int | None = None) -> Iterator[tuple[int, int, list[Any]]]:
+        """``(first index, bytes read for them, records)`` of at most ``size`` (``BATCH_RECORDS``) records."""
+        size = size or BATCH_RECORDS
         batch: list[Any] = []
         first = read = 0
         for index, nbytes, item in self:
