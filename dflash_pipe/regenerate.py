@@ -30,6 +30,11 @@ class RegenerateSummary:
     """Already in the output file when the command started (not generated again)."""
     tally: RegenTally = field(default_factory=RegenTally)
     seconds: float = 0.0
+    source_left_out: dict[str, int] = field(default_factory=dict)
+    """Records of the source not read as conversations, by reason: bad lines skipped (``--skip-bad-lines``)
+    and conversations with nothing to train."""
+    notes: list[str] = field(default_factory=list)
+    """How the source was read (a JSON array cut short, leading assistant turns left out)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -43,7 +48,13 @@ class RegenerateSummary:
             f"turns generated {t.turns} ({t.truncated_turns} cut at the token limit), failed turns: "
             f"{t.failed_text()} ({t.skipped_turns} turns left out), conversations with nothing kept {t.dropped}",
             f"{t.new_tokens} tokens in {self.seconds:.1f} s: {self.tokens_per_s:.0f} generated tokens/s",
+            *self._source_lines(),
         ]
+
+    def _source_lines(self) -> list[str]:
+        left_out = ", ".join(f"{n} {why}" for why, n in sorted(self.source_left_out.items()))
+        lines = [f"source records left out: {left_out}"] if left_out else []
+        return lines + [f"note: {note}" for note in self.notes]
 
 
 def load_model(target_path: Path, device: str) -> Any:
@@ -78,7 +89,11 @@ def regenerate_file(
     try:
         todo = [i for i in range(len(source.conversations)) if i not in store.done]
         summary = RegenerateSummary(
-            out=Path(out), conversations=len(source.conversations), reused=len(store.done)
+            out=Path(out),
+            conversations=len(source.conversations),
+            reused=len(store.done),
+            source_left_out={**source.skip_reasons, **source.drop_reasons},
+            notes=list(source.notes),
         )
         if not todo:
             return summary

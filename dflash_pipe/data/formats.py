@@ -7,6 +7,8 @@ Formats, detected per line by their top-level key:
 - pre-tokenized: ``{"input_ids": [1, 2, ...], "loss_mask": [0, 1, ...]}`` (same length; mask 0/1 or bool)
 
 ShareGPT turns are mapped to messages, so both formats give identical samples for the same conversation.
+A well-formed conversation with nothing to train (no messages, no assistant turn, a role that maps to none)
+raises ``LeftOut``, not ``FormatError``: it is left out and counted by reason, never a bad line.
 A file written by regeneration (``dflash_pipe.data.regenerated``) is in the messages format plus lines of its
 own bookkeeping (key ``BOOKKEEPING_KEY``, no ``messages``: the provenance header, conversations it could not
 regenerate), which every reader skips.
@@ -46,6 +48,23 @@ def is_bookkeeping(obj: Any) -> bool:
     return isinstance(obj, dict) and BOOKKEEPING_KEY in obj and "messages" not in obj
 
 
+LEFT_OUT_EMPTY = "empty conversation"
+"""A conversation without messages (ShareGPT V3 has some): nothing to train."""
+LEFT_OUT_NO_ASSISTANT = "no assistant turn"
+"""A conversation without an assistant message: nothing to train."""
+LEFT_OUT_UNKNOWN_ROLE = "unknown role"
+"""A conversation with a role (a ShareGPT ``from``) that maps to none of ``ROLES``."""
+
+
+class LeftOut(Exception):
+    """A well-formed conversation with nothing to train: the loaders count it by ``reason`` (one of the
+    ``LEFT_OUT_*``) with the samples left out, whatever ``skip_bad_lines`` says."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class FormatError(Exception):
     """A line that does not fit any format; the loader adds file and line to make it a ``DataError``."""
 
@@ -75,7 +94,8 @@ Record = Conversation | PreTokenized
 
 
 def parse_record(obj: Any) -> Record:
-    """Detect the format of one decoded JSON line and validate it; raise ``FormatError`` if it fits none."""
+    """Detect the format of one decoded JSON line and validate it; raise ``FormatError`` if it fits none, or
+    ``LeftOut`` for a conversation with nothing to train."""
     if not isinstance(obj, dict):
         raise FormatError(
             "wrong schema",
@@ -111,9 +131,7 @@ def _parse_messages(raw: Any) -> Conversation:
             )
         role = m["role"]
         if role not in ROLES:
-            raise FormatError(
-                "unknown role", f"message {i} has role {role!r}", f"Use one of {', '.join(ROLES)}"
-            )
+            raise LeftOut(LEFT_OUT_UNKNOWN_ROLE)
         messages.append({"role": role, "content": _content(m["content"], i)})
     return _check_conversation(messages)
 
@@ -135,11 +153,7 @@ def _parse_sharegpt(raw: Any) -> Conversation:
             )
         role = SHAREGPT_ROLES.get(m["from"]) if isinstance(m["from"], str) else None
         if role is None:
-            raise FormatError(
-                "unknown role",
-                f"turn {i} has 'from' {m['from']!r}",
-                f"Use one of {', '.join(SHAREGPT_ROLES)}",
-            )
+            raise LeftOut(LEFT_OUT_UNKNOWN_ROLE)
         messages.append({"role": role, "content": _content(m["value"], i)})
     return _check_conversation(messages)
 
@@ -156,15 +170,9 @@ def _content(value: Any, i: int) -> str:
 
 def _check_conversation(messages: list[dict[str, str]]) -> Conversation:
     if not messages:
-        raise FormatError(
-            "empty messages", "the conversation has no messages", "Remove the line or add messages"
-        )
+        raise LeftOut(LEFT_OUT_EMPTY)
     if not any(m["role"] == "assistant" for m in messages):
-        raise FormatError(
-            "no assistant turn",
-            "the conversation has no assistant message, so nothing would be trained",
-            "Add an assistant reply or remove the line",
-        )
+        raise LeftOut(LEFT_OUT_NO_ASSISTANT)
     return Conversation(messages)
 
 

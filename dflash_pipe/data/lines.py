@@ -19,7 +19,15 @@ from typing import Any
 import numpy as np
 
 from .config import DataConfig
-from .formats import BOOKKEEPING_KEY, Conversation, FormatError, PreTokenized, is_bookkeeping, parse_record
+from .formats import (
+    BOOKKEEPING_KEY,
+    Conversation,
+    FormatError,
+    LeftOut,
+    PreTokenized,
+    is_bookkeeping,
+    parse_record,
+)
 from .render import has_chat_template, render_conversation
 from .samples import (
     DROP_EMPTY_REPLIES,
@@ -101,10 +109,14 @@ def add_record(
     cfg: DataConfig,
     unit: str = "line",
 ) -> None:
-    """One record (``load()``: a JSONL line's object or a table's row) tokenized into ``out``: kept, dropped
-    by reason, or a bad record skipped (``cfg.skip_bad_lines``) or raised as ``DataError("WHERE: reason")``."""
+    """One record (``load()``: a JSONL line's object, a JSON array's record or a table's row) tokenized into
+    ``out``: kept, dropped by reason (a conversation with nothing to train among them), or a bad record
+    skipped (``cfg.skip_bad_lines``) or raised as ``DataError("WHERE: reason")``."""
     try:
         line = tokenize_object(load(), tokenizer, vocab_size, where, cfg.chat_template_kwargs, unit=unit)
+    except LeftOut as e:
+        out.dropped[e.reason] += 1
+        return
     except FormatError as e:
         if not cfg.skip_bad_lines:
             raise DataError(f"{where}: {e}") from None
@@ -188,8 +200,9 @@ def tokenize_object(
     *,
     unit: str = "line",
 ) -> TokenizedLine:
-    """One decoded JSON line or dataset row (``where``: ``FILE:LINE`` or ``FILE:ROW``, ``unit`` "line" or
-    "row", for errors) -> a ``TokenizedLine``; ``FormatError`` for a bad record, ``DataError`` for a bad
+    """One decoded JSON line, array record or dataset row (``where``: ``FILE:LINE``, ``FILE:[N]`` or
+    ``FILE:ROW``, ``unit`` "line", "record" or "row", for errors) -> a ``TokenizedLine``; ``LeftOut`` for a
+    conversation with nothing to train, ``FormatError`` for a bad record, ``DataError`` for a bad
     tokenizer (it would fail every conversation, so it stops the load even with ``skip_bad_lines``)."""
     if is_bookkeeping(obj):
         info = obj[BOOKKEEPING_KEY]

@@ -1,9 +1,9 @@
-"""Read the data (a JSONL file or a table, ``sources.py``) into tokenized samples: in-process or in a
+"""Read the data (a JSONL file, a JSON array file or a table, ``sources.py``) into tokenized samples: in-process or in a
 worker pool, now or in the background.
 
 ``load_samples`` tokenizes the data and returns when it is done; ``DataFuture`` runs the same load in a
 background thread, so a launch can place the target on its devices while the data tokenizes. Big files
-are cut into pieces of lines (tables: record batches, read a few at a time) that worker processes tokenize
+are cut into pieces of lines (JSON arrays and tables: batches of records, read a few at a time) that worker processes tokenize
 in parallel (``pool.py``); pieces are merged in file order, so sample ids, counts and errors do not depend
 on how the data was tokenized.
 """
@@ -24,12 +24,21 @@ import numpy as np
 from dflash_pipe.cpus import usable_cpus
 from dflash_pipe.diskspace import DiskFullError
 
+from .arrays import ArrayRecords, tokenize_records
 from .config import DataConfig
 from .lines import Piece, Tokenized, tokenize_piece
-from .pool import MAX_PIECE_BYTES, piece_bytes, split_lines, tokenized_batches, tokenized_pieces, worker_pool
-from .resolved import Source, TableSource
+from .pool import (
+    MAX_PIECE_BYTES,
+    piece_bytes,
+    split_lines,
+    tokenized_batches,
+    tokenized_pieces,
+    tokenized_records,
+    worker_pool,
+)
+from .resolved import JsonArraySource, Source, TableSource
 from .rows import tokenize_rows
-from .samples import DROP_NOT_REGENERATED, DataError, LoadedData, Sample
+from .samples import DROPS_NOT_SHORT, DataError, LoadedData, Sample
 from .sources import resolve_source
 from .store import StoreWriter, open_store, store_key
 from .tables import record_batches
@@ -146,6 +155,8 @@ def _tokenize(
 ) -> LoadedData:
     if isinstance(source, TableSource):
         return _load_table(source, cfg, tokenizer, progress, cancel, sink)
+    if isinstance(source, JsonArraySource):
+        return _load_array(source, cfg, tokenizer, progress, cancel, sink)
     path = source.path
     try:
         size = path.stat().st_size
@@ -193,6 +204,40 @@ def _load_table(
             return _merge(label, cfg, done, sink)
 
 
+def _load_array(
+    source: JsonArraySource,
+    cfg: DataConfig,
+    tokenizer: Any,
+    progress: bool | None,
+    cancel: threading.Event,
+    sink: Sink,
+) -> LoadedData:
+    """A JSON array file, record batch by record batch (``arrays.py``), like a table: in-process, or by
+    worker processes fed a few batches ahead. A file cut short adds its note to the data's notes."""
+    path, label = source.path, source.label
+    try:
+        size = path.stat().st_size
+        workers = tokenize_workers(cfg, size)
+        records = ArrayRecords(path, label)
+        notes = lambda: [records.note] if records.note else []  # noqa: E731 -- read once all is merged
+        with _progress_bar(path, size, progress) as advance:
+            if not workers:
+                done = (
+                    (n, tokenize_records(label, first, batch, cfg, tokenizer, cancel=cancel))
+                    for first, n, batch in records.batches()
+                )
+                return _merge(label, cfg, _advancing(done, advance), sink, notes)
+            with worker_pool(path, cfg, tokenizer, workers) as pool:
+                done = tokenized_records(pool, label, records.batches(), cancel, workers)
+                return _merge(label, cfg, _advancing(done, advance), sink, notes)
+    except DiskFullError:
+        raise
+    except OSError as e:
+        raise DataError(
+            f"{path}: cannot read the data file ({e.strerror or e}). Check its permissions"
+        ) from None
+
+
 def _advancing(
     pieces: Iterable[tuple[Piece | int, Tokenized]], advance: Callable[[int], None]
 ) -> Iterator[Tokenized]:
@@ -232,8 +277,15 @@ Sink = _ListSink | StoreWriter
 """Where merged samples go: a list in memory or a store on disk (``store.py``)."""
 
 
-def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized], sink: Sink) -> LoadedData:
-    """Tokenized pieces, in file order, to one dataset with dense sample ids (in ``sink``)."""
+def _merge(
+    path: Path | str,
+    cfg: DataConfig,
+    pieces: Iterable[Tokenized],
+    sink: Sink,
+    notes: Callable[[], list[str]] = list,
+) -> LoadedData:
+    """Tokenized pieces, in file order, to one dataset with dense sample ids (in ``sink``); ``notes()``
+    (asked once every piece is merged: how the file was read) go into the data's notes."""
     reasons: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     truncated = 0
@@ -246,7 +298,8 @@ def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized], sink:
         if part.shortest_cut is not None:
             shortest_cut = min(part.shortest_cut, shortest_cut or part.shortest_cut)
     skipped = sum(reasons.values())
-    dropped_short = sum(n for why, n in dropped.items() if why != DROP_NOT_REGENERATED)
+    dropped_short = sum(n for why, n in dropped.items() if why not in DROPS_NOT_SHORT)
+    read_notes = notes()
     if not sink.count:
         if shortest_cut is not None:
             raise DataError(no_fit_message(path, cfg, shortest_cut, need=shortest_cut, what="sample"))
@@ -255,6 +308,7 @@ def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized], sink:
             f"{path}: no usable samples ({skipped} bad lines skipped; samples left out: {left_out}; a sample "
             f"needs min_loss_tokens={cfg.min_loss_tokens} trainable positions). Check that the file has "
             "conversations with assistant replies (or pre-tokenized lines with a non-zero loss_mask)"
+            + "".join(f" ({note})" for note in read_notes)
         )
     counts: dict[str, Any] = {
         "skipped_lines": skipped,
@@ -262,6 +316,7 @@ def _merge(path: Path | str, cfg: DataConfig, pieces: Iterable[Tokenized], sink:
         "dropped_short": dropped_short,
         "skip_reasons": dict(reasons),
         "drop_reasons": dict(dropped),
+        "notes": read_notes,
     }
     return LoadedData(samples=sink.commit(counts), **counts)
 

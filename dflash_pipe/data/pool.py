@@ -1,5 +1,6 @@
 """Tokenize a big data file in worker processes: pieces of lines in, tokenized pieces out, in file order.
-Tables go the same way, their record batches as the pieces (``tokenized_batches``).
+Tables go the same way, their record batches as the pieces (``tokenized_batches``), and so do JSON array
+files, batches of their records read by the parent (``tokenized_records``).
 
 The file is cut into byte ranges that end at line ends (``split_lines``; the parent counts the newlines, so
 each piece knows its first line number). Worker processes (spawn context: no forked torch or tokenizer
@@ -15,7 +16,7 @@ import multiprocessing
 import signal
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -96,10 +97,36 @@ def tokenized_batches(
 ) -> Iterator[tuple[int, Tokenized]]:
     """Every ``(first_row, record batch)`` of a table tokenized by ``pool``, in order, as ``(rows,
     Tokenized)``; at most ``workers * BATCHES_AHEAD`` batches are read and not yet merged."""
+    jobs = ((b.num_rows, _tokenize_rows_in_worker, (first, to_bytes(b))) for first, b in batches)
+    return _in_order(pool, label, jobs, cancel, workers)
+
+
+def tokenized_records(
+    pool: ProcessPoolExecutor,
+    label: str,
+    batches: Iterable[tuple[int, int, list[Any]]],
+    cancel: threading.Event,
+    workers: int,
+) -> Iterator[tuple[int, Tokenized]]:
+    """Every ``(first index, bytes, records)`` batch of a JSON array (``arrays.ArrayRecords.batches``)
+    tokenized by ``pool``, in order, as ``(bytes, Tokenized)``; read ahead as ``tokenized_batches`` does."""
+    jobs = ((n, _tokenize_records_in_worker, (first, records)) for first, n, records in batches)
+    return _in_order(pool, label, jobs, cancel, workers)
+
+
+def _in_order(
+    pool: ProcessPoolExecutor,
+    label: str,
+    jobs: Iterable[tuple[int, Callable[..., Tokenized], tuple[Any, ...]]],
+    cancel: threading.Event,
+    workers: int,
+) -> Iterator[tuple[int, Tokenized]]:
+    """``(amount, worker function, its args)`` jobs run by ``pool``, yielded in order as ``(amount,
+    Tokenized)``, at most ``workers * BATCHES_AHEAD`` submitted and not yet merged."""
     pending: deque[tuple[int, Future]] = deque()
-    for first, batch in batches:
+    for amount, fn, args in jobs:
         _check_cancel(cancel, label)
-        pending.append((batch.num_rows, pool.submit(_tokenize_rows_in_worker, first, to_bytes(batch))))
+        pending.append((amount, pool.submit(fn, *args)))
         if len(pending) >= workers * BATCHES_AHEAD:
             n, future = pending.popleft()
             yield n, _result(future, cancel, label)
@@ -133,6 +160,12 @@ def _init_worker(path: str, cfg: DataConfig, tokenizer: Any) -> None:
 
 def _tokenize_in_worker(piece: Piece) -> Tokenized:
     return tokenize_piece(_worker["path"], piece, _worker["cfg"], _worker["tokenizer"])
+
+
+def _tokenize_records_in_worker(first: int, records: list[Any]) -> Tokenized:
+    from .arrays import tokenize_records
+
+    return tokenize_records(_worker["label"], first, records, _worker["cfg"], _worker["tokenizer"])
 
 
 def _tokenize_rows_in_worker(first_row: int, batch: bytes) -> Tokenized:

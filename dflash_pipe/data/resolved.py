@@ -1,5 +1,5 @@
-"""What a ``--data`` value resolved to (``sources.resolve_source`` decides): a JSONL file or the files of a
-table, and a Hub dataset id as written. Apart from the resolving so that the table readers (``hub``,
+"""What a ``--data`` value resolved to (``sources.resolve_source`` decides): a JSONL file, a JSON array file,
+or the files of a table, and a Hub dataset id as written. Apart from the resolving so that the table readers (``hub``,
 ``tables``) and the resolver can both name these types without importing each other."""
 
 from __future__ import annotations
@@ -13,6 +13,18 @@ PARQUET, ARROW = "parquet", "arrow"
 @dataclass(frozen=True, slots=True)
 class JsonlSource:
     """One JSONL file: one conversation or pre-tokenized sample per line."""
+
+    path: Path
+
+    @property
+    def label(self) -> str:
+        return str(self.path)
+
+
+@dataclass(frozen=True, slots=True)
+class JsonArraySource:
+    """One file holding one JSON array of records (``arrays.py``): record ``N`` is read as line ``N + 1``
+    of a JSONL file would be, and named ``FILE:[N]``."""
 
     path: Path
 
@@ -42,7 +54,7 @@ class TableSource:
         return sum(f.stat().st_size for f in self.files)
 
 
-Source = JsonlSource | TableSource
+Source = JsonlSource | JsonArraySource | TableSource
 
 
 @dataclass(frozen=True, slots=True)

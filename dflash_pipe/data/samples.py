@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .formats import LEFT_OUT_EMPTY, LEFT_OUT_NO_ASSISTANT, LEFT_OUT_UNKNOWN_ROLE
+
 if TYPE_CHECKING:  # the tokenization workers import this package and need no torch (2 s per start)
     import torch
 
@@ -20,6 +22,12 @@ DROP_FEW_TOKENS = "too few trainable tokens"
 """A sample with fewer than ``min_loss_tokens`` trainable anchor positions at any length."""
 DROP_NOT_REGENERATED = "not regenerated"
 """A regenerated file's record of a conversation the target could not answer."""
+
+
+DROPS_NOT_SHORT = frozenset(
+    {DROP_NOT_REGENERATED, LEFT_OUT_EMPTY, LEFT_OUT_NO_ASSISTANT, LEFT_OUT_UNKNOWN_ROLE}
+)
+"""Drop reasons that are not a sample too short to train (``LoadedData.dropped_short`` leaves them out)."""
 
 
 class DataError(ValueError):
@@ -50,8 +58,11 @@ class LoadedData:
     skip_reasons: dict[str, int] = field(default_factory=dict)
     """Skipped lines by reason (e.g. ``"not JSON"``, ``"no assistant turn"``)."""
     drop_reasons: dict[str, int] = field(default_factory=dict)
-    """Samples left out by reason (``DROP_*``): the ``dropped_short`` ones, split by why, and a regenerated
-    file's conversations the target could not answer."""
+    """Samples left out by reason (``DROP_*``): the ``dropped_short`` ones, split by why, a regenerated
+    file's conversations the target could not answer, and conversations with nothing to train (empty, no
+    assistant turn, an unknown role: ``formats.LEFT_OUT_*``)."""
+    notes: list[str] = field(default_factory=list)
+    """One line each about how the data was read (e.g. a JSON array file cut short: how many records)."""
 
     def lengths(self) -> list[int]:
         """Token count of every sample, indexed by ``sample_id`` (the input of ``plan_batches``)."""

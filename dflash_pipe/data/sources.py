@@ -1,4 +1,4 @@
-"""What ``--data`` names: a JSONL file, or a table (parquet / arrow files, a ``save_to_disk`` folder, a Hub
+"""What ``--data`` names: a JSONL file, a file holding one JSON array of records, or a table (parquet / arrow files, a ``save_to_disk`` folder, a Hub
 dataset id in the local cache) that is read in record batches.
 
 ``resolve_source`` decides once, before anything is read, and every reader (the loader, regeneration,
@@ -13,17 +13,19 @@ import glob
 import re
 from pathlib import Path
 
-from .resolved import ARROW, PARQUET, HubSpec, JsonlSource, Source
+from .arrays import is_json_array
+from .resolved import ARROW, PARQUET, HubSpec, JsonArraySource, JsonlSource, Source
 from .samples import DataError
 
 TABLE_SUFFIXES = {".parquet": PARQUET, ".arrow": ARROW}
-"""File name endings read as tables; any other file is JSONL (as before tables were read)."""
+"""File name endings read as tables; any other file is JSONL, or a JSON array when its first non-space byte
+is ``[``."""
 _MAGIC = ((b"PAR1", PARQUET), (b"ARROW1", ARROW), (b"\xff\xff\xff\xff", ARROW))
 """First bytes of a parquet file, an arrow IPC file and an arrow IPC stream (``datasets`` writes streams)."""
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?::(?P<a>[\w.-]+))?(?::(?P<b>[\w.-]+))?$")
 """``ORG/NAME``, ``ORG/NAME:SPLIT`` or ``ORG/NAME:CONFIG:SPLIT``."""
 ACCEPTED = (
-    "Pass a JSONL file, a parquet or arrow file, a folder or glob of parquet/arrow shards, a "
+    "Pass a JSONL file, a JSON array file, a parquet or arrow file, a folder or glob of parquet/arrow shards, a "
     "datasets save_to_disk folder, or a Hugging Face dataset id (ORG/NAME[:SPLIT]) in the local cache"
 )
 
@@ -38,7 +40,9 @@ def resolve_source(path: Path | str) -> Source:
         return _glob_source(text)
     if path.is_file():
         kind = table_kind(path)
-        return JsonlSource(path) if kind is None else hub.file_source(text, (path,), kind)
+        if kind is not None:
+            return hub.file_source(text, (path,), kind)
+        return JsonArraySource(path) if is_json_array(path) else JsonlSource(path)
     if path.is_dir():
         return _folder_source(text, path)
     spec = hub_spec(text)

@@ -26,10 +26,10 @@ from typing import Any, overload
 import numpy as np
 
 from .config import DataConfig
-from .resolved import JsonlSource, Source
+from .resolved import JsonArraySource, JsonlSource, Source
 from .samples import DataError, LoadedData, Sample
 
-STORE_VERSION = 1
+STORE_VERSION = 2
 """Bumped when the layout or what tokenization makes of a record changes: older stores are rebuilt."""
 IDS, MASK, OFFSETS, META = "ids.bin", "mask.bin", "offsets.bin", "meta.json"
 _ID_DTYPES = {"uint32": np.uint32, "int64": np.int64}
@@ -38,7 +38,7 @@ _ID_DTYPES = {"uint32": np.uint32, "int64": np.int64}
 def store_key(source: Source, cfg: DataConfig, tokenizer: Any) -> str:
     """What the samples depend on, as one sha256: the source files' identity, the cutting settings and the
     tokenizer (its whole ``tokenizer.json``, chat template and size)."""
-    files = [source.path] if isinstance(source, JsonlSource) else list(source.files)
+    files = [source.path] if isinstance(source, (JsonlSource, JsonArraySource)) else list(source.files)
     h = hashlib.sha256()
     parts: dict[str, Any] = {
         "version": STORE_VERSION,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,13 +83,16 @@ def summary(core: CoreState, *, stop_reason: str, wall_s: float, busy: dict[str,
 
 def data_report(core: CoreState) -> dict[str, Any]:
     """What the data gave and what was left out: training samples, held-out samples, bad lines skipped by
-    reason, samples dropped by reason (with regeneration: the conversations that came out with nothing to
-    train, so far), samples cut to ``max_length``, and the note when nothing could be held out."""
+    reason, samples dropped by reason (with regeneration: the conversations left out before it and those that
+    came out with nothing to train, so far), samples cut to ``max_length``, and the note when nothing could be held out."""
     ctx, data = core.ctx, core.ctx.data
     if core.regen is not None:
         regen = core.regen
         samples = regen.samples_ready
-        held_out, dropped = len(regen.eval_indexes), dict(regen.void_reasons)
+        held_out, dropped = (
+            len(regen.eval_indexes),
+            dict(Counter(data.drop_reasons if data is not None else {}) + regen.void_reasons),
+        )
     else:
         samples, held_out = len(ctx.train_samples), len(ctx.eval_samples)
         dropped = dict(data.drop_reasons) if data is not None else {}

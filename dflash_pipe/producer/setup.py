@@ -103,6 +103,8 @@ class PendingRun:
                 truncated=0,
                 dropped_short=0,
                 skip_reasons=regen.source.skip_reasons,
+                drop_reasons=regen.source.drop_reasons,
+                notes=regen.source.notes,
             )
             train_samples, eval_samples = regen.train_samples, []  # eval: regenerated when serving starts
             total = len(regen.source.conversations)
@@ -140,7 +142,7 @@ class PendingRun:
             resume_from=self.resume_from,
             resume_step=self.resume_step,
             regen=regen,
-            notes=[note] if note else [],
+            notes=[*data.notes, *([note] if note else [])],
         )
 
     def _regeneration(self) -> Regeneration:

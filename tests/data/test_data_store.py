@@ -86,7 +86,7 @@ def tokenizations(monkeypatch) -> list[str]:
 
 
 def test_store_gives_the_in_memory_samples_for_jsonl(tmp_path, tok, small_pieces):
-    data = write_jsonl(tmp_path / "d.jsonl", [*ROWS, "not json", {"messages": []}])
+    data = write_jsonl(tmp_path / "d.jsonl", [*ROWS, "not json", {"text": "no sample"}])
     want = load(data, tok, skip_bad_lines=True)
     got = load(data, tok, tmp_path / "samples", skip_bad_lines=True)
     assert isinstance(got.samples, StoredSamples) and isinstance(want.samples, list)
@@ -215,13 +215,13 @@ def test_a_load_killed_mid_write_leaves_no_store_and_the_next_builds_one(tmp_pat
 
 
 def test_errors_are_unchanged_and_leave_no_store(tmp_path, tok, small_pieces):
-    data = write_jsonl(tmp_path / "d.jsonl", [*ROWS[:20], {"messages": []}, *ROWS[20:]])
+    data = write_jsonl(tmp_path / "d.jsonl", [*ROWS[:20], {"text": "no sample"}, *ROWS[20:]])
     with pytest.raises(DataError) as in_memory:
         load(data, tok)
     with pytest.raises(DataError) as stored:
         load(data, tok, tmp_path / "samples")
     assert str(stored.value) == str(in_memory.value)
-    assert str(stored.value).startswith(f"{data}:21: empty messages")
+    assert str(stored.value).startswith(f"{data}:21: wrong schema")
     assert not (tmp_path / "samples").exists() and not (tmp_path / "samples.partial").exists()
 
 

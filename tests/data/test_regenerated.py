@@ -125,11 +125,12 @@ def test_pretokenized_lines_cannot_be_regenerated(write_jsonl):
 
 
 def test_bad_lines_are_counted_with_skip_bad_lines(write_jsonl):
-    data = write_jsonl([{"messages": conv(("q", "a"))}, "not json", {"messages": []}])
+    data = write_jsonl([{"messages": conv(("q", "a"))}, "not json", {"messages": []}, {"text": "x"}])
     with pytest.raises(DataError, match="data.jsonl:2: not JSON"):
         load_conversations(DataConfig(path=data))
     got = load_conversations(DataConfig(path=data, skip_bad_lines=True))
-    assert len(got.conversations) == 1 and got.skip_reasons == {"not JSON": 1, "empty messages": 1}
+    assert len(got.conversations) == 1 and got.skip_reasons == {"not JSON": 1, "wrong schema": 1}
+    assert got.drop_reasons == {"empty conversation": 1}  # left out without --skip-bad-lines too
 
 
 def test_tally_counts_failed_and_skipped_turns():
