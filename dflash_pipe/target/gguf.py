@@ -13,8 +13,8 @@ convert it once and a killed conversion leaves no folder. ``SOURCE_FILE`` in it 
 it came from.
 
 Every way this fails (no such file, the packages missing, an architecture transformers cannot load, a
-damaged file, a cache folder that cannot be written) is one ``GGUFTargetError`` line naming the file and
-the fix.
+damaged file, a cache folder that cannot be written; a folder without config.json) is one
+``TargetPathError`` line naming the path and the fix.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ EXTRA_INSTALL = "pip install 'dflash-pipe[gguf]'"
 _NEEDS = ("gguf", "accelerate")
 
 
-class GGUFTargetError(ValueError):
-    """A GGUF target that cannot be turned into a folder, in one line: the file, why, and the fix."""
+class TargetPathError(ValueError):
+    """A target path that is no loadable target (no such file, a folder without config.json, a GGUF file
+    that cannot be converted), in one line: the path, why, and the fix."""
 
 
 def is_gguf(path: str | Path | None) -> bool:
@@ -77,12 +78,18 @@ def resolve_target(
     root: Path | None = None,
 ) -> Path | None:
     """The Hugging Face folder of a target: ``path`` itself (None stays None: the demo target), or for a
-    GGUF file its converted folder (``gguf_folder``). ``flag``: how the user gave the path, for errors."""
+    GGUF file its converted folder (``gguf_folder``). ``flag``: how the user gave the path, for errors.
+    Raises ``TargetPathError``, also for a folder without config.json."""
     if path is None:
         return None
-    if not is_gguf(path):
-        return Path(path)
-    return gguf_folder(path, flag=flag, say=say, root=root)
+    if is_gguf(path):
+        return gguf_folder(path, flag=flag, say=say, root=root)
+    if not (Path(path) / "config.json").is_file():
+        raise TargetPathError(
+            f"{flag} {path}: no config.json there. Pass a Hugging Face model directory (config.json + "
+            "safetensors + tokenizer) or a GGUF file"
+        )
+    return Path(path)
 
 
 def gguf_folder(
@@ -93,12 +100,12 @@ def gguf_folder(
     root: Path | None = None,
 ) -> Path:
     """The converted folder of a GGUF file, converted first if it is not in the cache yet (one line through
-    ``say`` either way). Raises ``GGUFTargetError``."""
+    ``say`` either way). Raises ``TargetPathError``."""
     from filelock import FileLock
 
     path = Path(gguf_path).expanduser()
     if not path.is_file():
-        raise GGUFTargetError(
+        raise TargetPathError(
             f"{flag} {path}: no such file. Pass a GGUF file or a Hugging Face model directory "
             "(config.json + safetensors + tokenizer)"
         )
@@ -106,7 +113,7 @@ def gguf_folder(
     if gguf_source(folder) is None:
         missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
         if missing:
-            raise GGUFTargetError(
+            raise TargetPathError(
                 f"{flag} {path}: a GGUF target needs the package(s) {' and '.join(missing)}: {EXTRA_INSTALL}"
             )
         try:
@@ -118,7 +125,7 @@ def gguf_folder(
                     _convert(path, folder, flag=flag)
                     return folder
         except OSError as exc:  # the cache not writable, a full disk
-            raise GGUFTargetError(
+            raise TargetPathError(
                 f"{flag} {path}: cannot write its converted folder {folder} ({exc}). Free space there, or "
                 "set DFLASH_PIPE_CACHE to a writable folder"
             ) from None
@@ -148,7 +155,7 @@ def _write_folder(path: Path, out: Path, *, flag: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # the loader's errors are of many types; each becomes the one line below
-        raise GGUFTargetError(_load_error(path, exc, flag)) from None
+        raise TargetPathError(_load_error(path, exc, flag)) from None
     config = model.config
     if hasattr(config, "quantization_config"):  # the folder holds plain weights: nothing to dequantize
         del config.quantization_config
