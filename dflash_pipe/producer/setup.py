@@ -129,14 +129,14 @@ class PendingRun:
         else:
             data = self.data.result()
             self.drafter = mask_unused_by_data(self.drafter, data.samples, self.tokenizer, self.cfg)
-        if self.resume_from is not None:
-            check_checkpoint_fits(self.resume_from, self.drafter, self.cfg.run_dir)
             total = len(data.samples)
             n_eval = held_out_count(self.cfg.eval_samples, total)
             train_samples = data.samples[: len(data.samples) - n_eval]
             # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the
             # ledger.
             eval_samples = data.samples[len(data.samples) - n_eval :]
+        if self.resume_from is not None:  # the mask token, known only now, must be the checkpoint's too
+            check_checkpoint_fits(self.resume_from, self.drafter, self.cfg.run_dir)
         ledger = self.saved_ledger
         if ledger is None:
             ledger = Ledger(len(train_samples), self.cfg.train.epochs)

@@ -36,6 +36,11 @@ EXTRA_INSTALL = "pip install 'dflash-pipe[gguf]'"
 _NEEDS = ("gguf", "accelerate")
 
 
+def say_line(line: str) -> None:
+    """The default ``say``: the line on stdout, flushed (before the loader's progress bars on stderr)."""
+    print(line, flush=True)
+
+
 class TargetPathError(ValueError):
     """A target path that is no loadable target (no such file, a folder without config.json, a GGUF file
     that cannot be converted), in one line: the path, why, and the fix."""
@@ -74,7 +79,7 @@ def resolve_target(
     path: str | Path | None,
     *,
     flag: str = "--target-model",
-    say: Callable[[str], None] | None = print,
+    say: Callable[[str], None] | None = say_line,
     root: Path | None = None,
 ) -> Path | None:
     """The Hugging Face folder of a target: ``path`` itself (None stays None: the demo target), or for a
@@ -96,7 +101,7 @@ def gguf_folder(
     gguf_path: str | Path,
     *,
     flag: str = "--target-model",
-    say: Callable[[str], None] | None = print,
+    say: Callable[[str], None] | None = say_line,
     root: Path | None = None,
 ) -> Path:
     """The converted folder of a GGUF file, converted first if it is not in the cache yet (one line through
@@ -196,7 +201,8 @@ def _load_error(path: Path, exc: Exception, flag: str) -> str:
         try:
             from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-            text += f" GGUF architectures it loads: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}."
+            names = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # not models
+            text += f" GGUF architectures it loads: {', '.join(names)}."
         except ImportError:
             pass
     return text + " Pass a Hugging Face model directory of that model instead, or a newer transformers"

@@ -56,11 +56,13 @@ def write_tiny_gguf(
     *,
     architecture: str = "llama",
     quantize: bool = True,
+    code_specials: bool = True,
     seed: int = 0,
 ) -> Path:
     """A tiny Llama GGUF at ``path``: the weight matrices as Q8_0 (``quantize``; else F32), the norms F32,
     tied embeddings (no ``output.weight``), rope theta 1e5. ``architecture``: what ``general.architecture``
-    says (another name writes a file transformers refuses, the keys still llama's)."""
+    says (another name writes a file transformers refuses, the keys still llama's). ``code_specials``
+    False: ids 3-16 are plain tokens, so the tokenizer has no token a MASK can be."""
     import gguf
 
     tokens = vocabulary()
@@ -82,7 +84,8 @@ def write_tiny_gguf(
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
-    types = [gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (vocab - len(SPECIALS))
+    control = len(SPECIALS) if code_specials else 3
+    types = [gguf.TokenType.CONTROL] * control + [gguf.TokenType.NORMAL] * (vocab - control)
     writer.add_token_types(types)
     writer.add_token_merges(list(MERGES))
     writer.add_bos_token_id(1)
