@@ -109,6 +109,7 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
     import torch
     from transformers.utils import logging as hf_logging
 
+    from dflash_pipe.drafter.config import mask_line
     from dflash_pipe.producer.proc import ProducerProc
 
     if cfg.layout.device == "cpu":
@@ -138,6 +139,7 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
         f"{len(ctx.train_samples)} training samples, run dir {cfg.run_dir}"
         + (f", resuming from {ctx.resume_from.name}" if ctx.resume_from else "")
     )
+    console.print(mask_line(ctx.drafter), markup=False, highlight=False)
     if cfg.train.min_workers > 1:
         console.print(f"note: first step {cfg.first_step_note()}", markup=False, highlight=False)
     for note in ctx.notes:

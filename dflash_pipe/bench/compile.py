@@ -148,17 +148,14 @@ def _drafter_spec(
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_pipe.drafter import DrafterConfig
+    from dflash_pipe.target.gguf import resolve_target
     from dflash_pipe.train.config import TrainConfig
 
-    path = target_model
+    path = resolve_target(target_model)  # a GGUF file: its converted folder; TargetPathError (a ValueError)
     if path is None:
         from dflash_pipe.target import build_demo_target
 
         path = build_demo_target(progress=False)
-    if not (Path(path) / "config.json").exists():
-        raise FileNotFoundError(
-            f"--target-model {path}: no config.json there; pass a Hugging Face model directory."
-        )
     cfg = DrafterConfig.from_target(
         AutoConfig.from_pretrained(str(path)),
         tokenizer=AutoTokenizer.from_pretrained(str(path)),

@@ -18,7 +18,7 @@ from dflash_pipe.commands import console
     "--target-model",
     type=click.Path(exists=True, path_type=Path),
     required=True,
-    help="HF model directory of the target.",
+    help="HF model directory of the target, or a GGUF file (converted once to a cached HF folder).",
 )
 @click.option(
     "--drafter",
@@ -107,6 +107,7 @@ def eval_cmd(
 
     from dflash_pipe.data import DataConfig, load_samples
     from dflash_pipe.drafter.speculate import CacheCropError, LosslessError
+    from dflash_pipe.target.gguf import resolve_target
 
     for name, value in (("--max-samples", max_samples), ("--max-new-tokens", max_new_tokens)):
         if value is not None and value < 1:
@@ -115,7 +116,9 @@ def eval_cmd(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
     limit = max_samples or (16 if mode == "generate" else 256)
+    given_target = target_model
     try:  # a damaged export, a drafter that does not fit the target, or bad data: one line naming the input
+        target_model = resolve_target(target_model)  # a GGUF file: its converted folder (TargetPathError)
         tokenizer = AutoTokenizer.from_pretrained(str(target_model))
         data = load_samples(DataConfig(path=data_path, max_length=max_length), tokenizer)
         if mode == "generate":
@@ -159,7 +162,8 @@ def eval_cmd(
         record = {
             "mode": mode,
             "command": sys.argv,
-            "target_model": str(target_model),
+            "target_model": str(given_target),
+            **({"target_folder": str(target_model)} if str(target_model) != str(given_target) else {}),
             "drafter": str(drafter_dir),
             "data": str(data_path),
             "metrics": metrics,

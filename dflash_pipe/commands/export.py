@@ -64,7 +64,7 @@ def export(checkpoint: Path, out_dir: Path) -> None:
 @click.option(
     "--target",
     help="The target model path or Hub id to serve beside the drafter (default: a run's own target; an "
-    "export does not record it).",
+    "export does not record it); a GGUF file is served from its converted folder.",
 )
 def serve_command_cmd(path: Path, engine: str, target: str | None) -> None:
     """Print the exact command that serves a drafter beside its target, every setting from the export.
@@ -79,8 +79,11 @@ def serve_command_cmd(path: Path, engine: str, target: str | None) -> None:
       dflash-pipe serve-command out/q8b --engine reference --target Qwen/Qwen3-8B
     """
     from dflash_pipe.drafter.serve import plan_from_path, serve_command
+    from dflash_pipe.target.gguf import is_gguf, resolve_target
 
     try:
+        if is_gguf(target):  # the engines serve its converted folder
+            target = str(resolve_target(target, flag="--target", say=None))
         plan = plan_from_path(path, target=target)
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None

@@ -235,14 +235,14 @@ def config_text(cfg: RunConfig) -> str:
     return dump(cfg.to_dict())
 
 
-def _target_line(cfg: RunConfig) -> str:
+def _target_line(cfg: RunConfig, folder: Path) -> str:
     """The target's family and shape from its config.json, or why a launch would refuse it (no weights read)."""
     from transformers import AutoConfig
 
     from dflash_pipe.producer.setup import SetupError, check_options_fit_target, check_target_family
     from dflash_pipe.target.families import describe_target
 
-    config = AutoConfig.from_pretrained(str(cfg.target_model))
+    config = AutoConfig.from_pretrained(str(folder))
     try:
         check_target_family(config, cfg.target_model)
         check_options_fit_target(cfg.drafter, config, cfg.target_model)
@@ -255,6 +255,7 @@ def plan_text(cfg: RunConfig, *, resume: bool) -> str:
     """What ``launch`` would do with this config; touches no GPU, model or socket."""
     from dflash_pipe.run.dir import RunDir
     from dflash_pipe.run.files import RunDirError
+    from dflash_pipe.target.gguf import converted_folder, gguf_source, is_gguf
     from dflash_pipe.telemetry.metrics import sink_problem
     from dflash_pipe.worker_pool import launched_worker_command
 
@@ -270,11 +271,21 @@ def plan_text(cfg: RunConfig, *, resume: bool) -> str:
         cache = default_cache_dir()
         state = "cached" if (cache / "config.json").exists() else "built and trained (~45 s) on first use"
         row("target", f"built-in demo target at {cache} ({state})")
+    elif is_gguf(cfg.target_model):
+        folder = converted_folder(cfg.target_model) if cfg.target_model.is_file() else None
+        found = folder is not None and gguf_source(folder) is not None
+        if folder is None:
+            state = "  [no such file on this machine]"
+        else:
+            state = f" (GGUF, {'converted' if found else 'converted once, on first use,'} to {folder})"
+        row("target", f"{cfg.target_model}{state}")
+        if found:
+            row("", _target_line(cfg, folder))
     else:
         found = (cfg.target_model / "config.json").exists()
         row("target", f"{cfg.target_model}" + ("" if found else "  [no config.json there on this machine]"))
         if found:
-            row("", _target_line(cfg))
+            row("", _target_line(cfg, cfg.target_model))
     row(
         "data",
         f"{cfg.data.path}{found_note(cfg.data.path)}"

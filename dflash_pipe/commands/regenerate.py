@@ -7,6 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import click
+from rich.markup import escape
 
 from dflash_pipe.commands import console
 from dflash_pipe.commands.options import field_options
@@ -57,6 +58,7 @@ def regenerate(**opts) -> None:
     from dflash_pipe.data import DataConfig, DataError
     from dflash_pipe.diskspace import DiskFullError
     from dflash_pipe.regenerate import regenerate_file
+    from dflash_pipe.target.gguf import TargetPathError, resolve_target
 
     try:
         settings = RegenConfig(**section_values(opts, "regen"))
@@ -75,7 +77,11 @@ def regenerate(**opts) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         device = f"cuda:{opts['gpu']}"
-    target = opts["target_model"]
+    try:
+        target = resolve_target(opts["target_model"])  # a GGUF file: its converted folder
+    except TargetPathError as exc:
+        console.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(2)
     if target is None:
         from dflash_pipe.target import build_demo_target
 
@@ -83,7 +89,7 @@ def regenerate(**opts) -> None:
     try:
         summary = regenerate_file(Path(target), data, settings, opts["out"], device=device)
     except DataError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         sys.exit(2)
     except DiskFullError as exc:
         console.print(f"error: {exc}", markup=False, highlight=False)

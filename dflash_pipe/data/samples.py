@@ -80,3 +80,23 @@ def sample_lengths(samples: Sequence[Sample]) -> np.ndarray:
     if callable(lengths):
         return np.asarray(lengths(), dtype=np.int64)
     return np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))
+
+
+PRESENCE_CHUNK = 1 << 24
+"""Tokens counted at a time by ``token_presence`` over a store (64 MiB of uint32 ids)."""
+
+
+def token_presence(samples: Sequence[Sample | None], vocab_size: int) -> np.ndarray:
+    """Which token ids the samples contain: [vocab_size] bool (ids past it are ignored). A store's from its
+    id file in chunks (one pass, no ``Sample`` made); a list's per sample, None entries skipped."""
+    seen = np.zeros(vocab_size, dtype=bool)
+    chunks = getattr(samples, "token_ids", None)  # StoredSamples: the flat ids of its range
+    if callable(chunks):
+        flat = chunks()
+        pieces = (flat[a : a + PRESENCE_CHUNK] for a in range(0, len(flat), PRESENCE_CHUNK))
+    else:
+        pieces = (s.input_ids.numpy() for s in samples if s is not None)
+    for ids in pieces:
+        ids = np.asarray(ids, dtype=np.int64)
+        seen[ids[(ids >= 0) & (ids < vocab_size)]] = True
+    return seen

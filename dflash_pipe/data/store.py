@@ -231,6 +231,10 @@ class StoredSamples(Sequence[Sample]):
     def __iter__(self) -> Iterator[Sample]:
         return (self._sample(i) for i in range(self._start, self._stop))
 
+    def token_ids(self) -> np.ndarray:
+        """Every token id of this range's samples, one after the other ([T], a read-only view of the map)."""
+        return self._ids[int(self._offsets[self._start]) : int(self._offsets[self._stop])]
+
     def lengths(self) -> np.ndarray:
         """Token count per sample ([N] int64), from the offsets alone."""
         return np.diff(self._offsets[self._start : self._stop + 1])

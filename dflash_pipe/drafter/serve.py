@@ -85,11 +85,15 @@ def run_settings(checkpoint: Path) -> tuple[str | None, dict | None]:
         cfg = run.load_config()
     except ValueError:  # a damaged or other-version run config: the checkpoint still exports, unrecorded
         return None, None
+    from dflash_pipe.target.gguf import converted_folder, is_gguf
+
     target = cfg.target_model
     if target is None:  # the built-in demo target, where launch builds it
         from dflash_pipe.target.demo import default_cache_dir
 
         target = default_cache_dir()
+    elif is_gguf(target) and target.is_file():  # served from the folder the run converted it to
+        target = converted_folder(target)
     return str(target), dict(cfg.data.chat_template_kwargs)
 
 

@@ -7,6 +7,7 @@ is needed (ledger, train/eval split, plans, WELCOME). ``prepare_run`` does both 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -21,8 +22,12 @@ from dflash_pipe.compute.precision import compute_dtype
 from dflash_pipe.data import DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.drafter.config import (
+    MASK_TOKEN_KEY,
     EngineConflictError,
+    MaskTokenError,
     default_target_layer_ids,
+    given_mask_token,
+    resolve_mask_token,
     uncapturable_layers_error,
 )
 from dflash_pipe.run.checkpoint import read_trainer_state
@@ -31,6 +36,7 @@ from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.files import DRAFTER_CONFIG, RunDirError
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.run.resume import NothingTrained, RunComplete, complete_message
+from dflash_pipe.target.gguf import TargetPathError, is_gguf, resolve_target
 
 if TYPE_CHECKING:
     from dflash_pipe.producer.regen import Regeneration
@@ -43,6 +49,20 @@ class SetupError(ValueError):
 
 class OptionsError(SetupError):
     """A drafter option does not fit the target model (layer ids, mask token)."""
+
+
+GGUF_KEY = "gguf"
+"""``DrafterConfig.extra`` key of a GGUF target: ``{"file": the GGUF file, "folder": its converted folder}``
+(in every checkpoint's drafter config and in the export's ``dflash_pipe`` section)."""
+
+
+def target_folder(target_model: Path | None) -> Path | None:
+    """The Hugging Face folder of ``--target-model``: a GGUF file converted once (``target.gguf``), a folder
+    as is, None for the demo target. A GGUF file that cannot be converted is a ``SetupError``."""
+    try:
+        return resolve_target(target_model)
+    except TargetPathError as exc:
+        raise SetupError(str(exc)) from None
 
 
 @dataclass(slots=True)
@@ -110,12 +130,15 @@ class PendingRun:
             total = len(regen.source.conversations)
         else:
             data = self.data.result()
+            self.drafter = mask_unused_by_data(self.drafter, data.samples, self.tokenizer, self.cfg)
             total = len(data.samples)
             n_eval = held_out_count(self.cfg.eval_samples, total)
             train_samples = data.samples[: len(data.samples) - n_eval]
             # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the
             # ledger.
             eval_samples = data.samples[len(data.samples) - n_eval :]
+        if self.resume_from is not None:  # the mask token, known only now, must be the checkpoint's too
+            check_checkpoint_fits(self.resume_from, self.drafter, self.cfg.run_dir)
         ledger = self.saved_ledger
         if ledger is None:
             ledger = Ledger(len(train_samples), self.cfg.train.epochs)
@@ -189,6 +212,36 @@ EVAL_SHARE = 10
 """One sample in this many is held out for evaluation (at most ``eval_samples``)."""
 
 
+def mask_unused_by_data(
+    drafter: DrafterConfig, samples: Sequence[Sample], tokenizer: object, cfg: RunConfig
+) -> DrafterConfig:
+    """The drafter with a MASK token the data never contains: a MASK slot must not look like text. An
+    automatic choice the data uses moves to the next candidate (``resolve_mask_token``); a
+    ``--mask-token-id`` the data uses is refused (``OptionsError``)."""
+    from dflash_pipe.data.samples import token_presence
+
+    present = token_presence(samples, drafter.vocab_size)  # [vocab] bool
+    mask = drafter.mask_token_id
+    if not present[mask]:
+        return drafter
+    text = given_mask_token(tokenizer, mask).text
+    shown = f" ({text!r})" if text is not None else ""
+    if cfg.drafter.mask_token_id is not None:
+        raise OptionsError(
+            f"--mask-token-id {mask}: token {mask}{shown} appears in the training data ({cfg.data.path}), so "
+            "the drafter could not tell a MASK slot from that text. Pass an id the data never contains, or "
+            "leave the flag out to have one picked"
+        )
+    used = frozenset(int(i) for i in present.nonzero()[0])
+    try:
+        choice = resolve_mask_token(tokenizer, drafter.vocab_size, used=used)
+    except MaskTokenError as exc:
+        raise OptionsError(f"{exc} ({cfg.data.path} uses token {mask}{shown})") from None
+    why = f"{choice.why}; {mask}{shown} is in the data ({cfg.data.path})"
+    extra = {**drafter.extra, MASK_TOKEN_KEY: {**choice.to_dict(), "why": why}}
+    return dataclasses.replace(drafter, mask_token_id=choice.id, extra=extra)
+
+
 def held_out_count(eval_samples: int, total: int) -> int:
     """How many of ``total`` samples (the file's tail) are held out: one in ``EVAL_SHARE``, at most
     ``eval_samples``."""
@@ -221,16 +274,11 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
     run_dir = RunDir(cfg.run_dir)
     run_dir.check(resume=resume)
     run_dir.root.mkdir(parents=True, exist_ok=True)
-    target_path = cfg.target_model
+    target_path = target_folder(cfg.target_model)
     if target_path is None:
         from dflash_pipe.target import build_demo_target
 
         target_path = build_demo_target(progress=progress)
-    if not (Path(target_path) / "config.json").exists():
-        raise FileNotFoundError(
-            f"--target-model {target_path}: no config.json there. Pass a Hugging Face model directory "
-            "(config.json + safetensors + tokenizer)."
-        )
     # The target and the options first: a target or flag that cannot work stops before any work starts.
     target_config = AutoConfig.from_pretrained(str(target_path))
     check_target_family(target_config, target_path)
@@ -254,13 +302,18 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
                 layer_types=opts.layer_types,
                 sliding_window=opts.sliding_window,
             )
-        except EngineConflictError as exc:  # the engines could not serve it (the mask token): before training
-            raise OptionsError(f"{exc} (target: {target_path})") from None
+        except (EngineConflictError, MaskTokenError) as exc:  # before training: the engines could not serve
+            raise OptionsError(f"{exc} (target: {target_path})") from None  # it, or no token can be MASK
+        if is_gguf(cfg.target_model):  # which file the run's target folder came from
+            drafter.extra[GGUF_KEY] = {
+                "file": str(Path(cfg.target_model).resolve()),
+                "folder": str(target_path),
+            }
         resume_from, resume_step, saved_ledger = None, 0, None
         if resume:
             resume_from = run_dir.latest_checkpoint()
-            if resume_from is not None:
-                check_checkpoint_fits(resume_from, drafter, run_dir.root)
+            if resume_from is not None:  # the mask token once the data is known (PendingRun.context)
+                check_checkpoint_fits(resume_from, drafter, run_dir.root, skip=("mask_token_id",))
                 state = read_trainer_state(resume_from)
                 saved_ledger = Ledger.from_dict(state.ledger)
                 resume_step = state.step
@@ -350,8 +403,11 @@ def check_options_fit_target(opts: DrafterOptions, target_config: object, target
         )
 
 
-def check_checkpoint_fits(checkpoint: Path, drafter: DrafterConfig, run_dir: Path) -> None:
-    """A checkpoint from another target or drafter shape is refused, naming the first differing field."""
+def check_checkpoint_fits(
+    checkpoint: Path, drafter: DrafterConfig, run_dir: Path, *, skip: tuple[str, ...] = ()
+) -> None:
+    """A checkpoint from another target or drafter shape is refused, naming the first differing field
+    (``skip``: fields not known yet)."""
     path = Path(checkpoint) / DRAFTER_CONFIG
     try:
         saved = json.loads(path.read_text())
@@ -362,7 +418,7 @@ def check_checkpoint_fits(checkpoint: Path, drafter: DrafterConfig, run_dir: Pat
         ) from None
     now = drafter.to_dict()
     for name in RESUME_FIELDS:
-        if name in saved and saved[name] != now[name]:
+        if name in saved and name not in skip and saved[name] != now[name]:
             raise RunDirError(
                 f"--resume {run_dir}: the checkpoint's drafter has {name}={saved[name]!r} but this run's "
                 f"target and drafter settings give {now[name]!r}; the target model, its config or a drafter "

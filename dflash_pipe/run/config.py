@@ -230,10 +230,13 @@ class RunConfig:
     target_model: Path | None = field(
         default=None,
         metadata=flag(
-            "--target-model", "HF model directory of the target (default: the built-in demo target)."
+            "--target-model",
+            "HF model directory of the target, or a GGUF file (converted once to a cached HF folder; "
+            "default: the built-in demo target).",
         ),
     )
-    """HF model directory; None runs the embedded demo target."""
+    """HF model directory or GGUF file (``target.gguf``: converted once to a cached HF folder, which the run's
+    checkpoints record beside the file); None runs the embedded demo target."""
     data: DataConfig
     regen: RegenConfig = field(default_factory=RegenConfig)
     """How the target regenerates the assistant turns (used with ``data.responses = "target"``)."""
