@@ -339,6 +339,15 @@ class Regeneration:
 
     # --- reporting -------------------------------------------------------------------------------------
 
+    def kept_text(self) -> str:
+        """What a stopped regeneration leaves: the conversations in the file (a launch with ``--resume``
+        on the run dir reuses them and generates only the rest)."""
+        total = self.num_train + len(self.eval_indexes)
+        return (
+            f"regeneration stopped with {len(self.store.done)}/{total} conversations in {self.store.path} "
+            f"({self.tally.conversations} written by this launch); --resume keeps them and generates the rest"
+        )
+
     def status(self, replicas: int = 1, generate_s: float | None = None) -> dict[str, float]:
         """For the dashboard and the metrics: conversations done of all, tokens/s, failed turns, and the
         share of the ``replicas``' time since the first job spent generating: ``generate_s`` seconds (the

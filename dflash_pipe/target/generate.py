@@ -197,7 +197,8 @@ class TurnGenerator:
         rounds: round k decodes the k-th assistant turn of every conversation still going). A turn that
         cannot be generated ends its conversation there (``Regenerated.failed``). ``should_stop`` is polled
         between decode steps: True raises ``GenerationStopped`` (a producer shutting down). ``on_done``
-        gets each conversation as soon as its last turn is decoded (the plain path: at the end).
+        gets each conversation as soon as its last turn is decoded (the plain path: at the end of the round
+        that decoded it), so a stop loses only the conversations still going.
         ``between`` (slot engine only; the plain path never calls it) runs at each of the engine's checks
         and returns more conversations, generated in the same call as slots free up."""
         states = [_Conversation(index, messages) for index, messages in items]
@@ -213,8 +214,15 @@ class TurnGenerator:
             sessions = [_TurnSession(self, s, on_done) for s in states]
             self.engine_stats = engine.run(sessions, should_stop, more if between is not None else None)
             return [s.result() for s in states]
+        reported: set[int] = set()
         while True:
-            round_ = [s for s in states if s.advance()]
+            round_ = []
+            for n, state in enumerate(states):
+                if state.advance():
+                    round_.append(state)
+                elif on_done is not None and n not in reported:
+                    reported.add(n)
+                    on_done(state.result())
             if not round_:
                 break
             asking = [(s, r) for s in round_ if (r := self._request(s)) is not None]
@@ -227,10 +235,7 @@ class TurnGenerator:
             )
             for (state, request), reply in zip(asking, replies, strict=True):
                 self._settle(state, reply, request.max_new)
-        results = [s.result() for s in states]
-        for result in results if on_done is not None else ():
-            on_done(result)
-        return results
+        return [s.result() for s in states]
 
     def _request(self, state: _Conversation) -> TurnRequest | None:
         """The turn ``state`` is at, as the engine takes it (None: it cannot be generated; ``state`` says why)."""
