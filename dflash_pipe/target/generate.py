@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.loops import ends_in_loop
 from dflash_pipe.data.regenerated import Regenerated, TurnFailure
 from dflash_pipe.data.render import render_prompt
 from dflash_pipe.target.decode import EngineStats, GenerationStopped, SlotEngine, TurnRequest
@@ -247,12 +248,22 @@ class TurnGenerator:
         return TurnRequest(prompt=prompt, max_new=room, seed=seed)
 
     def _settle(self, state: _Conversation, reply: Reply, limit: int) -> None:
-        """Writes a decoded turn into its conversation."""
+        """Writes a decoded turn into its conversation (counted as capped and looped where it is: a looped
+        one ends the conversation instead with ``regen.loops`` "drop")."""
         text = self.tokenizer.decode(reply.tokens, skip_special_tokens=False)
         if not text.strip():
             state.fail("empty reply")
             return
-        state.answer(text, len(reply.tokens) + int(reply.ended), truncated=not reply.ended)
+        new_tokens = len(reply.tokens) + int(reply.ended)
+        capped = not reply.ended and len(reply.tokens) >= self.settings.max_new_tokens
+        state.capped += int(capped)
+        if ends_in_loop(reply.tokens):
+            state.looped += 1
+            if self.settings.loops == "drop":
+                state.new_tokens += new_tokens
+                state.fail("looped")
+                return
+        state.answer(text, new_tokens, truncated=not reply.ended)
         if not reply.ended and limit < self.settings.max_new_tokens:
             state.stop_at_length()  # the sample is full: later turns would be cut off anyway
 
@@ -470,6 +481,8 @@ class _Conversation:
         self.turn = -1
         self.turns = 0
         self.truncated = 0
+        self.capped = 0
+        self.looped = 0
         self.new_tokens = 0
         self.failed: TurnFailure | None = None
         self.stopped = False
@@ -512,6 +525,8 @@ class _Conversation:
             messages=self.out[: last + 1],
             turns=self.turns,
             truncated=self.truncated,
+            capped=self.capped,
+            looped=self.looped,
             new_tokens=self.new_tokens,
             failed=self.failed,
         )
