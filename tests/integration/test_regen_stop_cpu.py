@@ -100,3 +100,5 @@ def test_sigint_mid_regeneration_stops_it_keeps_the_replies_and_exits_in_time(tm
     total = SHORT + LONG
     kept = f"regeneration stopped with {len(records)}/{total} conversations in {regen_file}"
     assert kept in out and "--resume keeps them" in out, out[-3000:]
+    capped = f"{len(records)} cut at the token limit: {len(records)} at --max-new-tokens 64; "
+    assert capped in out and " ending in a loop)" in out, out[-3000:]  # every random reply runs to the cap
