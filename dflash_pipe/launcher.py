@@ -110,7 +110,7 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
     from transformers.utils import logging as hf_logging
 
     from dflash_pipe.drafter.config import mask_line
-    from dflash_pipe.producer.proc import ProducerProc
+    from dflash_pipe.producer.proc import DRAIN_MARGIN_S, ProducerProc
 
     if cfg.layout.device == "cpu":
         torch.set_num_threads(threads_per_process(cfg.layout.num_workers + 1))
@@ -156,7 +156,8 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
             names = ", ".join(f"{a.name} (pid {a.pid})" for a in pool.adopted)
             console.print(f"adopting worker(s) still running from the previous producer: {names}")
         summary = producer.serve(watch=pool)
-        pool.wait(timeout_s=10 if stop.signals.stop.is_set() else 60)
+        left = stop.signals.drain_left_s(DRAIN_MARGIN_S)  # a worker that never joined heard no DONE
+        pool.wait(timeout_s=60 if left is None else min(10.0, left))
         if producer.core.scheduler.finished() and summary.steps > 0:  # 0 steps is never complete
             record_complete(cfg.run_dir, checkpoint=summary.last_checkpoint, epochs=cfg.train.epochs)
         return summary

@@ -35,6 +35,8 @@ class RegenerateSummary:
     and conversations with nothing to train."""
     notes: list[str] = field(default_factory=list)
     """How the source was read (a JSON array cut short, leading assistant turns left out)."""
+    interrupted: bool = False
+    """Ctrl-C stopped it: the conversations finished before are in ``out`` (``lines`` says how many)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -42,10 +44,13 @@ class RegenerateSummary:
 
     def lines(self) -> list[str]:
         t = self.tally
+        head = "interrupted: " if self.interrupted else ""
+        again = "; run the same command again to generate the rest" if self.interrupted else ""
         return [
-            f"{self.out}: {self.reused + t.conversations}/{self.conversations} conversations "
-            f"({t.conversations} generated now, {self.reused} already there)",
-            f"turns generated {t.turns} ({t.truncated_turns} cut at the token limit), failed turns: "
+            f"{head}{self.out}: {self.reused + t.conversations}/{self.conversations} conversations "
+            f"({t.conversations} generated now, {self.reused} already there){again}",
+            f"turns generated {t.turns} ({t.truncated_turns} cut at the token limit: {t.capped_turns} at "
+            f"--max-new-tokens; {t.looped_turns} ending in a loop), failed turns: "
             f"{t.failed_text()} ({t.skipped_turns} turns left out), conversations with nothing kept {t.dropped}",
             f"{t.new_tokens} tokens in {self.seconds:.1f} s: {self.tokens_per_s:.0f} generated tokens/s",
             *self._source_lines(),
@@ -117,9 +122,12 @@ def regenerate_file(
 
             # the plain path decodes a call's conversations as one padded batch: only batch_size of them
             chunk_size = generator.batch_size * (CHUNK_SLOTS if generator.engine() is not None else 1)
-            for start in range(0, len(todo), chunk_size):
-                chunk = todo[start : start + chunk_size]
-                generator.regenerate([(i, source.conversations[i]) for i in chunk], on_done=done)
+            try:
+                for start in range(0, len(todo), chunk_size):
+                    chunk = todo[start : start + chunk_size]
+                    generator.regenerate([(i, source.conversations[i]) for i in chunk], on_done=done)
+            except KeyboardInterrupt:  # each finished conversation is in the file already
+                summary.interrupted = True
         return summary
     finally:
         store.close()

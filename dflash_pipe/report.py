@@ -67,10 +67,19 @@ def regen_line(regen: Mapping[str, Any]) -> str:
     return (
         f"regenerated: {regen['conversations_generated']} conversations now ({regen['conversations_reused']} "
         f"reused from {regen['file']}), {regen['turns']} turns ({regen['truncated_turns']} cut at the token "
-        f"limit), failed turns: {failed} ({regen['skipped_turns']} turns left out), "
+        f"limit{_capped_looped(regen)}), failed turns: {failed} ({regen['skipped_turns']} turns left out), "
         f"{regen['dropped_conversations']} conversations with nothing to train; {regen['new_tokens']:,} tokens, "
         f"{regen['seconds']:.0f} s from the first job to the last reply ({rate:,.0f} generated tokens/s)"
     )
+
+
+def _capped_looped(regen: Mapping[str, Any]) -> str:
+    """``: 75 at --max-new-tokens 512; 70 ending in a loop`` (nothing for a summary made before they were
+    counted)."""
+    if "capped_turns" not in regen:
+        return ""
+    cap = f" {regen['max_new_tokens']}" if "max_new_tokens" in regen else ""
+    return f": {regen['capped_turns']} at --max-new-tokens{cap}; {regen['looped_turns']} ending in a loop"
 
 
 def report(run_dir: Path, out_dir: Path | None, console: Console) -> list[Path]:

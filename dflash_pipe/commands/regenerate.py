@@ -99,3 +99,5 @@ def regenerate(**opts) -> None:
         sys.exit(130)
     for line in summary.lines():
         console.print(line, markup=False, highlight=False)
+    if summary.interrupted:
+        sys.exit(130)

@@ -171,6 +171,19 @@ class RegenConfig:
     """Conversations generated together: the slots of the slot engine (a job's conversations), or the rows
     of one batched decode per turn round on the plain path. 0: sized from free memory
     (``target.decode.sizing``)."""
+    loops: Literal["keep", "drop"] = field(
+        default="keep",
+        metadata=flag(
+            "--regen-loops",
+            "Regeneration: keep (default) or drop replies that end in a loop (their last tokens one unit of "
+            "up to 100 tokens repeated 3+ times, 32+ tokens; docs/data.md). drop ends the conversation "
+            "before such a reply (its earlier turns are kept); both count them.",
+        ),
+    )
+    """What becomes of a reply that ends in a loop (``data.loops``): "keep" trains on it as the target said
+    it; "drop" ends its conversation before it (the earlier turns are kept, the turn counts as failed with
+    reason ``looped``). Either way ``RegenTally.looped_turns`` counts it. In the provenance only when
+    "drop" (files made before this setting existed are reused as "keep")."""
     decoder: Literal["auto", "engine", "plain"] = field(
         default="auto",
         metadata=flag(
@@ -201,13 +214,17 @@ class RegenConfig:
                 f"regen.batch_size must be >= 0 (0: auto), got {self.batch_size}; use 0 or e.g. 64"
             )
         check_choice(self, "decoder", "regen.decoder", "; auto uses the slot engine where it can")
+        check_choice(self, "loops", "regen.loops", "; keep trains on looped replies, drop leaves them out")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def provenance(self) -> dict[str, Any]:
-        """The settings that decide what is generated (``batch_size`` and ``decoder`` do not: see ``seed``)."""
+        """The settings that decide what is generated (``batch_size`` and ``decoder`` do not: see ``seed``;
+        ``loops`` only when it drops, so a file made before it existed is still this run's)."""
         out = asdict(self)
         del out["batch_size"], out["decoder"]
+        if self.loops == "keep":
+            del out["loops"]
         return out

@@ -6,7 +6,9 @@ header ``{"dflash_pipe": {"regenerated": {...}}}`` (target, settings, source dat
 conversation, keyed by its index in the source (the order of its conversations, bad lines or rows skipped;
 ``conversations.py`` reads them):
 
-- ``{"messages": [...], "regen": {"index": 3, "turns": 2, "truncated": 0, "new_tokens": 118, "failed": null}}``
+- ``{"messages": [...], "regen": {"index": 3, "turns": 2, "truncated": 0, "capped": 0, "looped": 0,
+  "new_tokens": 118, "failed": null}}`` (``capped`` and ``looped``: see ``Regenerated``; 0 in files written
+  before they were counted)
 - ``{"dflash_pipe": {"index": 7, "failed": {...}}}`` when not one turn could be generated (every reader
   skips it, see ``formats.is_bookkeeping``).
 
@@ -55,8 +57,9 @@ class TurnFailure:
     """Index of the assistant turn (0 = the first assistant reply)."""
     reason: str
     """``prompt too long`` (no room left under data.max_length), ``empty reply`` (the target ended the turn
-    at once), ``template error`` (the chat template refused the conversation) or ``sample full`` (an
-    earlier reply filled data.max_length, so training would cut this turn off)."""
+    at once), ``template error`` (the chat template refused the conversation), ``sample full`` (an
+    earlier reply filled data.max_length, so training would cut this turn off) or ``looped`` (the reply
+    ended in a loop and ``regen.loops`` is "drop")."""
     skipped_turns: int
     """Assistant turns not generated because of it (this one and every later one)."""
 
@@ -73,6 +76,10 @@ class Regenerated:
     """Assistant turns generated."""
     truncated: int = 0
     """Turns cut at the token limit (max_new_tokens, or the room left under data.max_length)."""
+    capped: int = 0
+    """Of those, turns that ran to ``regen.max_new_tokens`` itself (the cap, not the room left)."""
+    looped: int = 0
+    """Replies that ended in a loop (``data.loops``), kept or, with ``regen.loops`` "drop", dropped."""
     new_tokens: int = 0
     """Tokens the target generated for this conversation."""
     failed: TurnFailure | None = None
@@ -85,6 +92,8 @@ class Regenerated:
             "index": self.index,
             "turns": self.turns,
             "truncated": self.truncated,
+            "capped": self.capped,
+            "looped": self.looped,
             "new_tokens": self.new_tokens,
             "failed": failed,
         }
@@ -101,6 +110,8 @@ class Regenerated:
             messages=list(obj.get("messages", [])),
             turns=int(info.get("turns", 0)),
             truncated=int(info.get("truncated", 0)),
+            capped=int(info.get("capped", 0)),
+            looped=int(info.get("looped", 0)),
             new_tokens=int(info.get("new_tokens", 0)),
             failed=TurnFailure(**failed) if isinstance(failed, dict) else None,
         )
@@ -354,6 +365,10 @@ class RegenTally:
     conversations: int = 0
     turns: int = 0
     truncated_turns: int = 0
+    capped_turns: int = 0
+    """Replies that ran to ``regen.max_new_tokens``."""
+    looped_turns: int = 0
+    """Replies that ended in a loop (``data.loops``), kept or dropped."""
     new_tokens: int = 0
     dropped: int = 0
     """Conversations with no generated turn (nothing written but their bookkeeping line)."""
@@ -366,6 +381,8 @@ class RegenTally:
         self.conversations += 1
         self.turns += record.turns
         self.truncated_turns += record.truncated
+        self.capped_turns += record.capped
+        self.looped_turns += record.looped
         self.new_tokens += record.new_tokens
         self.dropped += int(not record.turns)
         if record.failed is not None:

@@ -50,7 +50,10 @@ never leave their ACKs and READYs queued behind the producer's other work."""
 _SHOW_EVERY_S = 0.5
 _HINT_EVERY_S = 30.0
 TARGET_STOP_TIMEOUT_S = 120.0
-"""How long closing waits for each target thread's current batch (a forward of a big target, or its compile)."""
+"""How long closing waits for each target thread's current batch (a forward of a big target, or its compile);
+after a stop signal, no longer than the drain has left (``_drain_left_s``)."""
+DRAIN_MARGIN_S = 3.0
+"""Of a drain's ``--stop-timeout``, what waiting for the target threads leaves for the summary and exit."""
 
 
 def drain(
@@ -236,6 +239,8 @@ class ProducerProc:
             self.signals.drainable = True
             try:
                 stop_reason = self._run(watch)
+                if self.signals.stop.is_set():
+                    stop_reason = self._keep_regenerated(stop_reason)
             except RunAborted:
                 self._log_data()
                 raise
@@ -356,7 +361,25 @@ class ProducerProc:
             highlight=False,
         )
         self.core.send_done(f"stopped by {name}", evaluate=False)
+        for thread in self._threads:  # the replies being written would outlast the drain: stop them now
+            thread.stop_generating()
         return f"stopped by {name}"
+
+    def _keep_regenerated(self, reason: str) -> str:
+        """After a drain: the target threads stopped (each within a decode step of the signal), what they
+        finished meanwhile written to the regenerated file, and the stop reason saying what it holds."""
+        regen = self.core.regen
+        if regen is None or (regen.complete and regen.eval_ready):
+            return reason
+        self._stop_targets(self._drain_left_s())
+        self.core.take_ready()
+        return f"{reason}; {regen.kept_text()}"
+
+    def _drain_left_s(self) -> float:
+        """How long closing may wait for the target threads: ``TARGET_STOP_TIMEOUT_S``, and after a stop
+        signal no longer than the drain has left (less a margin for the summary and the exit)."""
+        left = self.signals.drain_left_s(DRAIN_MARGIN_S)
+        return TARGET_STOP_TIMEOUT_S if left is None else min(TARGET_STOP_TIMEOUT_S, left)
 
     def _drained(self, reason: str) -> str:
         """The stop reason with the truth about the final checkpoint (a CHECKPOINT after the signal)."""
@@ -382,7 +405,7 @@ class ProducerProc:
         self._closed = True
         if self.upstream is not None:
             self.upstream.leave(self.core, "the attached producer stops")
-        self._stop_targets()
+        self._stop_targets(self._drain_left_s())
         self.dashboard.close()
         self.metrics.close()
         if self.core.regen is not None:
@@ -391,11 +414,12 @@ class ProducerProc:
         self.staging.close()
         self.rings.close()  # closing the staging twice is a no-op
 
-    def _stop_targets(self) -> None:
+    def _stop_targets(self, timeout_s: float = TARGET_STOP_TIMEOUT_S) -> None:
         """Target threads end before the staging memory is freed and before the process exits: the plans
-        not started are dropped, each thread finishes the batch it computes. (A daemon thread still inside
-        the target's forward when the interpreter exits aborts the process with SIGABRT; a thread copying
-        into a freed slot would crash it.)"""
+        not started are dropped, each thread finishes the batch it computes (waiting ``timeout_s`` at most
+        for all of them; safe to call twice). (A daemon thread still inside the target's forward when the
+        interpreter exits aborts the process with SIGABRT; a thread copying into a freed slot would crash
+        it.)"""
         for thread in self._threads:
             thread.stop()
         plans = self.core.plans
@@ -404,13 +428,12 @@ class ProducerProc:
                 plans.get_nowait()
         for _ in self._threads:
             plans.put(None)  # wakes a thread waiting for a plan
-        deadline = time.monotonic() + TARGET_STOP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if stuck := [t.name for t in self._threads if t.is_alive()]:
             self.core.note(
-                f"target thread(s) {', '.join(stuck)} still computing after {TARGET_STOP_TIMEOUT_S:.0f} s; "
-                "exiting anyway"
+                f"target thread(s) {', '.join(stuck)} still computing after {timeout_s:.0f} s; exiting anyway"
             )
 
 

@@ -339,8 +339,18 @@ class Regeneration:
 
     # --- reporting -------------------------------------------------------------------------------------
 
+    def kept_text(self) -> str:
+        """What a stopped regeneration leaves: the conversations in the file (a launch with ``--resume``
+        on the run dir reuses them and generates only the rest)."""
+        total = self.num_train + len(self.eval_indexes)
+        return (
+            f"regeneration stopped with {len(self.store.done)}/{total} conversations in {self.store.path} "
+            f"({self.tally.conversations} written by this launch); --resume keeps them and generates the rest"
+        )
+
     def status(self, replicas: int = 1, generate_s: float | None = None) -> dict[str, float]:
-        """For the dashboard and the metrics: conversations done of all, tokens/s, failed turns, and the
+        """For the dashboard and the metrics: conversations done of all, tokens/s, failed turns, replies
+        that ran to the cap or ended in a loop (of this process's), and the
         share of the ``replicas``' time since the first job spent generating: ``generate_s`` seconds (the
         target threads' own count), else the finished jobs' seconds."""
         elapsed = 0.0 if self.started is None else (self.finished or time.monotonic()) - self.started
@@ -353,6 +363,8 @@ class Regeneration:
             "eval_total": float(len(self.eval_indexes)),
             "tokens_per_s": self.rate.rate() if self.rate.span() >= 1.0 else 0.0,
             "failed_turns": float(sum(self.tally.failed.values())),
+            "capped_turns": float(self.tally.capped_turns),
+            "looped_turns": float(self.tally.looped_turns),
             "dropped": float(len(self.voids)),
             "target_share": share,
         }
@@ -366,6 +378,9 @@ class Regeneration:
             "conversations_reused": self.reused,
             "turns": self.tally.turns,
             "truncated_turns": self.tally.truncated_turns,
+            "capped_turns": self.tally.capped_turns,
+            "looped_turns": self.tally.looped_turns,
+            "max_new_tokens": self.settings.max_new_tokens,
             "failed_turns": dict(self.tally.failed),
             "skipped_turns": self.tally.skipped_turns,
             "dropped_conversations": len(self.voids),

@@ -104,6 +104,13 @@ class Signals:
         self.stop.set()
         threading.Thread(target=self._watchdog, name="dflash-stop-watchdog", daemon=True).start()
 
+    def drain_left_s(self, margin_s: float = 0.0) -> float | None:
+        """Seconds left before the watchdog stops the process hard, less ``margin_s`` (at least 0); None
+        before a stop signal."""
+        if self.stopped_at is None:
+            return None
+        return max(0.0, self.stop_timeout_s - (time.monotonic() - self.stopped_at) - margin_s)
+
     def _on_stop(self, signum: int, _frame: object) -> None:
         repeated = signum == signal.SIGTERM and self.stop_name == "SIGTERM"
         if self.stop.is_set() and repeated and time.monotonic() - (self.stopped_at or 0.0) < SAME_TERM_S:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.loops import ends_in_loop
 from dflash_pipe.data.regenerated import Regenerated, TurnFailure
 from dflash_pipe.data.render import render_prompt
 from dflash_pipe.target.decode import EngineStats, GenerationStopped, SlotEngine, TurnRequest
@@ -197,7 +198,8 @@ class TurnGenerator:
         rounds: round k decodes the k-th assistant turn of every conversation still going). A turn that
         cannot be generated ends its conversation there (``Regenerated.failed``). ``should_stop`` is polled
         between decode steps: True raises ``GenerationStopped`` (a producer shutting down). ``on_done``
-        gets each conversation as soon as its last turn is decoded (the plain path: at the end).
+        gets each conversation as soon as its last turn is decoded (the plain path: at the end of the round
+        that decoded it), so a stop loses only the conversations still going.
         ``between`` (slot engine only; the plain path never calls it) runs at each of the engine's checks
         and returns more conversations, generated in the same call as slots free up."""
         states = [_Conversation(index, messages) for index, messages in items]
@@ -213,8 +215,15 @@ class TurnGenerator:
             sessions = [_TurnSession(self, s, on_done) for s in states]
             self.engine_stats = engine.run(sessions, should_stop, more if between is not None else None)
             return [s.result() for s in states]
+        reported: set[int] = set()
         while True:
-            round_ = [s for s in states if s.advance()]
+            round_ = []
+            for n, state in enumerate(states):
+                if state.advance():
+                    round_.append(state)
+                elif on_done is not None and n not in reported:
+                    reported.add(n)
+                    on_done(state.result())
             if not round_:
                 break
             asking = [(s, r) for s in round_ if (r := self._request(s)) is not None]
@@ -227,10 +236,7 @@ class TurnGenerator:
             )
             for (state, request), reply in zip(asking, replies, strict=True):
                 self._settle(state, reply, request.max_new)
-        results = [s.result() for s in states]
-        for result in results if on_done is not None else ():
-            on_done(result)
-        return results
+        return [s.result() for s in states]
 
     def _request(self, state: _Conversation) -> TurnRequest | None:
         """The turn ``state`` is at, as the engine takes it (None: it cannot be generated; ``state`` says why)."""
@@ -242,12 +248,22 @@ class TurnGenerator:
         return TurnRequest(prompt=prompt, max_new=room, seed=seed)
 
     def _settle(self, state: _Conversation, reply: Reply, limit: int) -> None:
-        """Writes a decoded turn into its conversation."""
+        """Writes a decoded turn into its conversation (counted as capped and looped where it is: a looped
+        one ends the conversation instead with ``regen.loops`` "drop")."""
         text = self.tokenizer.decode(reply.tokens, skip_special_tokens=False)
         if not text.strip():
             state.fail("empty reply")
             return
-        state.answer(text, len(reply.tokens) + int(reply.ended), truncated=not reply.ended)
+        new_tokens = len(reply.tokens) + int(reply.ended)
+        capped = not reply.ended and len(reply.tokens) >= self.settings.max_new_tokens
+        state.capped += int(capped)
+        if ends_in_loop(reply.tokens):
+            state.looped += 1
+            if self.settings.loops == "drop":
+                state.new_tokens += new_tokens
+                state.fail("looped")
+                return
+        state.answer(text, new_tokens, truncated=not reply.ended)
         if not reply.ended and limit < self.settings.max_new_tokens:
             state.stop_at_length()  # the sample is full: later turns would be cut off anyway
 
@@ -465,6 +481,8 @@ class _Conversation:
         self.turn = -1
         self.turns = 0
         self.truncated = 0
+        self.capped = 0
+        self.looped = 0
         self.new_tokens = 0
         self.failed: TurnFailure | None = None
         self.stopped = False
@@ -507,6 +525,8 @@ class _Conversation:
             messages=self.out[: last + 1],
             turns=self.turns,
             truncated=self.truncated,
+            capped=self.capped,
+            looped=self.looped,
             new_tokens=self.new_tokens,
             failed=self.failed,
         )

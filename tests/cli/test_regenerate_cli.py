@@ -54,6 +54,7 @@ def test_regenerate_writes_the_file_and_a_second_run_generates_nothing(target, d
     assert sorted(r["regen"]["index"] for r in records) == list(range(6))
     assert all(r["regen"]["truncated"] == r["regen"]["turns"] for r in records)  # 6 tokens: every turn is cut
     assert "6 generated now, 0 already there" in first.output
+    assert "cut at the token limit: " in first.output and " at --max-new-tokens; " in first.output
     second = _run(*args)
     assert second.exit_code == 0, second.output
     assert "0 generated now, 6 already there" in second.output

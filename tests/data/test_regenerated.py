@@ -174,3 +174,30 @@ def test_a_file_whose_every_prompt_is_too_long_stops_before_regenerating(write_j
         "a reply of 3 tokens to train)"
     )
     check_prompts_fit(source, tok, DataConfig(path=data, max_length=shortest + 3))  # one fits: no error
+
+
+def test_capped_and_looped_counts_round_trip_and_old_lines_read_as_zero(tmp_path, target_dir, write_jsonl):
+    record = Regenerated(index=4, messages=conv(("q", "a a a")), turns=1, truncated=1, capped=1, looped=1)
+    line = record.to_line()
+    assert line["regen"]["capped"] == 1 and line["regen"]["looped"] == 1
+    assert Regenerated.from_line(json.loads(json.dumps(line))) == record
+    del line["regen"]["capped"], line["regen"]["looped"]  # a file written before they were counted
+    old = Regenerated.from_line(line)
+    assert (old.capped, old.looped) == (0, 0)
+    tally = RegenTally()
+    tally.add(record)
+    assert (tally.capped_turns, tally.looped_turns) == (1, 1)
+
+
+def test_dropping_loops_is_part_of_the_provenance_keeping_them_is_not(tmp_path, target_dir, write_jsonl):
+    """A file made before --regen-loops existed is a "keep" file: still reused; a "drop" file is not."""
+    data = write_jsonl([{"messages": conv(("q", "a"))}])
+    keep = _prov(target_dir, data)
+    assert "loops" not in keep["settings"]
+    assert _prov(target_dir, data, loops="drop")["settings"]["loops"] == "drop"
+    path = tmp_path / "regen.jsonl"
+    RegenStore(path, keep).close()
+    with pytest.raises(RegenFileError, match="loops: file has None, this run 'drop'"):
+        RegenStore(path, _prov(target_dir, data, loops="drop"))
+    with pytest.raises(ValueError, match="regen.loops must be keep or drop, got 'trim'"):
+        RegenConfig(loops="trim")

@@ -245,3 +245,58 @@ def test_closing_the_producer_drops_queued_plans_and_joins_its_target_threads(ta
     ProducerProc._stop_targets(producer)
     assert not any(t.is_alive() for t in threads) and notes == []
     assert len(started) < 20 and plan_q.qsize() <= 2  # the 200 plans were dropped, not computed
+
+
+class _SlowGenerator:
+    """Finishes one conversation every 50 ms, polling ``should_stop`` in between (as the engine does after
+    each decode step)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def engine(self):
+        return None
+
+    def regenerate(self, items, should_stop=None, on_done=None, between=None):
+        from dflash_pipe.data.regenerated import Regenerated
+        from dflash_pipe.target.generate import GenerationStopped
+
+        self.calls += 1
+        for index, messages in items:
+            for _ in range(5):
+                time.sleep(0.01)
+                if should_stop():
+                    raise GenerationStopped
+            on_done(Regenerated(index=index, messages=messages, turns=1))
+
+
+def test_stop_generating_stops_the_job_at_once_skips_the_next_and_still_computes_batches(target_dir, samples):
+    """A drain: the generation in progress ends at its next poll (its finished conversations were handed
+    over), the queued job is not started, feature batches are still computed."""
+    from dflash_pipe.producer.regen import GenerateDone, GenerateJob
+
+    core = TargetCore(target_dir, LAYERS, "cpu", torch.float32)
+    generator = _SlowGenerator()
+    plan_q: queue.Queue = queue.Queue()
+    ready_q: queue.Queue = queue.Queue()
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    plan_q.put(GenerateJob(job_id=1, items=[(i, conversation) for i in range(100)]))
+    plan_q.put(GenerateJob(job_id=2, items=[(i, conversation) for i in range(100, 200)]))
+    plan_q.put(PlannedBatch(batch_id=0, epoch=0, sample_ids=[0]))
+    thread = TargetThread(
+        core, samples, plan_q, ready_q, RateMeter(), name="cpu", staging=PrivateStaging(),
+        make_generator=lambda _core: generator,
+    )  # fmt: skip
+    thread.start()
+    first = ready_q.get(timeout=30)
+    assert isinstance(first, GenerateDone) and first.results[0].index == 0
+    started = time.monotonic()
+    thread.stop_generating()
+    batch = ready_q.get(timeout=30)
+    while isinstance(batch, GenerateDone):  # conversations finished before the stop was heard
+        assert batch.job.job_id == 1
+        batch = ready_q.get(timeout=30)
+    assert time.monotonic() - started < 5 and batch.plan.batch_id == 0
+    plan_q.put(None)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and generator.calls == 1 and ready_q.empty()

@@ -282,3 +282,59 @@ def test_conversations_added_between_checks_take_the_freed_slots(model, tokenize
     alone = _generator(model, tokenizer, slots=2).regenerate(list(enumerate(CONVERSATIONS)))
     assert [r.messages for r in got] == [r.messages for r in alone]
     assert sorted(r.index for r in finished) == list(range(len(CONVERSATIONS)))
+
+
+def test_a_stop_is_heard_after_one_decode_step_and_between_prefill_calls(model, monkeypatch):
+    """A drain must not wait for a check's steps or for every pending prefill: ``should_stop`` is polled
+    after each decode step and before each prefill call."""
+    from dflash_pipe.target.decode import engine as engine_module
+
+    engine = _engine(model, slots=4)
+    engine.check_every = 8
+    polls = []
+
+    def stop_on(n):
+        return lambda: polls.append(1) or len(polls) >= n
+
+    calls = []
+    prefill = engine.stack.prefill
+    monkeypatch.setattr(engine.stack, "prefill", lambda *a, **k: calls.append(1) or prefill(*a, **k))
+
+    def sessions():
+        return [_Prompt(TurnRequest(list(range(5 + i, 15 + i)), 40)) for i in range(4)]
+
+    with pytest.raises(GenerationStopped):  # polled once before the prefill call, then after step 1
+        engine.run(sessions(), should_stop=stop_on(2))
+    assert len(calls) == 1 and engine.stats.steps == 0  # stopped inside the first check's eight steps
+    monkeypatch.setattr(engine_module, "CPU_PREFILL_TOKENS", 10)  # one 10-token row per call
+    calls.clear()
+    polls.clear()
+    with pytest.raises(GenerationStopped):
+        engine.run(sessions(), should_stop=stop_on(3))
+    assert len(calls) == 2  # the third of four prefill calls never ran
+
+
+def test_the_plain_path_hands_over_each_conversation_at_the_end_of_its_round(model, tokenizer):
+    """A stop on the plain path keeps what the earlier rounds finished: a one-turn conversation is reported
+    by ``on_done`` before round 2 is decoded."""
+    gen = _generator(model, tokenizer, slots=4, decoder="plain")
+    items = list(enumerate(CONVERSATIONS))
+    rounds = 0
+    finished = []
+
+    def stop() -> bool:
+        return rounds >= 1 and bool(finished)
+
+    original = gen._generate_plain
+
+    def counted(*args, **kwargs):
+        nonlocal rounds
+        out = original(*args, **kwargs)
+        rounds += 1
+        return out
+
+    gen._generate_plain = counted
+    with pytest.raises(GenerationStopped):
+        gen.regenerate(items, should_stop=stop, on_done=finished.append)
+    one_turn = {i for i, c in items if sum(m["role"] == "assistant" for m in c) == 1}
+    assert one_turn and one_turn <= {r.index for r in finished} < {i for i, _ in items}

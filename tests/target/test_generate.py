@@ -229,3 +229,31 @@ def test_rows_ending_early_leave_the_batch_and_change_nothing(model, tokenizer, 
     assert [(r.tokens, r.ended) for r in batched] == [(r.tokens, r.ended) for r in alone]
     assert all(len(r.tokens) + r.ended <= n for r, n in zip(batched, limits, strict=True))
     assert sizes[0] == 5 and min(sizes) < 5  # finished rows left the batch
+
+
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "plain"])
+def test_replies_at_the_cap_and_in_a_loop_are_counted_and_drop_leaves_loops_out(model, tokenizer, engine):
+    """The tiny random target often repeats itself (a greedy loop, as small real targets do). Each reply
+    that ran to --max-new-tokens is counted as capped, each that ends in a loop as looped; "keep" keeps
+    them, "drop" ends the conversation before its first looped reply (a failure with reason ``looped``)."""
+    from dflash_pipe.data.loops import ends_in_loop
+
+    items = list(enumerate(CONVERSATIONS))
+    gen = _generator(model, tokenizer, engine, max_new_tokens=48)
+    seen = []
+    settle = gen._settle
+    gen._settle = lambda state, reply, limit: seen.append((state.index, reply)) or settle(state, reply, limit)
+    kept = gen.regenerate(items)
+    capped = [i for i, r in seen if not r.ended and len(r.tokens) >= 48]
+    looped = [i for i, r in seen if ends_in_loop(r.tokens)]
+    assert looped and len(capped) > len(looped)  # the case is exercised: loops among the capped replies
+    assert [r.capped for r in kept] == [capped.count(r.index) for r in kept]
+    assert [r.looped for r in kept] == [looped.count(r.index) for r in kept]
+    assert sum(r.turns for r in kept) == len(seen)  # kept: every reply is in the conversation
+    dropped = _generator(model, tokenizer, engine, max_new_tokens=48, loops="drop").regenerate(items)
+    for keep, drop in zip(kept, dropped, strict=True):
+        if not keep.looped:
+            assert drop.messages == keep.messages and drop.failed == keep.failed
+            continue
+        assert drop.looped == 1 and drop.failed is not None and drop.failed.reason == "looped"
+        assert drop.turns == drop.failed.turn and drop.messages == keep.messages[: len(drop.messages)]

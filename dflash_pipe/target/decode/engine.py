@@ -25,6 +25,9 @@ SPAN_QUANTUM = 128
 """Attention spans are rounded up to a multiple of this (one captured graph per span)."""
 PREFILL_TOKENS = 16384
 """Padded tokens per prefill call at most (longer rows still go alone)."""
+CPU_PREFILL_TOKENS = 2048
+"""The same off a GPU, where a call costs in proportion to its tokens (no launch overhead to share) and a
+16K-token call of a 135M target takes a minute on two cores: a stop is heard between calls."""
 PREFILL_GROUP = 8
 """A prefill waits until 1/8 of the slots have a turn to start (or ``PREFILL_WAIT`` checks have passed)."""
 PREFILL_WAIT = 4
@@ -141,8 +144,9 @@ class SlotEngine:
         should_stop: Callable[[], bool] | None = None,
         between: Callable[[], Iterable[Session]] | None = None,
     ) -> EngineStats:
-        """Generates every turn of every session; returns what it did. ``should_stop`` is polled at each
-        check: True raises ``GenerationStopped`` (replies of unfinished turns are not delivered).
+        """Generates every turn of every session; returns what it did. ``should_stop`` is polled after each
+        decode step and between prefill calls (host only, no wait for the device): True raises
+        ``GenerationStopped`` (replies of unfinished turns are not delivered; finished ones were).
         ``between`` is called at each check too (the caller's other work: a producer computes the feature
         batches queued meanwhile) and returns more sessions, which take slots as they free up; the run
         ends when no session is left and ``between`` brings none."""
@@ -156,7 +160,7 @@ class SlotEngine:
         waited = 0  # checks the oldest pending turn has waited
         while True:
             if pending and self._prefill_due(pending, waited):
-                self._prefill(pending)
+                self._prefill(pending, should_stop)
                 waited = 0
             elif pending:
                 waited += 1
@@ -169,11 +173,11 @@ class SlotEngine:
             span = self._span(pending)
             for _ in range(self.check_every):
                 self.steps.run(span, self._sampler)
+                if should_stop is not None and should_stop():
+                    raise GenerationStopped
             stats.steps += self.check_every
             for index in self._decoding(pending):
                 self._slots[index].fed += self.check_every
-            if should_stop is not None and should_stop():
-                raise GenerationStopped
             if between is not None:
                 waiting.extend(between())
             self._collect(waiting, pending)
@@ -246,8 +250,9 @@ class SlotEngine:
                 pending.append(index)  # the same conversation's next turn, on its own cache
         self._fill(waiting, pending, range(len(self._slots)))  # ended conversations' slots take new ones
 
-    def _prefill(self, pending: deque[int]) -> None:
-        """Runs the new prompt tokens of every pending slot (in packed calls) and starts their turns."""
+    def _prefill(self, pending: deque[int], should_stop: Callable[[], bool] | None = None) -> None:
+        """Runs the new prompt tokens of every pending slot (in packed calls) and starts their turns;
+        ``should_stop`` is polled between the calls."""
         t0 = time.perf_counter()
         work = []
         while pending:
@@ -271,7 +276,10 @@ class SlotEngine:
             if slot.request.seed is not None:
                 slot.generator = torch.Generator(device=self.stack.device).manual_seed(slot.request.seed)
         work.sort(key=lambda w: len(w[2]))
-        for group in _packs(work):
+        budget = PREFILL_TOKENS if self.stack.device.type == "cuda" else CPU_PREFILL_TOKENS
+        for group in _packs(work, budget):
+            if should_stop is not None and should_stop():
+                raise GenerationStopped
             slots = [w[0] for w in group]
             logits = self.stack.prefill(self.cache, slots, [w[2] for w in group], [w[1] for w in group])
             self.stats.prefill_calls += 1
@@ -292,11 +300,13 @@ class SlotEngine:
         self.stats.prefill_seconds += time.perf_counter() - t0
 
 
-def _packs(work: list[tuple[int, int, list[int]]]) -> Iterator[list[tuple[int, int, list[int]]]]:
-    """Groups of prefill rows (sorted by length) whose padded size stays under ``PREFILL_TOKENS``."""
+def _packs(
+    work: list[tuple[int, int, list[int]]], budget: int = PREFILL_TOKENS
+) -> Iterator[list[tuple[int, int, list[int]]]]:
+    """Groups of prefill rows (sorted by length) whose padded size stays under ``budget`` tokens."""
     group: list[tuple[int, int, list[int]]] = []
     for item in work:
-        if group and len(item[2]) * (len(group) + 1) > PREFILL_TOKENS:
+        if group and len(item[2]) * (len(group) + 1) > budget:
             yield group
             group = []
         group.append(item)
