@@ -181,7 +181,7 @@ def evaluate_drafters(
             rows.append(
                 {
                     "drafter": drafter_name,
-                    "prompts": set_name,
+                    "set": set_name,
                     **metrics,
                     "eval_s": time.perf_counter() - started,
                 }
@@ -215,7 +215,7 @@ def summarize(out: Path) -> dict[str, Path]:
     for row in rows:
         trainer, _, minutes = row["drafter"].rpartition("-")
         row["trainer"], row["minutes"] = trainer, float(minutes.removesuffix("min"))
-    final = {(r["trainer"], r["prompts"]): r for r in rows if r["minutes"] == max(x["minutes"] for x in rows)}
+    final = {(r["trainer"], r["set"]): r for r in rows if r["minutes"] == max(x["minutes"] for x in rows)}
     ours = next((r for (t, p), r in final.items() if t.startswith("ours") and p == "sharegpt"), None)
     peer = next((r for (t, p), r in final.items() if not t.startswith("ours") and p == "sharegpt"), None)
     goals = [goal("real tau, held-out ShareGPT", ours and ours["tau"], at_least=GOAL_TAU)]
@@ -232,7 +232,7 @@ def summarize(out: Path) -> dict[str, Path]:
         summary={
             "goals": goals,
             "acceptance_per_position": {
-                r["drafter"] + "/" + r["prompts"]: r["acceptance_per_position"] for r in rows
+                r["drafter"] + "/" + r["set"]: r["acceptance_per_position"] for r in rows
             },
         },
         chart={"x": "minutes", "y": "tau", "group": "trainer", "title": "real tau by GPU minutes"},
