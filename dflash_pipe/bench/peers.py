@@ -230,8 +230,10 @@ class PeerRecipe:
 class TimeBudget:
     """SpecForge's trainer logger, wrapped: every optimizer step's metrics go to a JSONL file; a checkpoint
     is saved at each mark (seconds since ``start``); the run stops at ``deadline``. Without a step plan the
-    schedule's horizon is fitted to the budget once, early in the warm-up: steps done + the measured rate x
-    the time left (warm-up ``warmup_ratio`` of that, cosine over the rest)."""
+    schedule's horizon is fitted to the budget once, early in the warm-up: steps done + the step rate
+    measured after the first two steps (compilation, warm-up) x the time left (warm-up ``warmup_ratio`` of
+    that, cosine over the rest); the run then also stops at that horizon, where the cosine reaches zero
+    (SpecForge's cosine would climb again past it)."""
 
     start: float
     """time.perf_counter() when the budget began (before the capture)."""
@@ -248,7 +250,8 @@ class TimeBudget:
     """SpecForge's own console logger, called every ``print_every`` steps."""
     trainer: Any = None
     """SpecForge's Trainer (set after it is built)."""
-    train_start: float | None = None
+    probe_start: float | None = None
+    """When step 2 ended: the step rate is measured from here."""
     horizon: int | None = None
     saved: list[dict[str, Any]] = field(default_factory=list)
     last: dict[str, float] = field(default_factory=dict)
@@ -257,8 +260,8 @@ class TimeBudget:
 
     def __call__(self, metrics: dict[str, Any], step: int) -> None:
         now = time.perf_counter()
-        if self.train_start is None:
-            self.train_start = now
+        if step == 2:
+            self.probe_start = now
         row = {"step": step, "elapsed_s": round(now - self.start, 3)} | _scalars(metrics)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -271,8 +274,14 @@ class TimeBudget:
             self.marks.pop(0)
             self.save(step, now)
         if now - self.start >= self.deadline:
-            self.stopped_by = "time"
-            self.trainer._controller.max_steps = step  # the loop returns after this step; fit() saves it
+            self.stop(step, "time")
+        elif self.horizon is not None and step >= self.horizon:
+            self.stop(step, "horizon")
+
+    def stop(self, step: int, why: str) -> None:
+        """End the run after this step; ``Trainer.fit`` then saves it as the last checkpoint."""
+        self.stopped_by = why
+        self.trainer._controller.max_steps = step
 
     def save(self, step: int, now: float) -> None:
         if self.trainer.last_checkpoint_step == step:
@@ -283,11 +292,15 @@ class TimeBudget:
         )
 
     def _maybe_fit_horizon(self, step: int, now: float) -> None:
-        """Fit once at least 3 steps and 5 s (or 2% of the budget) of training have passed."""
-        ran = now - self.train_start
-        if step < 3 or ran < min(5.0, 0.02 * self.deadline):
+        """Fit once 10 steps and 5 s (or 2% of the budget) have passed since step 2, or, on a slow device,
+        3 steps and a tenth of the time left."""
+        if self.probe_start is None or step < 3:
             return
-        rate = (step - 1) / ran  # the first step (compile, warm-up) started the clock
+        probed, ran = step - 2, now - self.probe_start
+        left = self.deadline - (now - self.start)
+        if not ((probed >= 10 and ran >= min(5.0, 0.02 * self.deadline)) or ran >= 0.1 * left):
+            return
+        rate = probed / ran
         horizon = int(step + rate * max(self.deadline - (now - self.start), 0.0))
         # The warm-up must still run a step after this one: its last step sets the peak LR the cosine
         # (recursive, from the current LR) starts from.
