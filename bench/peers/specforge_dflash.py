@@ -4,7 +4,8 @@ Capture (an HF forward of the target writing SpecForge's offline `.ckpt` records
 own `specforge train` program path, in-process) share `--minutes`, counted from the start of the capture;
 checkpoints are saved at a quarter and a half of the budget (or `--save-at`) and at the end, each exported
 with SpecForge's `export_to_hf` to a folder `dflash-pipe eval --drafter` loads. The logic is in
-`dflash_pipe/bench/peers.py`.
+`dflash_pipe/bench/peers.py`. The horizon of SpecForge's cosine schedule is fitted to the budget from the
+step rate (or set with `--steps`); a mark that passes during the capture saves the first training step.
 
     # rows exactly as dflash-pipe trains on them (its tokenizer path), then the peer run:
     python bench/peers/specforge_dflash.py --target /tmp/smol --conversations /tmp/exp/sg.jsonl \
@@ -16,16 +17,20 @@ SpecForge 0.2.0 pins torch==2.11.0, transformers==5.8.1 and sglang, none of whic
 needs: install it with `pip install --no-deps`. Wheels to carry to a machine without internet (Python
 3.12; torch, transformers, safetensors, pyyaml, huggingface_hub, numpy as dflash-pipe has them):
 
-    specforge==0.2.0            (pure Python)
+    specforge==0.2.0            (pure Python; pip install --no-deps)
     pydantic==2.14.4            (its typed config)
-    pydantic_core==2.50.5       (cp312 manylinux x86_64 wheel)
-    annotated_types==0.7.0
-    typing_inspection==0.4.2
-    accelerate==1.16.0          (set_seed in its training entry; skip if already installed)
-    psutil                      (accelerate's dependency; usually present)
+    pydantic_core==2.50.5       (the cp312 manylinux x86_64 wheel)
+    annotated_types==0.8.0
+    typing_inspection==0.4.5
+    accelerate==1.16.0          (set_seed in its training entry; skip if installed; needs psutil)
 
 Not needed and not imported on this path: sglang, wandb, tensorboard (`tracking.report_to: none`),
 datasets, openai-harmony, yunchang (sequence parallelism only), flash-attn, liger-kernel.
+
+Tested end to end on CPU only (2 contended cores, torch 2.13, transformers 5.25, 40 rows of <= 256 tokens,
+--minutes 3 --max-anchors 64): 39 rows captured in 90 s, 35 SpecForge steps in 92 s, loss 41.8 -> 9.2,
+per-slot accuracy 0.04-0.08, the export evaluated by `dflash-pipe eval` (lossless, tau 1.02). On CUDA
+SpecForge's defaults apply (bf16, flex attention, FSDP SHARD_GRAD_OP on one rank): not yet run here.
 """
 
 from __future__ import annotations
