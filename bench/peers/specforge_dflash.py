@@ -1,0 +1,217 @@
+"""SpecForge's DFlash trainer on the same token rows as dflash-pipe, within one wall-clock budget.
+
+Capture (an HF forward of the target writing SpecForge's offline `.ckpt` records) and training (SpecForge's
+own `specforge train` program path, in-process) share `--minutes`, counted from the start of the capture;
+checkpoints are saved at a quarter and a half of the budget (or `--save-at`) and at the end, each exported
+with SpecForge's `export_to_hf` to a folder `dflash-pipe eval --drafter` loads. The logic is in
+`dflash_pipe/bench/peers.py`. The horizon of SpecForge's cosine schedule is fitted to the budget from the
+step rate (or set with `--steps`); a mark that passes during the capture saves the first training step.
+
+    # rows exactly as dflash-pipe trains on them (its tokenizer path), then the peer run:
+    python bench/peers/specforge_dflash.py --target /tmp/smol --conversations /tmp/exp/sg.jsonl \
+        --max-rows 3000 --max-length 3072 --rows rows.jsonl --out out/specforge --minutes 8 --mask-token-id 16
+    # the same rows for dflash-pipe: dflash-pipe launch --data rows.jsonl ...
+    dflash-pipe eval --target-model /tmp/smol --drafter out/specforge/export/final --data heldout.jsonl
+
+SpecForge 0.2.0 pins torch==2.11.0, transformers==5.8.1 and sglang, none of which its offline trainer
+needs: install it with `pip install --no-deps`. Wheels to carry to a machine without internet (Python
+3.12; torch, transformers, safetensors, pyyaml, huggingface_hub, numpy as dflash-pipe has them):
+
+    specforge==0.2.0            (pure Python; pip install --no-deps)
+    pydantic==2.14.4            (its typed config)
+    pydantic_core==2.50.5       (the cp312 manylinux x86_64 wheel)
+    annotated_types==0.8.0
+    typing_inspection==0.4.5
+    accelerate==1.16.0          (set_seed in its training entry; skip if installed; needs psutil)
+
+Not needed and not imported on this path: sglang, wandb, tensorboard (`tracking.report_to: none`),
+datasets, openai-harmony, yunchang (sequence parallelism only), flash-attn, liger-kernel.
+
+Tested end to end on CPU only (2 contended cores, torch 2.13, transformers 5.25, 40 rows of <= 256 tokens,
+--minutes 3 --max-anchors 64): 39 rows captured in 90 s, 35 SpecForge steps in 92 s, loss 41.8 -> 9.2,
+per-slot accuracy 0.04-0.08, the export evaluated by `dflash-pipe eval` (lossless, tau 1.02). On CUDA
+SpecForge's defaults apply (bf16, flex attention, FSDP SHARD_GRAD_OP on one rank): not yet run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_pipe.bench import peers
+from dflash_pipe.bench.save import provenance
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", type=Path, required=True, help="HF folder of the target model")
+    p.add_argument(
+        "--rows", type=Path, required=True, help="pre-tokenized JSONL: {input_ids, loss_mask} per line"
+    )
+    p.add_argument("--conversations", type=Path, help="write --rows first from this conversations JSONL")
+    p.add_argument("--max-rows", type=int, help="with --conversations: keep the first N rows")
+    p.add_argument("--max-length", type=int, default=3072, help="tokens per row (truncation)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget from the start of capture")
+    p.add_argument("--save-at", type=float, nargs="*", help="checkpoint marks in minutes (default M/4, M/2)")
+    p.add_argument(
+        "--capture-share", type=float, default=0.5, help="stop capturing at this share of the budget"
+    )
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    p.add_argument("--layers", type=int, default=5, help="drafter layers")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, required=True)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--max-anchors", type=int, default=512)
+    p.add_argument("--gamma", type=float, default=7.0)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--steps", type=int, help="planned optimizer steps (the cosine horizon); default: fit to budget"
+    )
+    p.add_argument("--loader-workers", type=int, help="SpecForge's dataloader workers (default its own, 8)")
+    p.add_argument("--slot-rows", type=int, default=16, help="rows for the per-slot accuracy at the end")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    specforge = peers.import_specforge()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if args.conversations is not None:
+        n = peers.write_rows(
+            args.conversations, tokenizer, args.rows, max_length=args.max_length, limit=args.max_rows
+        )
+        print(f"wrote {n} rows to {args.rows}", flush=True)
+    rows = peers.read_rows(args.rows, tokenizer, max_length=args.max_length)
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    start = time.perf_counter()
+    deadline = 60.0 * args.minutes
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    layer_ids = peers.target_layer_ids(target.config.num_hidden_layers, args.layers)
+    features = args.out / "features"
+    captured = peers.capture_features(
+        target.model,
+        rows,
+        layer_ids,
+        features,
+        should_stop=lambda: time.perf_counter() - start >= args.capture_share * deadline,
+    )
+    capture_s = time.perf_counter() - start
+    del target
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"captured {captured}/{len(rows)} rows in {capture_s:.1f}s (layers {layer_ids})", flush=True)
+
+    recipe = peers.PeerRecipe(
+        target=args.target,
+        features=features,
+        out_dir=args.out / "train",
+        num_draft_layers=args.layers,
+        block_size=args.block_size,
+        mask_token_id=args.mask_token_id,
+        max_length=args.max_length,
+        lr=args.lr,
+        num_anchors=args.max_anchors,
+        gamma=args.gamma,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        device=args.device,
+        seed=args.seed,
+        loader_workers=args.loader_workers,
+    )
+    metrics_path = args.out / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    budget = peers.TimeBudget(
+        start=start,
+        deadline=deadline,
+        marks=peers.budget_marks(args.minutes, args.save_at),
+        metrics_path=metrics_path,
+        warmup_ratio=recipe.warmup_ratio,
+        fit_horizon=args.steps is None,
+    )
+    train_start = time.perf_counter()
+    try:
+        trainer = peers.train_specforge(recipe, budget, args.out / "specforge_config.json")
+        train_s = time.perf_counter() - train_start
+        final = {"step": trainer.global_step, "elapsed_s": round(time.perf_counter() - start, 3)}
+        final["uri"] = f"file://{(recipe.out_dir / f'{peers.RUN_ID}-step{trainer.global_step}').resolve()}"
+        checkpoints = [c for c in budget.saved if c["step"] != final["step"]] + [final]
+        draft_config = peers.write_draft_config(trainer, args.out / "draft_config.json")
+        files = sorted(features.glob("*.ckpt"))[-args.slot_rows :]
+        slots = peers.slot_accuracy(peers.training_model(trainer), files, device)
+    finally:
+        peers.close_distributed()
+
+    for c in checkpoints:
+        name = "final" if c is final else f"step{c['step']}"
+        c["export"] = str(
+            peers.export_reference(c["uri"], draft_config, args.target, args.out / "export" / name)
+        )
+    tail = [json.loads(line) for line in metrics_path.read_text().splitlines()[-20:]]
+    summary = {
+        "name": "specforge_dflash",
+        "provenance": provenance() | {"specforge": getattr(specforge, "__version__", None) or _version()},
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "specforge_config": json.loads((args.out / "specforge_config.json").read_text()),
+        "target_layer_ids": layer_ids,
+        "rows": len(rows),
+        "rows_captured": captured,
+        "capture_s": round(capture_s, 3),
+        "train_s": round(train_s, 3),
+        "total_s": round(time.perf_counter() - start, 3),
+        "steps": trainer.global_step,
+        "stopped_by": budget.stopped_by,
+        "horizon_steps": args.steps or budget.horizon,
+        "samples_seen": trainer.global_step * args.batch_size,
+        "tokens_seen_estimate": round(
+            trainer.global_step * args.batch_size * peers.mean_row_tokens(rows[:captured])
+        ),
+        "epochs": round(trainer.global_step * args.batch_size / max(1, captured), 3),
+        "last_metrics": budget.last,
+        "mean_acc_last_20_steps": round(sum(m.get("acc", 0.0) for m in tail) / max(1, len(tail)), 4),
+        "mean_loss_last_20_steps": round(sum(m.get("loss", 0.0) for m in tail) / max(1, len(tail)), 4),
+        "slot_accuracy": slots,
+        "checkpoints": checkpoints,
+        "specforge_pieces": [
+            "specforge.config.load_config / Config (typed run config)",
+            "specforge.application.resolve_run, bind_run, build_application_run",
+            "specforge.distributed.init_distributed / destroy_distributed",
+            "offline reader, dflash_family_offline_v1 normalizer, collator, FeatureDataLoader",
+            "DFlashDraftModel (draft derived from the target), OnlineDFlashModel (anchors, masks, loss)",
+            "BF16Optimizer + CosineAnnealingWarmupLR, FSDP (cuda) / DDP NO_SHARD (cpu) backend",
+            "Trainer / TrainerController / CheckpointManager",
+            "specforge.export.to_hf.export_to_hf",
+        ],
+    }
+    (args.out / "specforge_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({k: summary[k] for k in ("capture_s", "train_s", "steps", "slot_accuracy")}), flush=True)
+    return 0
+
+
+def _version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("specforge")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
