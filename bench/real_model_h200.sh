@@ -42,6 +42,30 @@ case ${1:?phase a, b, c or d} in
     cp $D/b/runs/*/metrics.jsonl "$OUT/metrics.jsonl"
     ls $D/b/drafters
     ;;
+  c)
+    test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
+    F=$(python3 -c "from dflash_pipe.target.gguf import resolve_target; print(resolve_target('$G', say=None))")
+    python3 bench/peers/specforge_dflash.py --target "$F" --conversations $D/b/runs/ours-target/regenerated.jsonl \
+      --max-length 2048 --rows $D/c/rows.jsonl --out $D/c --minutes "$MINUTES" --save-at 2 4 \
+      --mask-token-id 16 --device cuda
+    python3 - <<PY
+import json, os
+s = json.load(open("$D/c/specforge_summary.json"))
+for c in s["checkpoints"]:
+    minutes = round(c["elapsed_s"] / 60)
+    os.symlink(c["export"], f"$D/b/drafters/specforge-{minutes}min")
+    print(c["step"], c["elapsed_s"], f"specforge-{minutes}min")
+PY
+    cp $D/c/specforge_summary.json $D/c/metrics.jsonl "$OUT/"
+    ;;
+  d)
+    test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
+    python3 bench/real_model.py check --target $G --data $D/b/data/eval_sharegpt.jsonl --out $D/b
+    python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 256 \
+      --eval-prompts 32 --all-sets-at "$MINUTES"
+    python3 bench/real_model.py summarize --out $D/b
+    cp $D/b/same_batch_check.json $D/b/eval_rows.json $D/b/real_model.* "$OUT/"
+    ;;
   *)
     echo "unknown phase $1"; exit 2
     ;;
