@@ -12,7 +12,7 @@
 set -euo pipefail
 D=/tmp/dp
 G=$D/SmolLM2-135M-Instruct.Q4_1.gguf
-MINUTES=${MINUTES:-8}
+MINUTES=${MINUTES:-6}
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DFLASH_PIPE_CACHE=$D/cache-dp
 OUT=${OUT:-$D/out}
 mkdir -p "$OUT"
@@ -61,8 +61,8 @@ PY
   d)
     test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
     python3 bench/real_model.py check --target $G --data $D/b/data/eval_sharegpt.jsonl --out $D/b
-    python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 256 \
-      --eval-prompts 32 --all-sets-at "$MINUTES"
+    python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 128 \
+      --eval-prompts 16 --all-sets-at "$MINUTES"
     python3 bench/real_model.py summarize --out $D/b
     cp $D/b/same_batch_check.json $D/b/eval_rows.json $D/b/real_model.* "$OUT/"
     ;;
