@@ -55,6 +55,13 @@ class RegistryUnreachable(RuntimeError):
     """The package index could not be reached, so the reference venv cannot be built here."""
 
 
+def network_error_line(output: str) -> str | None:
+    """pip's line saying it could not reach the package index, or None when ``output`` has none."""
+    return next(
+        (line.strip() for line in output.splitlines() if any(w in line for w in _NETWORK_ERRORS)), None
+    )
+
+
 def venv_dir() -> Path:
     """Where the reference venv lives: one directory per set of pins and Python version."""
     root = os.environ.get("DFLASH_PIPE_CACHE")
@@ -114,9 +121,8 @@ def _check_registry() -> None:
         )
     if proc.returncode != 0:
         output = proc.stdout + proc.stderr
-        if any(word in output for word in _NETWORK_ERRORS):
-            line = next(line for line in output.splitlines() if any(w in line for w in _NETWORK_ERRORS))
-            raise RegistryUnreachable(f"pip could not reach the package index: {line.strip()[-240:]}")
+        if (line := network_error_line(output)) is not None:
+            raise RegistryUnreachable(f"pip could not reach the package index: {line[-240:]}")
         raise RuntimeError(f"pip download dflash=={DFLASH} failed:\n{output[-3000:]}")
 
 
@@ -129,6 +135,6 @@ def _pip(python: Path, requirement: str) -> None:
     )
     if proc.returncode != 0:
         output = proc.stdout + proc.stderr
-        if any(word in output for word in _NETWORK_ERRORS):
+        if network_error_line(output) is not None:
             raise RegistryUnreachable(f"pip install {requirement} could not reach the package index")
         raise RuntimeError(f"pip install {requirement} into {python.parent.parent} failed:\n{output[-3000:]}")
