@@ -117,6 +117,7 @@ def evaluate(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         max_prompts=args.eval_prompts,
         sets_for=sets_for,
+        dtype=args.dtype,
     )
     (args.out / "eval_rows.json").write_text(json.dumps(rows, indent=1))
 
@@ -162,6 +163,9 @@ def main() -> None:
     e.add_argument("--target", type=Path, required=True)
     e.add_argument("--drafter", action="append", default=[], help="NAME=EXPORT_DIR, besides DIR/drafters/*")
     e.add_argument("--device", default="cuda")
+    e.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="float32: an exact lossless check"
+    )
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--eval-prompts", type=int, default=32)
     e.add_argument(

@@ -127,10 +127,12 @@ def evaluate_drafters(
     max_new_tokens: int,
     max_prompts: int,
     sets_for: dict[str, Sequence[str]] | None = None,
+    dtype: str = "float32",
 ) -> list[dict[str, Any]]:
     """One row per (drafter, prompt set): real tau, per-position acceptance, tokens/s, speedup over greedy
     decoding of the same prompts, lossless mismatches. ``sets_for``: the sets each drafter runs (default:
-    every set)."""
+    every set). ``dtype``: the target's and drafters'; float32 (default) makes the lossless check exact (bf16
+    rounds the block verify and the one-token decode differently: near-ties flip), bfloat16 is how it serves."""
     import torch
     from transformers import AutoTokenizer
 
@@ -148,7 +150,9 @@ def evaluate_drafters(
 
     dev = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    target = load_eval_target(target_dir, dev, compute_dtype(dev))
+    torch_dtype = getattr(torch, dtype)
+    amp = torch_dtype == compute_dtype(dev) and dev.type == "cuda"
+    target = load_eval_target(target_dir, dev, torch_dtype)
     stop_ids = end_of_turn_ids(tokenizer, target_dir)
     prompts = {
         name: prompts_from_samples(load_samples(DataConfig(path=path), tokenizer).samples, max_prompts)
@@ -164,9 +168,11 @@ def evaluate_drafters(
             lm_head=target.get_output_embeddings(),
             verify=False,
         ).to(dev)
+        if not amp:
+            drafter.to(torch_dtype)
         for set_name in (sets_for or {}).get(drafter_name, list(eval_sets)):
             started = time.perf_counter()
-            with autocast(dev):
+            with autocast(dev) if amp else contextlib.nullcontext():
                 result = evaluate_generate(
                     target,
                     drafter,
@@ -182,6 +188,7 @@ def evaluate_drafters(
                 {
                     "drafter": drafter_name,
                     "set": set_name,
+                    "dtype": dtype,
                     **metrics,
                     "eval_s": time.perf_counter() - started,
                 }

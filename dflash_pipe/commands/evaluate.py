@@ -36,6 +36,15 @@ from dflash_pipe.commands import console
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda:N.")
 @click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="generate: the target's and drafter's dtype. auto: bf16 on CUDA (as trained), fp32 on CPU. In bf16 "
+    "the target's block verify and its one-token decode round differently, so near-ties can flip a greedy "
+    "token and fail the lossless check whatever the drafter; float32 makes the check exact.",
+)
+@click.option(
     "--mode",
     type=click.Choice(["generate", "simulated"]),
     default="generate",
@@ -81,6 +90,7 @@ def eval_cmd(
     max_samples: int | None,
     max_new_tokens: int,
     check: bool,
+    dtype: str,
     num_anchors: int,
     max_length: int,
     out_file: Path | None,
@@ -135,6 +145,7 @@ def eval_cmd(
                 check=check,
                 progress=console.is_terminal,
                 warn=_warn,
+                dtype=None if dtype == "auto" else getattr(torch, dtype),
             )
             Console().print(render_generate_table(result))
             metrics = result.metrics()
@@ -166,6 +177,7 @@ def eval_cmd(
             **({"target_folder": str(target_model)} if str(target_model) != str(given_target) else {}),
             "drafter": str(drafter_dir),
             "data": str(data_path),
+            "dtype": dtype,
             "metrics": metrics,
             "provenance": provenance(),
         }

@@ -8,6 +8,7 @@ frozen, so a run computes it once per prompt (``references``) and reuses it at e
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,7 @@ def evaluate_generate(
     drafter.eval()
     propose = drafter_proposer(drafter)
     results = []
+    _warm_up(target, propose, prompts[0], drafter, stop_ids=stop_ids, greedy=check)
     try:
         with Progress(
             TextColumn("speculative decoding"),
@@ -232,6 +234,34 @@ def evaluate_generate(
     return GenerateResult(prompts=results, block_size=drafter.cfg.block_size)
 
 
+def _warm_up(
+    target: nn.Module,
+    propose: Any,
+    prompt: Tensor,
+    drafter: DFlashDrafter,
+    *,
+    stop_ids: Sequence[int],
+    greedy: bool,
+) -> None:
+    """A few untimed tokens of both decodings first: the first calls on a GPU pay for kernel selection and
+    allocator growth, which would otherwise land in the first prompt's time and skew the speedup."""
+    speculative_generate(
+        target,
+        propose,
+        prompt,
+        layer_ids=drafter.cfg.target_layer_ids,
+        block_size=drafter.cfg.block_size,
+        max_new_tokens=WARMUP_TOKENS,
+        stop_ids=stop_ids,
+    )
+    if greedy:
+        greedy_generate(target, prompt, max_new_tokens=WARMUP_TOKENS, stop_ids=stop_ids)
+
+
+WARMUP_TOKENS = 8
+"""Tokens of the untimed warm-up decodings before an evaluation is timed."""
+
+
 def evaluate_export(
     target_model: str | Path,
     drafter_dir: str | Path,
@@ -244,15 +274,20 @@ def evaluate_export(
     check: bool = True,
     progress: bool = False,
     warn: Callable[[str], None] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> GenerateResult:
     """`dflash-pipe eval --mode generate`: the target (bf16 on CUDA) and an exported drafter drafting with the
     target's own embedding and LM head, over the prompts of ``samples``. Every prompt runs; the caller checks
     ``result.check_lossless()``. The export is checked against its manifest before the target loads (``warn``
-    hears that one without a manifest is unverified)."""
+    hears that one without a manifest is unverified). ``dtype``: the target's and drafter's (default the
+    compute dtype, bf16 on CUDA). In bf16 the target's verify forward over a block and its one-token decode
+    round differently, so near-ties can flip the greedy token and a correct drafter fails the lossless check
+    (seen on an H100 with SmolLM2-135M even for a drafter that had nothing accepted); float32 makes the
+    check exact."""
     from .export import load_exported, verify_export
 
     verify_export(drafter_dir, warn=warn)
-    dtype = compute_dtype(device)
+    dtype = dtype or compute_dtype(device)
     target = load_eval_target(target_model, device, dtype)
     drafter = load_exported(
         drafter_dir,
@@ -260,7 +295,10 @@ def evaluate_export(
         lm_head=target.get_output_embeddings(),
         verify=False,
     ).to(device)
-    with autocast(device):
+    amp = dtype == compute_dtype(device)  # the training step's precision; else the whole pair in ``dtype``
+    if not amp:
+        drafter.to(dtype)
+    with autocast(device) if amp else contextlib.nullcontext():
         return evaluate_generate(
             target,
             drafter,
