@@ -222,6 +222,9 @@ def summarize(out: Path) -> dict[str, Path]:
     for row in rows:
         trainer, _, minutes = row["drafter"].rpartition("-")
         row["trainer"], row["minutes"] = trainer, float(minutes.removesuffix("min"))
+    rows.sort(key=lambda r: (r["minutes"], r["trainer"], r["set"]))
+    peer_path = out / "specforge_summary.json"
+    peer_run = json.loads(peer_path.read_text()) if peer_path.is_file() else None
     final = {(r["trainer"], r["set"]): r for r in rows if r["minutes"] == max(x["minutes"] for x in rows)}
     ours = next((r for (t, p), r in final.items() if t.startswith("ours") and p == "sharegpt"), None)
     peer = next((r for (t, p), r in final.items() if not t.startswith("ours") and p == "sharegpt"), None)
@@ -234,7 +237,13 @@ def summarize(out: Path) -> dict[str, Path]:
     )
     result = BenchResult(
         name="real_model",
-        config={"runs": runs},
+        config={
+            "runs": runs,
+            "peer": {
+                k: v for k, v in (peer_run or {}).items() if k not in ("specforge_config", "last_metrics")
+            },
+            "device": (peer_run or {}).get("device"),
+        },
         rows=[{k: v for k, v in r.items() if k != "acceptance_per_position"} for r in rows],
         summary={
             "goals": goals,
