@@ -136,14 +136,15 @@ def evaluate_drafters(
     import torch
     from transformers import AutoTokenizer
 
-    from dflash_pipe.compute.precision import autocast, compute_dtype
     from dflash_pipe.data.config import DataConfig
     from dflash_pipe.data.loader import load_samples
-    from dflash_pipe.drafter.export import load_exported, verify_export
+    from dflash_pipe.drafter.export import verify_export
     from dflash_pipe.drafter.generate_eval import (
         METRIC_PREFIX,
         end_of_turn_ids,
+        eval_precision,
         evaluate_generate,
+        load_eval_drafter,
         load_eval_target,
         prompts_from_samples,
     )
@@ -151,7 +152,6 @@ def evaluate_drafters(
     dev = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     torch_dtype = getattr(torch, dtype)
-    amp = torch_dtype == compute_dtype(dev) and dev.type == "cuda"
     target = load_eval_target(target_dir, dev, torch_dtype)
     stop_ids = end_of_turn_ids(tokenizer, target_dir)
     prompts = {
@@ -162,17 +162,10 @@ def evaluate_drafters(
     rows = []
     for drafter_name, drafter_dir in drafters.items():
         verify_export(drafter_dir)
-        drafter = load_exported(
-            drafter_dir,
-            embed_tokens=target.get_input_embeddings(),
-            lm_head=target.get_output_embeddings(),
-            verify=False,
-        ).to(dev)
-        if not amp:
-            drafter.to(torch_dtype)
+        drafter = load_eval_drafter(drafter_dir, target, dev, torch_dtype)
         for set_name in (sets_for or {}).get(drafter_name, list(eval_sets)):
             started = time.perf_counter()
-            with autocast(dev) if amp else contextlib.nullcontext():
+            with eval_precision(dev, torch_dtype):
                 result = evaluate_generate(
                     target,
                     drafter,

@@ -262,6 +262,25 @@ WARMUP_TOKENS = 8
 """Tokens of the untimed warm-up decodings before an evaluation is timed."""
 
 
+def load_eval_drafter(drafter_dir: str | Path, target: nn.Module, device: torch.device, dtype: torch.dtype):
+    """An exported drafter (already verified) drafting with ``target``'s own embedding and LM head: fp32
+    weights under the training step's autocast when ``dtype`` is the compute dtype, else wholly in ``dtype``."""
+    from .export import load_exported
+
+    drafter = load_exported(
+        drafter_dir,
+        embed_tokens=target.get_input_embeddings(),
+        lm_head=target.get_output_embeddings(),
+        verify=False,
+    ).to(device)
+    return drafter if dtype == compute_dtype(device) else drafter.to(dtype)
+
+
+def eval_precision(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """The autocast of the training step when evaluating in the compute dtype; nothing in any other."""
+    return autocast(device) if dtype == compute_dtype(device) else contextlib.nullcontext()
+
+
 def evaluate_export(
     target_model: str | Path,
     drafter_dir: str | Path,
@@ -284,21 +303,13 @@ def evaluate_export(
     round differently, so near-ties can flip the greedy token and a correct drafter fails the lossless check
     (seen on an H100 with SmolLM2-135M even for a drafter that had nothing accepted); float32 makes the
     check exact."""
-    from .export import load_exported, verify_export
+    from .export import verify_export
 
     verify_export(drafter_dir, warn=warn)
     dtype = dtype or compute_dtype(device)
     target = load_eval_target(target_model, device, dtype)
-    drafter = load_exported(
-        drafter_dir,
-        embed_tokens=target.get_input_embeddings(),
-        lm_head=target.get_output_embeddings(),
-        verify=False,
-    ).to(device)
-    amp = dtype == compute_dtype(device)  # the training step's precision; else the whole pair in ``dtype``
-    if not amp:
-        drafter.to(dtype)
-    with autocast(device) if amp else contextlib.nullcontext():
+    drafter = load_eval_drafter(drafter_dir, target, device, dtype)
+    with eval_precision(device, dtype):
         return evaluate_generate(
             target,
             drafter,
@@ -332,7 +343,9 @@ __all__ = [
     "PromptResult",
     "end_of_turn_ids",
     "evaluate_export",
+    "eval_precision",
     "evaluate_generate",
+    "load_eval_drafter",
     "load_eval_target",
     "prompts_from_samples",
     "render_generate_table",
