@@ -109,7 +109,7 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dflash_pipe.drafter.config import mask_line
+    from dflash_pipe.drafter.mask_token import mask_line
     from dflash_pipe.producer.proc import DRAIN_MARGIN_S, ProducerProc
 
     if cfg.layout.device == "cpu":

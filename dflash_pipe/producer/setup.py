@@ -22,13 +22,15 @@ from dflash_pipe.compute.precision import compute_dtype
 from dflash_pipe.data import DataFuture, LoadedData, Sample
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.drafter.config import (
-    MASK_TOKEN_KEY,
     EngineConflictError,
-    MaskTokenError,
     default_target_layer_ids,
+    uncapturable_layers_error,
+)
+from dflash_pipe.drafter.mask_token import (
+    MASK_TOKEN_KEY,
+    MaskTokenError,
     given_mask_token,
     resolve_mask_token,
-    uncapturable_layers_error,
 )
 from dflash_pipe.run.checkpoint import read_trainer_state
 from dflash_pipe.run.config import DrafterOptions, RunConfig

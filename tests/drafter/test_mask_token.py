@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.drafter import DrafterConfig
-from dflash_pipe.drafter.config import (
+from dflash_pipe.drafter.mask_token import (
     MASK_TOKEN_KEY,
     MaskTokenError,
     mask_line,

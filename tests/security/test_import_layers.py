@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("support", ("telemetry", "data", "fields", "diskspace", "cpus")),
     (
         "formats",
-        ("run", "drafter.config", "drafter.rope", "drafter.presets", "train.config"),
+        ("run", "drafter.config", "drafter.mask_token", "drafter.rope", "drafter.presets", "train.config"),
     ),
     ("compute policy", ("compute",)),
     ("target", ("target",)),
