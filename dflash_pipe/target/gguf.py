@@ -123,7 +123,7 @@ def gguf_folder(
             )
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(folder.with_name(folder.name + ".lock"))):
+            with FileLock(str(folder) + ".convert-lock"):
                 if gguf_source(folder) is None:  # not converted by another process while we waited
                     if say is not None:
                         say(f"GGUF target {path}: converting it once to a Hugging Face folder at {folder}")

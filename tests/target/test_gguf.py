@@ -111,7 +111,7 @@ def test_an_architecture_transformers_cannot_load_is_one_line(tmp_path: Path):
     one_line(
         info, f"--target-model {odd}: transformers", "notallama", "llama", "Hugging Face model directory"
     )
-    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]
+    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".convert-lock")]
 
 
 def test_a_file_that_is_no_gguf_is_one_line(tmp_path: Path):
