@@ -12,6 +12,9 @@ all slots) and the two top-level config keys older DFlash loaders read.
 
 Nothing of SpecForge is copied here: it is imported from the installed package, lazily
 (``import_specforge``), so dflash-pipe does not depend on it.
+
+Past 400 lines: the peer's capture, its trainer's budget and its export belong to one comparison and
+change together with SpecForge's version; none is used elsewhere.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 ``start_run`` resolves what does not need the data and starts tokenizing it in the background
 (``PendingRun``); the launcher loads the target meanwhile and calls ``PendingRun.context()`` where the data
 is needed (ledger, train/eval split, plans, WELCOME). ``prepare_run`` does both in one call.
+
+Past 400 lines while the GGUF target and the MASK token's data check joined the set-up; issue 51 gives the
+resume point its own owner (the checkpoint read once), which takes a part of this module away.
 """
 
 from __future__ import annotations

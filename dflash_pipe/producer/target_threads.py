@@ -11,6 +11,9 @@ stream, and the thread launches the NEXT batch's forward
 before it waits for that copy (double buffering). The wire message's ``features`` tensor is a view of the
 slot, which rides on the ``ReadyBatch`` until the scheduler releases it on the ACK. On CPU the same steps
 run with a plain synchronous copy into the slot.
+
+Past 400 lines since regeneration must stop between decode steps on a drain; issue 51 moves the
+regenerated reply's forms to one owner, which takes the job half of this module away.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ sliding-window targets get theirs), announced by one log line. On both paths not
 ``generation_config`` (repetition penalties, default top-k) changes what is generated, and sampling draws
 from one ``torch.Generator`` per (conversation, turn) seeded from (seed, index, turn): a turn's tokens do
 not depend on which other conversations share its batch or on where a resumed run starts.
+
+Past 400 lines: issue 51 splits it by job (prompts, decoding, the reply's forms); until then it keeps
+the turn loop, its stop points and the loop counts together.
 """
 
 from __future__ import annotations
