@@ -194,7 +194,6 @@ def evaluate_generate(
     drafter.eval()
     propose = drafter_proposer(drafter)
     results = []
-    _warm_up(target, propose, prompts[0], drafter, stop_ids=stop_ids, greedy=check)
     try:
         with Progress(
             TextColumn("speculative decoding"),
@@ -232,34 +231,6 @@ def evaluate_generate(
     finally:
         drafter.train(was_training)
     return GenerateResult(prompts=results, block_size=drafter.cfg.block_size)
-
-
-def _warm_up(
-    target: nn.Module,
-    propose: Any,
-    prompt: Tensor,
-    drafter: DFlashDrafter,
-    *,
-    stop_ids: Sequence[int],
-    greedy: bool,
-) -> None:
-    """A few untimed tokens of both decodings first: the first calls on a GPU pay for kernel selection and
-    allocator growth, which would otherwise land in the first prompt's time and skew the speedup."""
-    speculative_generate(
-        target,
-        propose,
-        prompt,
-        layer_ids=drafter.cfg.target_layer_ids,
-        block_size=drafter.cfg.block_size,
-        max_new_tokens=WARMUP_TOKENS,
-        stop_ids=stop_ids,
-    )
-    if greedy:
-        greedy_generate(target, prompt, max_new_tokens=WARMUP_TOKENS, stop_ids=stop_ids)
-
-
-WARMUP_TOKENS = 8
-"""Tokens of the untimed warm-up decodings before an evaluation is timed."""
 
 
 def load_eval_drafter(drafter_dir: str | Path, target: nn.Module, device: torch.device, dtype: torch.dtype):
