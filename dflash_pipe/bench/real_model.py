@@ -158,11 +158,23 @@ def evaluate_drafters(
         name: prompts_from_samples(load_samples(DataConfig(path=path), tokenizer).samples, max_prompts)
         for name, path in eval_sets.items()
     }
-    references: dict[str, dict] = {name: {} for name in eval_sets}
+    with eval_precision(dev, torch_dtype):
+        references = {
+            name: warm_greedy_references(target, ps, max_new_tokens, stop_ids) for name, ps in prompts.items()
+        }
     rows = []
     for drafter_name, drafter_dir in drafters.items():
         verify_export(drafter_dir)
         drafter = load_eval_drafter(drafter_dir, target, dev, torch_dtype)
+        with eval_precision(dev, torch_dtype):  # untimed: the drafter's first proposals pay its warm-up
+            evaluate_generate(
+                target,
+                drafter,
+                next(iter(prompts.values()))[:1],
+                max_new_tokens=16,
+                stop_ids=stop_ids,
+                check=False,
+            )
         for set_name in (sets_for or {}).get(drafter_name, list(eval_sets)):
             started = time.perf_counter()
             with eval_precision(dev, torch_dtype):
@@ -189,6 +201,20 @@ def evaluate_drafters(
             print(json.dumps(rows[-1]), flush=True)
         del drafter
     return rows
+
+
+def warm_greedy_references(
+    target: Any, prompts: Sequence[Any], max_new_tokens: int, stop_ids: Sequence[int]
+) -> dict:
+    """The target's greedy decoding of each prompt (the lossless reference and the speedup's baseline), timed
+    warm: one untimed decode first, so the first prompt's time is not the target's kernels' first launch."""
+    from dflash_pipe.drafter.speculate import greedy_generate
+
+    greedy_generate(target, prompts[0], max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    return {
+        i: greedy_generate(target, p, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        for i, p in enumerate(prompts)
+    }
 
 
 def target_dir(target: Path) -> Path:

@@ -38,6 +38,9 @@ from dflash_pipe.target.decode.sizing import FALLBACK_SLOTS, FREE_SHARE, SHARED_
 from dflash_pipe.telemetry import RateMeter
 
 SORT_WINDOW_JOBS = 8
+FAILURE_NOTE_EVERY_S = 30.0
+"""Failed turns are said at most once per this many seconds (a small target fails hundreds: one line each
+buried the dashboard); each note counts those since the last one, and its running totals cover them all."""
 """Conversations are sorted by length within windows of this many jobs (see ``Regeneration.next_job``)."""
 
 
@@ -150,6 +153,9 @@ class Regeneration:
         self._window: deque[int] = deque()
         self._jobs = 0
         self._arrived: list[int] = []
+        self._unsaid: list[tuple[int, Regenerated]] = []
+        """Failed conversations (job id, record) not yet in a note."""
+        self._noted_at: float | None = None
         self.started: float | None = None
         """When the first generation was handed out (None: nothing to generate in this process)."""
         self.finished: float | None = None
@@ -218,7 +224,7 @@ class Regeneration:
     def accept(self, *dones: GenerateDone) -> str | None:
         """Writes the conversations of ``dones`` (what the target threads finished since the last call) to the
         regenerated file, in one flush, and makes their samples plannable; returns the line the dashboard
-        shows when some turn could not be generated."""
+        shows when some turn could not be generated (at most one per ``FAILURE_NOTE_EVERY_S``)."""
         records = [record for done in dones for record in done.results]
         self.store.append(records)
         self.generate_s += sum(done.seconds for done in dones)
@@ -231,11 +237,15 @@ class Regeneration:
                 self._arrived.append(record.index)
         if self.complete and self.eval_ready and self.finished is None:
             self.finished = time.monotonic()
-        failed = [(done.job.job_id, rec) for done in dones for rec in done.results if rec.failed is not None]
-        if not failed:
+        self._unsaid += [
+            (done.job.job_id, rec) for done in dones for rec in done.results if rec.failed is not None
+        ]
+        now = time.monotonic()
+        if not self._unsaid or (self._noted_at is not None and now - self._noted_at < FAILURE_NOTE_EVERY_S):
             return None
+        failed, self._unsaid, self._noted_at = self._unsaid, [], now
         jobs = sorted({job for job, _ in failed})
-        which = f"job {jobs[0]}" if len(jobs) == 1 else f"jobs {', '.join(map(str, jobs))}"
+        which = f"job {jobs[0]}" if len(jobs) == 1 else f"{len(jobs)} jobs ({jobs[0]}-{jobs[-1]})"
         index, first = failed[0][1].index, failed[0][1].failed
         assert first is not None
         return (

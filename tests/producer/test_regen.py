@@ -16,7 +16,8 @@ from dflash_pipe.data.regenerated import (
     provenance,
 )
 from dflash_pipe.data.render import render_conversation
-from dflash_pipe.producer.regen import GenerateDone, Regeneration, first_open_epoch
+from dflash_pipe.producer import regen as regen_module
+from dflash_pipe.producer.regen import GenerateDone, GenerateJob, Regeneration, first_open_epoch
 from dflash_pipe.run.ledger import Ledger
 
 N = 12
@@ -173,6 +174,33 @@ def test_a_job_with_failed_turns_returns_the_dashboard_note(tmp_path, tok):
         "regeneration: 1 conversation(s) of job 3 stopped at a turn that could not be generated (first: "
         "conversation 5, turn 0: empty reply); their earlier turns are kept. So far: 1 empty reply"
     )
+
+
+def test_failed_turns_are_said_at_most_once_per_interval_and_none_is_lost(tmp_path, tok, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(regen_module.time, "monotonic", lambda: clock[0])
+    regen = _make(tmp_path, tok, batch=2)
+    notes = []
+    while (job := regen.next_job()) is not None:
+        every = {i for i, _ in job.items}
+        notes.append(
+            regen.accept(
+                GenerateDone(job=job, results=_answer(job.items, empty=every), seconds=0.1, replica="cpu")
+            )
+        )
+        clock[0] += 1.0
+    said = [n for n in notes if n is not None]
+    assert (
+        len(notes) == 6 and len(said) == 1 and said[0].startswith("regeneration: 2 conversation(s) of job 1 ")
+    )
+    clock[0] += regen_module.FAILURE_NOTE_EVERY_S
+    job = GenerateJob(job_id=99, items=[(0, regen.source.conversations[0])])
+    late = regen.accept(
+        GenerateDone(job=job, results=_answer(job.items, empty={0}), seconds=0.1, replica="cpu")
+    )
+    # the ten held back since the first note, and this one, in one line; the totals count every failure
+    assert late.startswith("regeneration: 11 conversation(s) of 6 jobs (2-99) stopped")
+    assert late.endswith("So far: 13 empty reply")
 
 
 def test_no_trainable_sample_at_all_is_a_clear_error(tmp_path, tok):
