@@ -179,7 +179,8 @@ class _SlotTarget:
 
 
 _KEPT_VERIFIER = "_dflash_pipe_block_verifier"
-"""The target's attribute holding the last verifier built for it: the next prompt reuses its stack, cache
+"""The target's attribute (suffixed by the block size) holding the last verifier built for it: the next
+prompt reuses its stack, cache
 and captured graphs when they are long enough and verify the same blocks and feature layers. (An attribute,
 not a weak-keyed table: the verifier refers to the target, and the collector frees such a cycle.)"""
 
@@ -191,18 +192,19 @@ def _verifier(
     target: nn.Module, layer_ids: Sequence[int], max_len: int, engine: bool, block_size: int
 ) -> _HFTarget | _SlotTarget:
     """The slot engine's stack where the target's family has one (docs/data.md lists them), else HF's
-    forward."""
+    forward. One verifier is kept per block size (speculative decoding's and greedy decoding's, size 1)."""
     if engine:
         from dflash_pipe.target.decode import DecodeStack, unsupported_reason
         from dflash_pipe.target.decode.verify import BlockVerifier
 
         if unsupported_reason(target) is None:
-            kept = getattr(target, _KEPT_VERIFIER, None)
+            attr = f"{_KEPT_VERIFIER}_{block_size}"
+            kept = getattr(target, attr, None)
             fits = kept is not None and kept.stack.max_len >= max_len
-            if not (fits and kept.block_size == block_size and kept.feature_layers == list(layer_ids)):
+            if not (fits and kept.feature_layers == list(layer_ids)):
                 length = math.ceil(max_len / VERIFIER_LENGTH_QUANTUM) * VERIFIER_LENGTH_QUANTUM
                 kept = BlockVerifier(DecodeStack(target, max_len=length), block_size, layer_ids)
-                setattr(target, _KEPT_VERIFIER, kept)
+                setattr(target, attr, kept)
             return _SlotTarget(kept)
     return _HFTarget(target, layer_ids)
 
@@ -330,6 +332,39 @@ def greedy_generate(
     out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
     _sync(device)
     return GreedyOutput(tokens=out[0, ids.shape[1] :].tolist(), seconds=time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def stack_greedy_generate(
+    target: nn.Module,
+    prompt: Tensor,
+    *,
+    layer_ids: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    engine: bool = True,
+) -> GreedyOutput:
+    """The target's greedy decoding on the stack ``speculative_generate`` verifies on, one token a step (a
+    CUDA graph per span on the GPU): the speedup's baseline, so that both sides pay the same cost per target
+    forward. HF ``generate`` (``greedy_generate``) stays the lossless reference: it runs the model's own
+    code, but pays Python's time per layer at every token, which no server pays."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(target.parameters()).device
+    stop = set(int(t) for t in stop_ids)
+    ids = prompt.to(device, torch.long)
+    verifier = _verifier(target, layer_ids, ids.numel() + max_new_tokens + 1, engine, 1)
+    _sync(device)
+    t0 = time.perf_counter()
+    first, _ = verifier.prefill(ids)
+    tokens = [first]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
+        n = ids.numel() + len(tokens) - 1  # where tokens[-1] sits
+        greedy, _ = verifier.verify(torch.tensor(tokens[-1:], device=device), n)
+        tokens.append(int(greedy[0]))
+        verifier.keep(n + 1)
+    _sync(device)
+    return GreedyOutput(tokens=tokens, seconds=time.perf_counter() - t0)
 
 
 def check_lossless(spec: Sequence[int], greedy: Sequence[int], *, where: str = "prompt") -> None:

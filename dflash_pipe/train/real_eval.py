@@ -20,7 +20,7 @@ from torch import nn
 
 from dflash_pipe.compute.precision import compute_dtype
 from dflash_pipe.drafter.generate_eval import (
-    GreedyOutput,
+    Reference,
     end_of_turn_ids,
     evaluate_generate,
     load_eval_target,
@@ -51,7 +51,7 @@ class RealEval:
         self.prompts = prompts_from_samples(rows, train.eval_prompts)
         self._target: nn.Module | None = None
         self._stop_ids: list[int] = []
-        self._references: dict[int, GreedyOutput] = {}
+        self._references: dict[int, Reference] = {}
         self.disabled: str | None = None
         """Why the real evaluation stopped for this worker (the target cannot load here, ...), or None."""
 

@@ -18,6 +18,7 @@ from dflash_pipe.drafter.speculate import (
     drafter_proposer,
     greedy_generate,
     speculative_generate,
+    stack_greedy_generate,
 )
 from tests.tiny_models import tiny_qwen3_config
 
@@ -69,6 +70,48 @@ def test_lossless_against_hf_generate(target) -> None:
         assert len(p.spec.tokens) == 24 and p.spec.tokens == p.greedy.tokens
         assert p.spec.target_forwards == 1 + p.spec.counts.anchors == 1 + len(p.spec.per_step)
     assert result.counts.anchors >= 24 * 3 // BS  # at most bs tokens per step
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_the_speed_baseline_decodes_what_hf_generate_decodes(target, engine) -> None:
+    """The speedup's baseline is greedy decoding on the verify stack, one token a step: HF generate's tokens,
+    stops included, on the slot stack and on HF's forward with its cache."""
+    for prompt in prompts():
+        free = greedy_generate(target, prompt, max_new_tokens=20).tokens
+        base = stack_greedy_generate(target, prompt, layer_ids=LAYERS, max_new_tokens=20, engine=engine)
+        assert base.tokens == free and base.seconds > 0
+        stop = free[5]
+        stopped = stack_greedy_generate(
+            target, prompt, layer_ids=LAYERS, max_new_tokens=20, stop_ids=[stop], engine=engine
+        )
+        assert stopped.tokens == free[: free.index(stop) + 1]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        stack_greedy_generate(target, prompts(1)[0], layer_ids=LAYERS, max_new_tokens=0)
+
+
+def test_the_speedup_is_against_the_stack_and_hf_generate_is_said_beside_it(target) -> None:
+    references: dict = {}
+    result = evaluate_generate(
+        target, drafter_for(target), prompts(), max_new_tokens=12, stop_ids=(), references=references
+    )
+    assert sorted(references) == [0, 1, 2]
+    for p, ref in zip(result.prompts, references.values(), strict=True):
+        assert p.baseline is ref.baseline and p.greedy is ref.greedy
+        assert p.baseline.tokens == p.greedy.tokens == p.spec.tokens
+    metrics = result.metrics()
+    stack_rate = sum(len(p.baseline.tokens) for p in result.prompts) / sum(
+        p.baseline.seconds for p in result.prompts
+    )
+    assert metrics["real/greedy_tokens_per_s"] == pytest.approx(stack_rate)
+    assert metrics["real/speedup"] == pytest.approx(result.tokens_per_s / stack_rate)
+    hf_rate = sum(len(p.greedy.tokens) for p in result.prompts) / sum(
+        p.greedy.seconds for p in result.prompts
+    )
+    assert metrics["real/hf_generate_tokens_per_s"] == pytest.approx(hf_rate)
+    again = evaluate_generate(
+        target, drafter_for(target), prompts(), max_new_tokens=12, stop_ids=(), references=references
+    )
+    assert [p.baseline for p in again.prompts] == [r.baseline for r in references.values()]  # computed once
 
 
 def test_check_catches_a_wrong_acceptance_rule(target, monkeypatch) -> None:
