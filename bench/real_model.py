@@ -78,14 +78,7 @@ def train(args: argparse.Namespace, extra: list[str]) -> None:
                 break
             if mark < args.minutes:
                 export(run_dir, drafters / f"{name}-{mark:g}min")
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=args.drain_s)
-        except subprocess.TimeoutExpired:  # the drain overran: the latest checkpoint is still exported
-            print(f"launch still draining after {args.drain_s:g} s: killed", flush=True)
-            proc.kill()
-            rc = proc.wait()
+        rc = stop(proc, args.drain_s)  # the drain may overrun: the latest checkpoint is still exported
     wall = time.monotonic() - started
     export(run_dir, drafters / f"{name}-{args.minutes:g}min")
     record = {"name": name, "cmd": cmd, "rc": rc, "wall_s": wall, "budget_min": args.minutes, "marks": marks}
@@ -107,18 +100,31 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> None:
         ]  # fmt: skip
         started = time.monotonic()
         with (args.out / "sweep" / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
             try:
-                rc = subprocess.run(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.run_timeout
-                ).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+                rc: int | str = proc.wait(timeout=args.run_timeout)
+            except subprocess.TimeoutExpired:  # drained, never killed outright: its workers would outlive it
+                rc = f"timeout (then {stop(proc, args.drain_s)})"
         row = sweep_row(name, variant.split(), run_dir / "metrics.jsonl")
         rows.append({**row, "rc": rc, "wall_s": time.monotonic() - started})
         print(json.dumps(rows[-1]), flush=True)
         (args.out / "sweep.json").write_text(
             json.dumps({"common": extra, "max_steps": args.max_steps, "rows": rows}, indent=1)
         )
+
+
+def stop(proc: subprocess.Popen, drain_s: float) -> int:
+    """Stops a launch as Ctrl-C would: SIGTERM (finish the step, checkpoint, stop its workers, exit), SIGKILL
+    only past ``drain_s``. A launch killed outright leaves its workers running (they wait to be adopted by
+    ``--resume``) and holding the GPU: the next run of a sweep would share it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=drain_s)
+    except subprocess.TimeoutExpired:
+        print(f"launch still draining after {drain_s:g} s: killed", flush=True)
+        proc.kill()
+        return proc.wait()
 
 
 def export(run_dir: Path, out: Path) -> bool:
@@ -200,6 +206,9 @@ def main() -> None:
     s.add_argument("--variant", action="append", required=True, help="NAME='launch arguments', repeatable")
     s.add_argument("--max-steps", type=int, default=400)
     s.add_argument("--run-timeout", type=float, default=300.0, help="seconds a run may take, start included")
+    s.add_argument(
+        "--drain-s", type=float, default=60.0, help="seconds a run past its time may take to drain"
+    )
     e = sub.add_parser("evaluate")
     e.add_argument("--target", type=Path, required=True)
     e.add_argument("--drafter", action="append", default=[], help="NAME=EXPORT_DIR, besides DIR/drafters/*")
