@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -22,6 +24,12 @@ def _member(port: int, step: int, trained: list[int], out: mp.Queue) -> None:
     if step:  # the advanced rank has optimizer state; the newcomer has none
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
+    # Both members reach the rendezvous together: it closes LAST_CALL_S after its first arrival, and a
+    # member still importing torch on a loaded machine would miss it (two groups of one).
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    store.add("test_members_arrived", 1)
+    while store.add("test_members_arrived", 0) < 2:
+        time.sleep(0.05)
     group = DrafterGroup(
         f"tcp://127.0.0.1:{port}", run_id="t", device=torch.device("cpu"), timeout_s=30, join_timeout_s=60
     )
@@ -56,7 +64,7 @@ def test_the_newcomer_gets_weights_optimizer_step_and_ledger():
     ]
     for p in procs:
         p.start()
-    results = [out.get(timeout=90) for _ in procs]
+    results = [out.get(timeout=180) for _ in procs]
     for p in procs:
         p.join(timeout=30)
     assert all(r[5] == 2 for r in results)

@@ -9,6 +9,8 @@ cache; the process members run eager.
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -119,9 +121,15 @@ def train(
 
 def _process_member(port: int, run_dir: str, out: mp.Queue) -> None:
     torch.set_num_threads(1)
-    out.put(
-        train(port, [make_drafter(compile_layers=False, mode="process")], Path(run_dir), pick=slice(None))
-    )
+    model = make_drafter(compile_layers=False, mode="process")
+    # Both members reach the rendezvous together: it closes LAST_CALL_S after its first arrival, and a member
+    # still importing torch on a loaded machine would miss it, leaving a group of one that trains every
+    # batch (six losses, not three).
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    store.add("test_members_arrived", 1)
+    while store.add("test_members_arrived", 0) < WIDTH:
+        time.sleep(0.05)
+    out.put(train(port, [model], Path(run_dir), pick=slice(None)))
 
 
 def test_threads_match_processes(tmp_path: Path, monkeypatch):
