@@ -7,8 +7,10 @@
 #      for 70 s, then REGEN_BATCH2: both rates in the logs); one short run per SWEEP_VARIANTS on it
 #   b: the GGUF whole, converted once; dflash-pipe trains online for MINUTES (--responses target), exports
 #      at 2 and 4 minutes and at the end
-#   c: the same-batch check on real features; the peer (SpecForge) on the rows the run regenerated
-#   d: every export measured by real speculative decoding on held-out ShareGPT and HumanEval; summary
+#   c: the peer (SpecForge) on the rows the run regenerated, for MINUTES (PEER_ARGS: e.g. the same --lr as
+#      TRAIN_ARGS gave ours, for a comparison of trainers and not of recipes)
+#   d: the same-batch check on real features; every export measured by real speculative decoding on
+#      held-out ShareGPT and HumanEval (fp32); summary
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|d
 # Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
 set -euo pipefail
@@ -68,7 +70,7 @@ case ${1:?phase a, b, c or d} in
     F=$(python3 -c "from dflash_pipe.target.gguf import resolve_target; print(resolve_target('$G', say=None))")
     python3 bench/peers/specforge_dflash.py --target "$F" --conversations $D/b/runs/ours-target/regenerated.jsonl \
       --max-length 2048 --rows $D/c/rows.jsonl --out $D/c --minutes "$MINUTES" --save-at 2 4 \
-      --mask-token-id 16 --device cuda
+      --mask-token-id 16 --device cuda ${PEER_ARGS:-}
     python3 - <<PY
 import json, os
 s = json.load(open("$D/c/specforge_summary.json"))
