@@ -17,23 +17,20 @@ Public API (the rest of the package imports only these names):
 - ``demo_tokenizer()`` / ``demo_data_path()``: the bundled tokenizer and sample dataset of the embedded demo.
 """
 
-from .batching import plan_batches
-from .config import DataConfig
-from .demo import demo_data_path, demo_tokenizer
-from .loader import DataFuture, load_samples
-from .samples import DataError, LoadedData, Sample, sample_lengths
-from .store import StoredSamples
+from __future__ import annotations
 
-__all__ = [
-    "DataConfig",
-    "DataError",
-    "DataFuture",
-    "LoadedData",
-    "Sample",
-    "StoredSamples",
-    "demo_data_path",
-    "demo_tokenizer",
-    "load_samples",
-    "plan_batches",
-    "sample_lengths",
-]
+from dflash_pipe import lazy_exports
+
+# Names load on first use (PEP 562): importing one submodule never runs the others (no cycle through
+# this file), and ``from dflash_pipe.data import Name`` works as with eager imports.
+_FROM = {
+    ".batching": ("plan_batches",),
+    ".config": ("DataConfig",),
+    ".demo": ("demo_data_path", "demo_tokenizer"),
+    ".loader": ("DataFuture", "load_samples"),
+    ".samples": ("DataError", "LoadedData", "Sample", "sample_lengths"),
+    ".store": ("StoredSamples",),
+}
+_EXPORTS = {name: module for module, names in _FROM.items() for name in names}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -14,8 +14,17 @@ Public API:
 - ``find_decoder_layers(model)``: the decoder-layer ``ModuleList`` of any HF decoder-only model.
 """
 
-from dflash_pipe.target.core import TargetCore
-from dflash_pipe.target.demo import DemoRecipe, build_demo_target, default_cache_dir
-from dflash_pipe.target.layers import find_decoder_layers
+from __future__ import annotations
 
-__all__ = ["DemoRecipe", "TargetCore", "build_demo_target", "default_cache_dir", "find_decoder_layers"]
+from dflash_pipe import lazy_exports
+
+# Names load on first use (PEP 562): importing one submodule never runs the others (no cycle through
+# this file), and ``from dflash_pipe.target import Name`` works as with eager imports.
+_FROM = {
+    ".core": ("TargetCore",),
+    ".demo": ("DemoRecipe", "build_demo_target", "default_cache_dir"),
+    ".layers": ("find_decoder_layers",),
+}
+_EXPORTS = {name: module for module, names in _FROM.items() for name in names}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

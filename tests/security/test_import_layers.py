@@ -15,8 +15,10 @@ strongly connected component; the failure lists its members and one shortest loo
 line of every import on the way. ``TYPE_CHECKING`` imports count here too: a type a module names is one the
 reader must look up, and the fix is the same (a small Protocol, or the type moved down to where both ends
 can import it). A name a package exports lazily (``lazy_exports``) counts as an import of the submodule
-that defines it, since that is what loads. The implicit import of a module's parent ``__init__`` is not an
-edge: every package would otherwise be a cycle with its own members.
+that defines it, since that is what loads. Between modules, the implicit import of a module's parent
+``__init__`` (Python runs it first) is an edge too: an ``__init__`` that imported its submodules eagerly
+would be a cycle with each of them, so every package exports lazily. Between packages it is not (the
+``__init__`` belongs to its package, and a prefix node such as ``drafter.config`` is no package of its own).
 """
 
 from __future__ import annotations
@@ -264,14 +266,19 @@ def _short(module: str) -> str:
     return module.removeprefix(NAME + ".") or NAME
 
 
-def module_graph() -> Graph:
-    """Every module of the package (named below ``dflash_pipe``) with the modules it imports."""
+def module_graph(*, parents: bool = True) -> Graph:
+    """Every module of the package (named below ``dflash_pipe``) with the modules it imports; ``parents``:
+    and with its parent package's ``__init__``, which Python runs before it."""
     modules = _modules()
     graph: Graph = {_short(m): {} for m in modules}
     for module, path in modules.items():
         for line, imported in _imports(module, path, set(modules)):
             where = f"{path.relative_to(PACKAGE.parent)}:{line}"
             graph[_short(module)].setdefault(_short(imported), where)
+        parent = module.rpartition(".")[0]
+        if parents and parent in modules:
+            where = f"{path.relative_to(PACKAGE.parent)}:0 (its package's __init__ runs first)"
+            graph[_short(module)].setdefault(_short(parent), where)
     return graph
 
 
@@ -311,7 +318,7 @@ def test_no_import_cycles_between_modules() -> None:
 
 
 def test_no_import_cycles_between_packages() -> None:
-    found = describe_cycles(package_graph(module_graph()))
+    found = describe_cycles(package_graph(module_graph(parents=False)))
     assert not found, "packages that import each other (move the shared code below both):\n" + "\n".join(
         found
     )
@@ -360,6 +367,14 @@ def test_packages_group_modules_by_their_first_component_and_the_layer_prefixes(
         "drafter": {"run": "y:2 (drafter.model -> run.files)"},
     }
     assert strongly_connected(graph) == []
+
+
+def test_a_module_depends_on_its_package_init_which_imports_nothing_eagerly() -> None:
+    graph = module_graph()
+    assert "target.decode" in graph["target.decode.stack"] and "data" in graph["data.sources"]
+    eager = {m: sorted(i) for m, i in graph.items() if _modules()[f"{NAME}.{m}" if m != NAME else NAME].name
+             == "__init__.py" and any(i.startswith(m + ".") for i in graph[m])}  # fmt: skip
+    assert not eager, f"package __init__ files that import their own submodules (export them lazily): {eager}"
 
 
 def test_a_lazily_exported_name_is_an_import_of_its_submodule(tmp_path: Path) -> None:

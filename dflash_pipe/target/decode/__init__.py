@@ -5,16 +5,16 @@ Public API: ``SlotEngine`` (sessions in, turns decoded), ``DecodeStack`` (the mo
 ``Session``, ``EngineStats``, ``GenerationStopped``.
 """
 
-from dflash_pipe.target.decode.engine import EngineStats, GenerationStopped, Session, SlotEngine, TurnRequest
-from dflash_pipe.target.decode.stack import DecodeStack, SlotCache, unsupported_reason
+from __future__ import annotations
 
-__all__ = [
-    "DecodeStack",
-    "EngineStats",
-    "GenerationStopped",
-    "Session",
-    "SlotCache",
-    "SlotEngine",
-    "TurnRequest",
-    "unsupported_reason",
-]
+from dflash_pipe import lazy_exports
+
+# Names load on first use (PEP 562): importing one submodule never runs the others (no cycle through
+# this file), and ``from dflash_pipe.target.decode import Name`` works as with eager imports.
+_FROM = {
+    ".engine": ("EngineStats", "GenerationStopped", "Session", "SlotEngine", "TurnRequest"),
+    ".stack": ("DecodeStack", "SlotCache", "unsupported_reason"),
+}
+_EXPORTS = {name: module for module, names in _FROM.items() for name in names}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, globals(), _EXPORTS)
