@@ -70,15 +70,25 @@ def prepare_data(
     eval_prompts: int,
     max_prompt_chars: int = 2000,
     seed: int = 0,
+    first_turns: bool = False,
 ) -> PreparedData:
     """Training file and held-out prompt sets, disjoint: training takes the file's first ``train_records``
     records; the ShareGPT prompts are drawn (seeded) from the records after them; HumanEval's prompts come
     from its own file. Prompts longer than ``max_prompt_chars`` are left out (the bench times decoding,
-    not prefill)."""
+    not prefill). ``first_turns``: each training record is cut to its first exchange (ShareGPT form; one
+    without is left out), as the held-out prompts are: regeneration then answers more conversations per
+    GPU-minute, each one a first turn like those measured."""
     out.mkdir(parents=True, exist_ok=True)
     train, rest = [], []
     for i, record in enumerate(sharegpt_records(sharegpt)):
-        (train if i < train_records else rest).append(record)
+        if i >= train_records:
+            rest.append(record)
+        elif not first_turns:
+            train.append(record)
+        elif pair := first_exchange(record):
+            train.append({"id": record.get("id", str(i)), "conversations": _as_sharegpt(pair)})
+    if first_turns:
+        train_records = min(train_records, len(train))  # those without a first exchange are left out
     if len(train) < train_records or not rest:
         raise SystemExit(
             f"{sharegpt}: {len(train) + len(rest)} complete records, fewer than the {train_records} training "
@@ -94,6 +104,10 @@ def prepare_data(
             out / "eval_humaneval.jsonl", humaneval_messages(humaneval)[:eval_prompts]
         )
     return PreparedData(train=train_path, eval_sets=sets)
+
+
+def _as_sharegpt(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    return [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in messages]
 
 
 def humaneval_messages(path: Path) -> list[list[dict[str, str]]]:

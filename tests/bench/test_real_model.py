@@ -88,3 +88,21 @@ def test_summary_checks_the_goals_on_the_last_mark(tmp_path):
     assert ratio["value"] == pytest.approx(1.2) and ratio["met"]
     assert goals["prompts not lossless"]["value"] == 1 and not goals["prompts not lossless"]["met"]
     assert [r["minutes"] for r in result["rows"]] == [2.0, 8.0, 8.0, 8.0]
+
+
+def test_first_turns_cuts_each_training_record_to_its_first_exchange(tmp_path):
+    long = conversation(0)
+    long["conversations"] += [{"from": "human", "value": "again"}, {"from": "gpt", "value": "more"}]
+    records = [long, conversation(1, first="gpt"), conversation(2), *[conversation(i) for i in range(3, 12)]]
+    data = real_model.prepare_data(
+        sharegpt_file(tmp_path / "sg.json", records), None, tmp_path / "out", train_records=3, eval_prompts=4,
+        first_turns=True,
+    )  # fmt: skip
+    train = json.loads(data.train.read_text())
+    assert [r["id"] for r in train] == ["0", "2"]  # record 1 opens with the assistant: no first exchange
+    assert train[0]["conversations"] == [{"from": "human", "value": "q0"}, {"from": "gpt", "value": "a0"}]
+    held = {
+        json.loads(line)["messages"][0]["content"]
+        for line in data.eval_sets["sharegpt"].read_text().splitlines()
+    }
+    assert held and not held & {"q0", "q1", "q2"}
