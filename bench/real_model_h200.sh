@@ -13,6 +13,7 @@
 #      held-out ShareGPT and HumanEval (fp32); summary
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|d
 # Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
+# CARRY_B names another folder for the second half and the data (e.g. .carry/b2: prepare --first-turns).
 set -euo pipefail
 D=/tmp/dp
 G=$D/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -23,10 +24,10 @@ mkdir -p "$OUT"
 
 whole_gguf() {  # the halves of calls a and b (or s) joined, converted once
   test -f $D/gguf.part1 || { echo "$D/gguf.part1 is missing: not the warm machine of call a"; exit 3; }
-  test -f $G || cat $D/gguf.part1 .carry/b/gguf.part2 > $G
+  test -f $G || cat $D/gguf.part1 ${CARRY_B:-.carry/b}/gguf.part2 > $G
   mkdir -p $D/b/data
-  cp .carry/b/data/eval_*.jsonl $D/b/data/
-  test -f $D/b/data/train.json || xz -dc .carry/b/data/train.json.xz > $D/b/data/train.json
+  cp ${CARRY_B:-.carry/b}/data/eval_*.jsonl $D/b/data/
+  test -f $D/b/data/train.json || xz -dc ${CARRY_B:-.carry/b}/data/train.json.xz > $D/b/data/train.json
   python3 -c "from dflash_pipe.target.gguf import resolve_target; resolve_target('$G')"
   printf 'compile_cache: %s\n' $D/cache > $D/cache.yaml
 }
