@@ -51,8 +51,9 @@ case ${1:?phase a, b, c or d} in
     "${R[@]}" --regen-batch "${REGEN_BATCH2:-768}" > $D/s/regen-b.log 2>&1
     tail -n 4 $D/s/regen-a.log $D/s/regen-b.log
     IFS=';' read -ra V <<< "${SWEEP_VARIANTS:-lr6e-4=--lr 6e-4;lr2e-3=--lr 2e-3;lr5e-3=--lr 5e-3}"
-    python3 bench/real_model.py sweep --target $G --data $D/s/regen.jsonl --out $D/s --max-steps "${SWEEP_STEPS:-400}" \
-      --run-timeout 150 "${V[@]/#/--variant=}" -- --config $D/cache.yaml --target-gpus 0 --drafter-gpus 0 \
+    # within the call's 600 s: regeneration ~3.5 min, then each run at most 110 s (its start ~40 s of it)
+    python3 bench/real_model.py sweep --target $G --data $D/s/regen.jsonl --out $D/s --max-steps "${SWEEP_STEPS:-300}" \
+      --run-timeout 110 "${V[@]/#/--variant=}" -- --config $D/cache.yaml --target-gpus 0 --drafter-gpus 0 \
       --max-length 2048 --token-budget 16384 --responses dataset
     cp $D/s/sweep.json $D/s/regen-*.log "$OUT/"
     for f in $D/s/sweep/*.log; do tail -n 25 "$f" > "$OUT/sweep-$(basename "$f")"; done
