@@ -11,7 +11,8 @@
 #      TRAIN_ARGS gave ours, for a comparison of trainers and not of recipes)
 #   d: the same-batch check on real features; every export measured by real speculative decoding on
 #      held-out ShareGPT and HumanEval (fp32); summary
-# Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|d
+# Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|d 2>&1 | tee $OUT/PHASE.log
+# (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
 # Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
 # CARRY_B names another folder for the second half and the data (e.g. .carry/b2: prepare --first-turns).
 set -euo pipefail
