@@ -34,13 +34,11 @@ from dflash_pipe.data.lines import drop_reason, fit_sample
 from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, SourceConversations
 from dflash_pipe.data.render import render_conversation
 from dflash_pipe.data.spill import SpilledSamples
+from dflash_pipe.producer.failed_notes import FailedTurnNotes
 from dflash_pipe.target.decode.sizing import FALLBACK_SLOTS, FREE_SHARE, SHARED_FREE_SHARE
 from dflash_pipe.telemetry import RateMeter
 
 SORT_WINDOW_JOBS = 8
-FAILURE_NOTE_EVERY_S = 30.0
-"""Failed turns are said at most once per this many seconds (a small target fails hundreds: one line each
-buried the dashboard); each note counts those since the last one, and its running totals cover them all."""
 """Conversations are sorted by length within windows of this many jobs (see ``Regeneration.next_job``)."""
 
 
@@ -153,9 +151,7 @@ class Regeneration:
         self._window: deque[int] = deque()
         self._jobs = 0
         self._arrived: list[int] = []
-        self._unsaid: list[tuple[int, Regenerated]] = []
-        """Failed conversations (job id, record) not yet in a note."""
-        self._noted_at: float | None = None
+        self.failed_notes = FailedTurnNotes()
         self.started: float | None = None
         """When the first generation was handed out (None: nothing to generate in this process)."""
         self.finished: float | None = None
@@ -224,7 +220,7 @@ class Regeneration:
     def accept(self, *dones: GenerateDone) -> str | None:
         """Writes the conversations of ``dones`` (what the target threads finished since the last call) to the
         regenerated file, in one flush, and makes their samples plannable; returns the line the dashboard
-        shows when some turn could not be generated (at most one per ``FAILURE_NOTE_EVERY_S``)."""
+        shows when some turn could not be generated (at most one per ``failed_notes.EVERY_S``)."""
         records = [record for done in dones for record in done.results]
         self.store.append(records)
         self.generate_s += sum(done.seconds for done in dones)
@@ -237,22 +233,10 @@ class Regeneration:
                 self._arrived.append(record.index)
         if self.complete and self.eval_ready and self.finished is None:
             self.finished = time.monotonic()
-        self._unsaid += [
+        self.failed_notes.add(
             (done.job.job_id, rec) for done in dones for rec in done.results if rec.failed is not None
-        ]
-        now = time.monotonic()
-        if not self._unsaid or (self._noted_at is not None and now - self._noted_at < FAILURE_NOTE_EVERY_S):
-            return None
-        failed, self._unsaid, self._noted_at = self._unsaid, [], now
-        jobs = sorted({job for job, _ in failed})
-        which = f"job {jobs[0]}" if len(jobs) == 1 else f"{len(jobs)} jobs ({jobs[0]}-{jobs[-1]})"
-        index, first = failed[0][1].index, failed[0][1].failed
-        assert first is not None
-        return (
-            f"regeneration: {len(failed)} conversation(s) of {which} stopped at a turn that could not be "
-            f"generated (first: conversation {index}, turn {first.turn}: {first.reason}); their earlier turns "
-            f"are kept. So far: {self.tally.failed_text()}"
         )
+        return self.failed_notes.line(self.tally.failed_text())
 
     def _place(self, record: Regenerated) -> Sample | None:
         made = sample_or_reason(record, record.index, self.tokenizer, self.data)

@@ -16,7 +16,7 @@ from dflash_pipe.data.regenerated import (
     provenance,
 )
 from dflash_pipe.data.render import render_conversation
-from dflash_pipe.producer import regen as regen_module
+from dflash_pipe.producer import failed_notes
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob, Regeneration, first_open_epoch
 from dflash_pipe.run.ledger import Ledger
 
@@ -178,7 +178,7 @@ def test_a_job_with_failed_turns_returns_the_dashboard_note(tmp_path, tok):
 
 def test_failed_turns_are_said_at_most_once_per_interval_and_none_is_lost(tmp_path, tok, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(regen_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(failed_notes.time, "monotonic", lambda: clock[0])
     regen = _make(tmp_path, tok, batch=2)
     notes = []
     while (job := regen.next_job()) is not None:
@@ -193,7 +193,7 @@ def test_failed_turns_are_said_at_most_once_per_interval_and_none_is_lost(tmp_pa
     assert (
         len(notes) == 6 and len(said) == 1 and said[0].startswith("regeneration: 2 conversation(s) of job 1 ")
     )
-    clock[0] += regen_module.FAILURE_NOTE_EVERY_S
+    clock[0] += failed_notes.EVERY_S
     job = GenerateJob(job_id=99, items=[(0, regen.source.conversations[0])])
     late = regen.accept(
         GenerateDone(job=job, results=_answer(job.items, empty={0}), seconds=0.1, replica="cpu")
