@@ -104,9 +104,9 @@ def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
     assert (exported / "config.json").exists() and (exported / "model.safetensors").exists()
     untrained = untrained_export(exported, tmp_path / "untrained")
     tau, tau_untrained = eval_tau(exported), eval_tau(untrained)
-    # The 40 steps learnt what the target accepts: an untrained drafter gets nothing accepted (1.0). Which
-    # samples the two workers train first depends on when regenerated replies arrive, so the trained tau
-    # varies between runs of the same commit (1.183 in two fresh-clone suites, 1.313 alone).
+    # The 40 steps learnt what the target accepts: an untrained drafter gets nothing accepted (1.0). The
+    # trained tau differs between runs of the same code (1.183 in two fresh-clone suites, 1.313 run alone;
+    # not pinned down: the order in which regenerated replies reach the two workers is one candidate).
     assert tau > tau_untrained + 0.1, (tau_untrained, tau)
     steps = [r["step"] for r in metrics(run_dir) if "loss" in r]
     assert steps[-2:] == [30, 40]  # logged every 10 steps, continuing after 24
