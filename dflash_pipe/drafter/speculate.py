@@ -334,7 +334,6 @@ def greedy_generate(
     return GreedyOutput(tokens=out[0, ids.shape[1] :].tolist(), seconds=time.perf_counter() - t0)
 
 
-@torch.inference_mode()
 def stack_greedy_generate(
     target: nn.Module,
     prompt: Tensor,
@@ -344,27 +343,23 @@ def stack_greedy_generate(
     stop_ids: Sequence[int] = (),
     engine: bool = True,
 ) -> GreedyOutput:
-    """The target's greedy decoding on the stack ``speculative_generate`` verifies on, one token a step (a
-    CUDA graph per span on the GPU): the speedup's baseline, so that both sides pay the same cost per target
-    forward. HF ``generate`` (``greedy_generate``) stays the lossless reference: it runs the model's own
-    code, but pays Python's time per layer at every token, which no server pays."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    device = next(target.parameters()).device
-    stop = set(int(t) for t in stop_ids)
-    ids = prompt.to(device, torch.long)
-    verifier = _verifier(target, layer_ids, ids.numel() + max_new_tokens + 1, engine, 1)
-    _sync(device)
-    t0 = time.perf_counter()
-    first, _ = verifier.prefill(ids)
-    tokens = [first]
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        n = ids.numel() + len(tokens) - 1  # where tokens[-1] sits
-        greedy, _ = verifier.verify(torch.tensor(tokens[-1:], device=device), n)
-        tokens.append(int(greedy[0]))
-        verifier.keep(n + 1)
-    _sync(device)
-    return GreedyOutput(tokens=tokens, seconds=time.perf_counter() - t0)
+    """The target's greedy decoding on the stack ``speculative_generate`` verifies on: the same loop with
+    blocks of one token and nothing drafted, so it pays what speculative decoding pays per target forward
+    (a CUDA graph per span on the GPU, the same bookkeeping): the speedup's baseline. HF ``generate``
+    (``greedy_generate``) stays the lossless reference: it runs the model's own code, but pays Python's time
+    per layer at every token, which no server pays."""
+    nothing = torch.empty(0, dtype=torch.long)
+    out = speculative_generate(
+        target,
+        lambda tokens, features: nothing,
+        prompt,
+        layer_ids=layer_ids,
+        block_size=1,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stop_ids,
+        engine=engine,
+    )
+    return GreedyOutput(tokens=out.tokens, seconds=out.seconds)
 
 
 def check_lossless(spec: Sequence[int], greedy: Sequence[int], *, where: str = "prompt") -> None:
