@@ -2,7 +2,8 @@
 
 Runs of a sweep train on the same file with the same seed, so their batches come in the same order and their
 curves compare step for step; what a row says is where a run stood at its end (the mean of its last
-``tail`` share of steps, which smooths the batch-to-batch noise of real data) and how fast it got there, with the simulated tau of the held-out samples at its end.
+``tail`` share of steps, which smooths the batch-to-batch noise of real data), how fast it got there, and
+the simulated tau of the held-out samples at its end.
 """
 
 from __future__ import annotations

@@ -367,7 +367,8 @@ def render_generate_table(result: GenerateResult) -> Table:
         f"{len(result.prompts)} prompts, {result.new_tokens} tokens, {result.tokens_per_s:,.1f} tokens/s"
     )
     if greedy is not None:
-        title += f" (greedy decoding on the same stack {greedy:,.1f} tokens/s, x{result.tokens_per_s / greedy:.2f}); "
+        speedup = result.tokens_per_s / greedy
+        title += f" (greedy decoding on the same stack {greedy:,.1f} tokens/s, x{speedup:.2f}); "
         title += "lossless" if result.mismatches == 0 else f"{result.mismatches} prompt(s) NOT lossless"
     return per_slot_table(c, title, columns=("draft position k", "steps that kept it", "rate"))
 
