@@ -171,7 +171,9 @@ def warm(args: argparse.Namespace) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    result = real_model.same_batch_check(args.target, args.data, device=args.device, rows=args.rows)
+    result = real_model.same_batch_check(
+        args.target, args.data, device=args.device, rows=args.rows, drafter=args.drafter
+    )
     (args.out / "same_batch_check.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
@@ -233,6 +235,7 @@ def main() -> None:
     c.add_argument("--data", type=Path, required=True)
     c.add_argument("--device", default="cuda")
     c.add_argument("--rows", type=int, default=4)
+    c.add_argument("--drafter", type=Path, help="an export: check its trained weights, not a fresh drafter")
     sub.add_parser("summarize")
     for q in (p, t, s, e, w, c, sub.choices["summarize"]):
         q.add_argument("--out", type=Path, required=True)

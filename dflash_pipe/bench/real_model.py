@@ -273,12 +273,20 @@ def summarize(out: Path) -> dict[str, Path]:
 
 
 def same_batch_check(
-    target: Path, data: Path, *, device: str, rows: int = 4, max_length: int = 1024, seed: int = 0
+    target: Path,
+    data: Path,
+    *,
+    device: str,
+    rows: int = 4,
+    max_length: int = 1024,
+    seed: int = 0,
+    drafter: Path | None = None,
 ) -> dict[str, Any]:
     """The training step as a CUDA worker runs it (``train.build``: compiled layers, compiled flex attention,
     fused CE, bf16 autocast over fp32 weights) against an eager fp32 copy of the same weights (SDPA with the
     dense mask, the plain CE) on one batch of real rows: the target's own features of ``rows`` samples of
-    ``data``, the same anchors in both. Returns the losses, the relative loss and whole-gradient differences,
+    ``data``, the same anchors in both. ``drafter`` (an export) gives both its trained weights instead of a
+    fresh initialisation, so the per-slot accuracies compared are those of a drafter that learnt. Returns the losses, the relative loss and whole-gradient differences,
     and the per-slot accuracies of both."""
     import math
 
@@ -300,7 +308,13 @@ def same_batch_check(
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).to(dev).eval()
     samples = list(load_samples(DataConfig(path=data, max_length=max_length), tokenizer).samples)[:rows]
-    cfg = DrafterConfig.from_target(model.config, tokenizer=tokenizer)
+    if drafter is not None:
+        from dflash_pipe.drafter.export import read_export_config, verify_export
+
+        verify_export(drafter)
+        cfg = read_export_config(drafter)
+    else:
+        cfg = DrafterConfig.from_target(model.config, tokenizer=tokenizer)
     width = max(len(s.input_ids) for s in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.long, device=dev)
     mask = torch.zeros(len(samples), width, dtype=torch.bool, device=dev)
@@ -317,6 +331,14 @@ def same_batch_check(
     compiled, _ = build_drafter(cfg, TrainConfig(), embed, head, dev)
     embed32, head32 = load_frozen_target_parts(folder, dtype=torch.float32, device=dev)
     eager = DFlashDrafter(cfg, embed32, head32).to(dev).train()
+    if drafter is not None:
+        from safetensors.torch import load_file
+
+        from dflash_pipe.drafter.export import WEIGHTS_NAME, validate_state
+
+        state = load_file(str(drafter / WEIGHTS_NAME))
+        validate_state(state, cfg, drafter / WEIGHTS_NAME)
+        compiled.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     eager.load_state_dict(compiled.state_dict())  # the same fp32 weights, the fp32 target head
 
     def step(drafter, amp: bool):
@@ -339,6 +361,7 @@ def same_batch_check(
         float((c - e).norm() / e.norm().clamp_min(1e-30)) for c, e in zip(grads_c, grads_e, strict=True)
     )
     return {
+        "drafter": str(drafter) if drafter is not None else "fresh initialisation",
         "rows": len(samples),
         "tokens": int(mask.sum()),
         "loss_compiled_bf16": loss_c,
