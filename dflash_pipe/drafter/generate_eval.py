@@ -142,6 +142,9 @@ class GenerateResult:
             "new_tokens": self.new_tokens,
             "tokens_per_s": self.tokens_per_s,
             "seconds": self.seconds,
+            # where a step's time goes: the drafter's proposal and the target's verify forward
+            "draft_ms_per_step": 1e3 * sum(p.spec.propose_seconds for p in self.prompts) / max(c.anchors, 1),
+            "verify_ms_per_step": 1e3 * sum(p.spec.verify_seconds for p in self.prompts) / max(c.anchors, 1),
         }
         if (greedy := self.greedy_tokens_per_s) is not None:
             out["greedy_tokens_per_s"] = greedy
