@@ -8,10 +8,12 @@
 #   b: the GGUF whole, converted once; dflash-pipe trains online for MINUTES (--responses target), exports
 #      at 2 and 4 minutes and at the end
 #   c: the peer (SpecForge) on the rows the run regenerated, for MINUTES (PEER_ARGS: e.g. the same --lr as
-#      TRAIN_ARGS gave ours, for a comparison of trainers and not of recipes)
+#      TRAIN_ARGS gave ours, for a comparison of trainers and not of recipes), started in its own session;
+#      the call waits for it at most WAIT_S (540) seconds
+#   w: waits for that peer again (its writing rows, capture, MINUTES of training and exports outlast a call)
 #   d: the same-batch check on real features; every export measured by real speculative decoding on
 #      held-out ShareGPT and HumanEval (fp32); summary
-# Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|d 2>&1 | tee $OUT/PHASE.log
+# Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
 # (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
 # Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
 # CARRY_B names another folder for the second half and the data (e.g. .carry/b2: prepare --first-turns).
@@ -33,7 +35,28 @@ whole_gguf() {  # the halves of calls a and b (or s) joined, converted once
   printf 'compile_cache: %s\n' $D/cache > $D/cache.yaml
 }
 
-case ${1:?phase a, b, c or d} in
+finish_peer() {  # wait for phase c's peer (at most WAIT_S); once it ends, link its exports for phase d
+  local pid waited=0
+  pid=$(cat $D/c/pid)
+  while kill -0 "$pid" 2>/dev/null && [ $waited -lt "${WAIT_S:-540}" ]; do sleep 5; waited=$((waited + 5)); done
+  grep -v "^step [0-9]*:" $D/c/peer.log | tail -n 20
+  cp $D/c/peer.log "$OUT/"
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "the peer still runs (pid $pid): call phase w next, within the warm window"
+    return 0
+  fi
+  python3 - <<PY
+import json, os
+s = json.load(open("$D/c/specforge_summary.json"))
+for c in s["checkpoints"]:
+    minutes = round(c["elapsed_s"] / 60)
+    os.symlink(c["export"], f"$D/b/drafters/specforge-{minutes}min")
+    print(c["step"], c["elapsed_s"], f"specforge-{minutes}min")
+PY
+  cp $D/c/specforge_summary.json $D/c/metrics.jsonl "$OUT/"
+}
+
+case ${1:?phase a, s, b, c, w or d} in
   a)
     mkdir -p $D
     cp .carry/a/gguf.part1 $D/
@@ -71,18 +94,19 @@ case ${1:?phase a, b, c or d} in
   c)
     test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
     F=$(python3 -c "from dflash_pipe.target.gguf import resolve_target; print(resolve_target('$G', say=None))")
-    python3 bench/peers/specforge_dflash.py --target "$F" --conversations $D/b/runs/ours-target/regenerated.jsonl \
-      --max-length 2048 --rows $D/c/rows.jsonl --out $D/c --minutes "$MINUTES" --save-at 2 4 \
-      --mask-token-id 16 --device cuda ${PEER_ARGS:-}
-    python3 - <<PY
-import json, os
-s = json.load(open("$D/c/specforge_summary.json"))
-for c in s["checkpoints"]:
-    minutes = round(c["elapsed_s"] / 60)
-    os.symlink(c["export"], f"$D/b/drafters/specforge-{minutes}min")
-    print(c["step"], c["elapsed_s"], f"specforge-{minutes}min")
-PY
-    cp $D/c/specforge_summary.json $D/c/metrics.jsonl "$OUT/"
+    mkdir -p $D/c
+    # in its own session, so it outlives this call (600 s at most, less than the peer's capture + MINUTES +
+    # exports): phase w waits for the rest
+    setsid nohup python3 bench/peers/specforge_dflash.py --target "$F" \
+      --conversations $D/b/runs/ours-target/regenerated.jsonl --max-length 2048 --rows $D/c/rows.jsonl \
+      --out $D/c --minutes "$MINUTES" --save-at 2 4 --mask-token-id 16 --device cuda ${PEER_ARGS:-} \
+      > $D/c/peer.log 2>&1 < /dev/null &
+    echo $! > $D/c/pid
+    finish_peer
+    ;;
+  w)
+    test -f $D/c/pid || { echo "$D/c/pid is missing: phase c did not start the peer on this machine"; exit 3; }
+    finish_peer
     ;;
   d)
     test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
