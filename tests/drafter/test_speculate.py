@@ -110,7 +110,7 @@ def test_the_speedup_is_against_the_stack_and_hf_generate_is_said_beside_it(targ
     assert metrics["real/hf_generate_tokens_per_s"] == pytest.approx(hf_rate)
     steps = metrics["real/steps"]
     draft_ms, verify_ms = metrics["real/draft_ms_per_step"], metrics["real/verify_ms_per_step"]
-    assert 0 < draft_ms and 0 < verify_ms
+    assert draft_ms > 0 and verify_ms > 0
     assert (draft_ms + verify_ms) * steps / 1e3 <= result.seconds  # parts of the decoding's wall time
     again = evaluate_generate(
         target, drafter_for(target), prompts(), max_new_tokens=12, stop_ids=(), references=references
