@@ -22,17 +22,21 @@ from dflash_pipe.worker_pool import SAFE_GPU_ENV, WorkerPool
 
 if TYPE_CHECKING:
     from dflash_pipe.producer.setup import RunContext
+    from dflash_pipe.run.resume import LaunchCheck
 
 
-def prepare(cfg: RunConfig, *, resume: bool, live: bool | None = None) -> tuple[RunContext, Future]:
+def prepare(
+    cfg: RunConfig, *, resume: bool, checked: LaunchCheck | None = None, live: bool | None = None
+) -> tuple[RunContext, Future]:
     """The run's context, with its target replicas loading: the data tokenizes in the background (worker
     processes for a big file) while a thread puts the target's weights on its devices; only the set-up that
     needs the data (ledger, train/eval split) waits for it. The future's ``result()`` is the replicas (or the
-    loading error); ``ProducerProc`` waits for it when it starts serving."""
+    loading error); ``ProducerProc`` waits for it when it starts serving. ``checked``: what the checks under
+    the run dir's lock found (the resumed checkpoint, read once)."""
     from dflash_pipe.producer import target_threads
     from dflash_pipe.producer.setup import start_run
 
-    with start_run(cfg, resume=resume, progress=live) as pending:  # stops the tokenization on any error
+    with start_run(cfg, resume=resume, checked=checked, progress=live) as pending:  # stops the tokenization on any error
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
         replicas = loader.submit(target_threads.load_replicas, pending)
         loader.shutdown(wait=False)  # the thread ends when the target is loaded
@@ -57,7 +61,7 @@ def launch(cfg: RunConfig, *, resume: bool, console, live: bool | None = None):
             stop.lock = lock
             for note in lock.notes:
                 console.print(f"[yellow]warning:[/] {escape(note)}")
-            return _launch(cfg, resume=resume, console=console, live=live, stop=stop)
+            return _launch(cfg, resume=resume, checked=lock.checked, console=console, live=live, stop=stop)
     finally:
         signals.restore()
 
@@ -103,7 +107,9 @@ def checkpoint_note(run_dir: Path, since: float | None) -> str:
     return f"no final checkpoint; the latest is {latest.name}"
 
 
-def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: HardStop):
+def _launch(
+    cfg: RunConfig, *, resume: bool, checked: LaunchCheck | None, console, live: bool | None, stop: HardStop
+):
     """Prepares the run (the target loads while the data tokenizes), starts producer and workers, and
     returns the producer's summary."""
     import torch
@@ -127,7 +133,7 @@ def _launch(cfg: RunConfig, *, resume: bool, console, live: bool | None, stop: H
     from dflash_pipe.run.record import read_record, write_record
     from dflash_pipe.run.resume import record_complete
 
-    ctx, replicas = prepare(cfg, resume=resume, live=live)
+    ctx, replicas = prepare(cfg, resume=resume, checked=checked, live=live)
     check_open_work(ctx)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
     producer = ProducerProc(ctx, console=console, live=live, replicas=replicas, signals=stop.signals)

@@ -4,14 +4,14 @@
 (``PendingRun``); the launcher loads the target meanwhile and calls ``PendingRun.context()`` where the data
 is needed (ledger, train/eval split, plans, WELCOME). ``prepare_run`` does both in one call.
 
-Past 400 lines while the GGUF target and the MASK token's data check joined the set-up; issue 51 gives the
-resume point its own owner (the checkpoint read once), which takes a part of this module away.
+The resumed checkpoint is read once, under the run dir's lock (``run.resume.ResumePoint``), and handed in.
+
+Past 400 lines while the GGUF target and the MASK token's data check joined the set-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -35,12 +35,18 @@ from dflash_pipe.drafter.mask_token import (
     given_mask_token,
     resolve_mask_token,
 )
-from dflash_pipe.run.checkpoint import read_trainer_state
 from dflash_pipe.run.config import DrafterOptions, RunConfig
 from dflash_pipe.run.dir import RunDir
-from dflash_pipe.run.files import DRAFTER_CONFIG, RunDirError
+from dflash_pipe.run.files import RunDirError
 from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.run.resume import NothingTrained, RunComplete, complete_message
+from dflash_pipe.run.resume import (
+    LaunchCheck,
+    NothingTrained,
+    ResumePoint,
+    RunComplete,
+    check_resume,
+    complete_message,
+)
 from dflash_pipe.target.gguf import TargetPathError, is_gguf, resolve_target
 
 if TYPE_CHECKING:
@@ -111,10 +117,8 @@ class PendingRun:
     data: DataFuture | None
     """The data tokenizing in the background; None with ``data.responses = "target"`` (``context()`` reads
     the conversations, which are tokenized once regenerated)."""
-    resume_from: Path | None
-    resume_step: int
-    saved_ledger: Ledger | None
-    """The resumed checkpoint's ledger (None for a fresh run)."""
+    resume: ResumePoint | None
+    """The resumed checkpoint (None for a fresh run, or a resumed one that wrote none)."""
 
     def context(self) -> RunContext:
         """Waits for the data (raising its ``DataError``), then splits train/eval, builds or checks the ledger
@@ -142,13 +146,12 @@ class PendingRun:
             # The held-out tail is the eval set, so training sample ids stay dense (0..N-1) for plans and the
             # ledger.
             eval_samples = data.samples[len(data.samples) - n_eval :]
-        if self.resume_from is not None:  # the mask token, known only now, must be the checkpoint's too
-            check_checkpoint_fits(self.resume_from, self.drafter, self.cfg.run_dir)
-        ledger = self.saved_ledger
-        if ledger is None:
+        if self.resume is None:
             ledger = Ledger(len(train_samples), self.cfg.train.epochs)
-        else:  # --epochs may change on resume: more trains on (the checks ran in run.resume.check_resume)
-            ledger = ledger.with_epochs(self.cfg.train.epochs)
+        else:  # the mask token, known only now, must be the checkpoint's too
+            self.resume.check_fits(self.drafter.to_dict(), self.cfg.run_dir)
+            # --epochs may change on resume: more trains on (the checks ran in run.resume.check_resume)
+            ledger = self.resume.ledger.with_epochs(self.cfg.train.epochs)
         if ledger.num_samples != len(train_samples):
             raise RunDirError(
                 f"--resume {self.cfg.run_dir}: the checkpoint was trained on {ledger.num_samples} samples but "
@@ -167,8 +170,8 @@ class PendingRun:
             drafter=self.drafter,
             target_dtype=self.target_dtype,
             ledger=ledger,
-            resume_from=self.resume_from,
-            resume_step=self.resume_step,
+            resume_from=self.resume.checkpoint if self.resume is not None else None,
+            resume_step=self.resume.step if self.resume is not None else 0,
             regen=regen,
             notes=[*data.notes, *([note] if note else [])],
         )
@@ -271,13 +274,20 @@ def prepare_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -
         return pending.context()
 
 
-def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> PendingRun:
-    """Checks the run dir, target and options and finds the resume point, with the data tokenizing in the
-    background from the moment the tokenizer is loaded. Raises ``SetupError`` (the tokenization stopped)."""
+def start_run(
+    cfg: RunConfig, *, resume: bool, checked: LaunchCheck | None = None, progress: bool | None = None
+) -> PendingRun:
+    """Checks the run dir, target and options against the resume point, with the data tokenizing in the
+    background from the moment the tokenizer is loaded. Raises ``SetupError`` (the tokenization stopped).
+    ``checked``: the launch's checks under the run dir's lock (the resumed checkpoint, read there); without
+    it, a resume runs them here."""
     from transformers import AutoConfig, AutoTokenizer
 
     run_dir = RunDir(cfg.run_dir)
     run_dir.check(resume=resume)
+    point = None
+    if resume:
+        point = (checked if checked is not None else check_resume(cfg)).resume
     run_dir.root.mkdir(parents=True, exist_ok=True)
     target_path = target_folder(cfg.target_model)
     if target_path is None:
@@ -314,14 +324,8 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
                 "file": str(Path(cfg.target_model).resolve()),
                 "folder": str(target_path),
             }
-        resume_from, resume_step, saved_ledger = None, 0, None
-        if resume:
-            resume_from = run_dir.latest_checkpoint()
-            if resume_from is not None:  # the mask token once the data is known (PendingRun.context)
-                check_checkpoint_fits(resume_from, drafter, run_dir.root, skip=("mask_token_id",))
-                state = read_trainer_state(resume_from)
-                saved_ledger = Ledger.from_dict(state.ledger)
-                resume_step = state.step
+        if point is not None:  # the mask token once the data is known (PendingRun.context)
+            point.check_fits(drafter.to_dict(), run_dir.root, skip=("mask_token_id",))
     except BaseException:
         if data is not None:
             data.close()
@@ -334,28 +338,8 @@ def start_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> 
         drafter=drafter,
         target_dtype=compute_dtype(cfg.layout.device),
         data=data,
-        resume_from=resume_from,
-        resume_step=resume_step,
-        saved_ledger=saved_ledger,
+        resume=point,
     )
-
-
-RESUME_FIELDS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "vocab_size",
-    "block_size",
-    "mask_token_id",
-    "target_layer_ids",
-    "num_target_layers",
-    "layer_types",
-    "sliding_window",
-)
-"""Drafter fields a checkpoint must share with the resumed run (shapes and the meaning of the features)."""
 
 
 def check_target_family(target_config: object, target_path: Path) -> None:
@@ -406,30 +390,6 @@ def check_options_fit_target(opts: DrafterOptions, target_config: object, target
             f"(ids 0-{vocab - 1}). Pass a reserved, unused token id below {vocab}, or leave the flag out to use "
             "the tokenizer's mask token"
         )
-
-
-def check_checkpoint_fits(
-    checkpoint: Path, drafter: DrafterConfig, run_dir: Path, *, skip: tuple[str, ...] = ()
-) -> None:
-    """A checkpoint from another target or drafter shape is refused, naming the first differing field
-    (``skip``: fields not known yet)."""
-    path = Path(checkpoint) / DRAFTER_CONFIG
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise RunDirError(
-            f"--resume {run_dir}: cannot read {path} ({e}). The checkpoint is damaged; resume from an older "
-            f"one by pointing {RunDir(run_dir).latest} at it, or start a new --run-dir"
-        ) from None
-    now = drafter.to_dict()
-    for name in RESUME_FIELDS:
-        if name in saved and name not in skip and saved[name] != now[name]:
-            raise RunDirError(
-                f"--resume {run_dir}: the checkpoint's drafter has {name}={saved[name]!r} but this run's "
-                f"target and drafter settings give {now[name]!r}; the target model, its config or a drafter "
-                "option changed since the checkpoint. Resume with the original target and options, or "
-                "start a new --run-dir"
-            )
 
 
 def check_open_work(ctx: RunContext) -> None:

@@ -34,7 +34,7 @@ from dflash_pipe.run.files import (
     TENSORBOARD_DIR,
     RunDirError,
 )
-from dflash_pipe.run.lock import RunDirLock, read_owner
+from dflash_pipe.run.lock import Checked, RunDirLock, read_owner
 
 if TYPE_CHECKING:
     from dflash_pipe.run.config import RunConfig
@@ -115,7 +115,7 @@ class RunDir:
 
         check_run_dir(self.root, resume=resume)
 
-    def lock(self, check: Callable[[], list[str]] | None = None) -> RunDirLock:
+    def lock(self, check: Callable[[], Checked] | None = None) -> RunDirLock:
         """The launch's hold on this run dir: ``with run_dir.lock(check=...) as lock:`` (``RunDirLock``)."""
         return RunDirLock(self.root, check=check)
 

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from filelock import FileLock, Timeout
 
@@ -29,16 +29,24 @@ class RunDirBusy(RunDirError):
     """Another live launch owns the run directory."""
 
 
+class Checked(Protocol):
+    """What a lock's check returns: at least its warnings."""
+
+    notes: list[str]
+
+
 class RunDirLock:
     """The launch's hold on its run directory: ``with RunDirLock(run_dir, check=...) as lock:``.
 
     ``check`` runs with the lock held, before owner.json is written: a launch it refuses (a fresh run over
-    an old one, a finished run) leaves the run dir as it was. ``lock.notes`` holds the warnings: a dead owner
-    taken over, and what ``check`` returned. Release is safe to call twice."""
+    an old one, a finished run) leaves the run dir as it was. What it returns is kept as ``lock.checked``;
+    ``lock.notes`` holds the warnings: a dead owner taken over, and the check's ``notes``. Release is safe to
+    call twice."""
 
-    def __init__(self, run_dir: Path, check: Callable[[], list[str]] | None = None) -> None:
+    def __init__(self, run_dir: Path, check: Callable[[], Checked] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.check = check
+        self.checked: Checked | None = None
         self.notes: list[str] = []
         self._lock = FileLock(self.run_dir / LOCK_FILE, timeout=0)
         self._held = False
@@ -55,7 +63,8 @@ class RunDirLock:
         try:
             self._check_previous(previous)
             if self.check is not None:
-                self.notes += self.check()
+                self.checked = self.check()
+                self.notes += self.checked.notes
         except BaseException:
             self._lock.release()
             self._held = False

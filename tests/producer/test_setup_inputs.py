@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import ViTConfig
 
 from dflash_pipe.data import DataConfig, demo_data_path
 from dflash_pipe.producer.setup import OptionsError, SetupError, prepare_run
-from dflash_pipe.run.checkpoint import DRAFTER_CONFIG, TRAINER_STATE, latest_checkpoint
+from dflash_pipe.run.checkpoint import latest_checkpoint, save_checkpoint
 from dflash_pipe.run.config import DrafterOptions, RunConfig
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.files import RunDirError
 from dflash_pipe.run.layout import LayoutConfig
+from dflash_pipe.run.ledger import Ledger
 from tests.tiny_models import tiny_qwen3_config
 
 
@@ -83,12 +84,17 @@ def test_mask_token_beyond_the_vocabulary(tmp_path: Path):
 def test_resume_with_a_checkpoint_of_another_drafter_names_the_field(tmp_path: Path):
     run_dir = tmp_path / "r"
     ctx = prepare_run(config(run_dir), resume=False, progress=False)
-    step = run_dir / "checkpoints" / "step-00000001"
-    step.mkdir(parents=True)
     other = {**ctx.drafter.to_dict(), "hidden_size": ctx.drafter.hidden_size * 2}
-    (step / DRAFTER_CONFIG).write_text(json.dumps(other))
-    (step / TRAINER_STATE).write_text(json.dumps({"step": 1, "ledger": {}}))
-    (run_dir / "checkpoints" / "latest").write_text("step-00000001\n")
+    model = torch.nn.Linear(4, 3)
+    ledger = Ledger(len(ctx.train_samples), 1).to_dict()
+    step = save_checkpoint(
+        run_dir,
+        step=1,
+        model=model,
+        drafter_config=other,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        ledger=ledger,
+    )
     assert latest_checkpoint(run_dir) == step
     with pytest.raises(RunDirError) as info:
         prepare_run(RunDir(run_dir).load_config(), resume=True, progress=False)

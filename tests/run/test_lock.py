@@ -13,6 +13,7 @@ from filelock import FileLock
 
 from dflash_pipe.run.files import OWNER_FILE
 from dflash_pipe.run.lock import RunDirBusy, RunDirLock, read_owner
+from dflash_pipe.run.resume import LaunchCheck
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,11 +125,13 @@ def test_a_refused_check_leaves_the_run_dir_as_it_was(tmp_path: Path):
     previous = {"pid": 7, "host": "h", "command": "dflash-pipe launch", "started": "t0", "released": "t1"}
     (tmp_path / OWNER_FILE).write_text(json.dumps(previous))
 
-    def refuse() -> list[str]:
+    def refuse() -> LaunchCheck:
         raise RunDirBusy("refused")
 
     with pytest.raises(RunDirBusy, match="refused"), RunDirLock(tmp_path, check=refuse):
         pass
     assert read_owner(tmp_path) == previous
-    with RunDirLock(tmp_path, check=lambda: ["a note"]) as lock:
+    checked = LaunchCheck(["a note"])
+    with RunDirLock(tmp_path, check=lambda: checked) as lock:
         assert lock.notes == ["a note"] and read_owner(tmp_path)["pid"] == os.getpid()
+        assert lock.checked is checked  # handed on to the launch

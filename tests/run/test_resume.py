@@ -18,7 +18,7 @@ from dflash_pipe.run.files import RunDirError
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.run.locate import choose_checkpoint, find_checkpoint
 from dflash_pipe.run.record import write_record
-from dflash_pipe.run.resume import RunComplete, check_resume
+from dflash_pipe.run.resume import ResumePoint, RunComplete, check_resume
 
 SAMPLES = 4
 
@@ -85,7 +85,7 @@ def test_a_config_from_another_version_names_the_file_and_the_version(tmp_path: 
 
 def test_an_intact_latest_is_resumed_without_a_word(tmp_path: Path):
     run_dir = make_run(tmp_path / "run")
-    assert check_resume(resumed(run_dir)) == []
+    assert check_resume(resumed(run_dir)).notes == []
     assert choose_checkpoint(run_dir) == (step_dir(run_dir, 4), [])
 
 
@@ -102,7 +102,7 @@ def test_a_damaged_latest_falls_back_to_the_previous_intact_one(tmp_path: Path, 
     run_dir = make_run(tmp_path / "run")
     damage(step_dir(run_dir, 4))
     before = files(run_dir)
-    notes = check_resume(resumed(run_dir))
+    notes = check_resume(resumed(run_dir)).notes
     assert len(notes) == 1 and "step-00000002 instead" in notes[0], notes
     assert re.search(expect, notes[0]), notes[0]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000002"
@@ -131,14 +131,14 @@ def test_a_latest_naming_nothing_says_how_to_point_it(tmp_path: Path):
     assert "latest names 'step-00000009'" in message
     assert "step-00000002, step-00000004" in message and "echo step-00000004 >" in message
     (run_dir / "checkpoints" / "latest").unlink()  # no pointer at all: the newest intact, said so
-    notes = check_resume(resumed(run_dir))
+    notes = check_resume(resumed(run_dir)).notes
     assert "latest is missing" in notes[0] and "step-00000004" in notes[0]
 
 
 def test_a_checkpoint_from_before_manifests_is_accepted(tmp_path: Path):
     run_dir = make_run(tmp_path / "run", steps=(4,))
     (step_dir(run_dir, 4) / ck.MANIFEST).unlink()
-    assert check_resume(resumed(run_dir)) == []
+    assert check_resume(resumed(run_dir)).notes == []
     (step_dir(run_dir, 4) / ck.TRAINER_STATE).write_text("{")
     assert "trainer_state.json is unreadable" in ck.verify_checkpoint(step_dir(run_dir, 4))
 
@@ -147,10 +147,10 @@ def test_metrics_lines_cut_short_are_named(tmp_path: Path):
     run_dir = make_run(tmp_path / "run")
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
-    notes = check_resume(resumed(run_dir))
+    notes = check_resume(resumed(run_dir)).notes
     assert len(notes) == 1 and "metrics.jsonl: the last line is cut short (15 bytes" in notes[0]
     metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo{"step": 3}\n{"step": 4}\n')
-    notes = check_resume(resumed(run_dir))
+    notes = check_resume(resumed(run_dir)).notes
     assert len(notes) == 1 and "metrics.jsonl:2 is not a JSON record" in notes[0]
     assert f"sed -i '2d' {metrics}" in notes[0]
 
@@ -162,7 +162,7 @@ def test_a_finished_run_says_so_and_how_to_train_on(tmp_path: Path):
     message = str(err.value)
     assert "is complete: all 1 epoch(s) trained (checkpoint step-00000004, step 4)" in message
     assert f"launch --resume {run_dir} --epochs 2" in message and "export" in message
-    assert check_resume(resumed(run_dir, epochs=2)) == []  # more epochs train on
+    assert check_resume(resumed(run_dir, epochs=2)).notes == []  # more epochs train on
     with pytest.raises(RunComplete, match="--epochs 2"):  # more steps alone do not train on
         check_resume(resumed(run_dir, max_steps=20))
 
@@ -171,7 +171,7 @@ def test_max_steps_reached_is_complete(tmp_path: Path):
     run_dir = make_run(tmp_path / "run")
     with pytest.raises(RunComplete, match=r"step 4 reached max_steps 4.*--resume .* --max-steps 8"):
         check_resume(resumed(run_dir, max_steps=4))
-    assert check_resume(resumed(run_dir, max_steps=5)) == []
+    assert check_resume(resumed(run_dir, max_steps=5)).notes == []
 
 
 def test_a_run_recorded_complete_is_complete_even_with_an_open_ledger(tmp_path: Path):
@@ -180,9 +180,9 @@ def test_a_run_recorded_complete_is_complete_even_with_an_open_ledger(tmp_path: 
     write_record(run_dir, complete={"checkpoint": "step-00000004", "epochs": 1})
     with pytest.raises(RunComplete):
         check_resume(resumed(run_dir))
-    assert check_resume(resumed(run_dir, epochs=2)) == []
+    assert check_resume(resumed(run_dir, epochs=2)).notes == []
     write_record(run_dir, complete={"checkpoint": "step-00000002", "epochs": 1})  # an older checkpoint's
-    assert check_resume(resumed(run_dir)) == []
+    assert check_resume(resumed(run_dir)).notes == []
 
 
 def test_fewer_epochs_than_already_trained_are_refused(tmp_path: Path):
@@ -247,25 +247,39 @@ def test_voids_of_a_regenerated_run_count_as_trained_after_set_up(tmp_path: Path
     ctx.regen = SimpleNamespace(voids={SAMPLES - 1})
     with pytest.raises(RunComplete, match="all 1 epoch"):
         check_open_work(ctx)
-    assert check_resume(cfg) == []  # the checkpoint alone does not know ...
+    assert check_resume(cfg).notes == []  # the checkpoint alone does not know ...
     record_complete(run_dir, checkpoint=str(step_dir(run_dir, 4).resolve()), epochs=1)
     with pytest.raises(RunComplete):  # ... the launch's record does
         check_resume(cfg)
 
 
 def test_a_checkpoint_of_another_target_or_drafter_shape_is_refused_naming_the_field(tmp_path: Path):
-    from dflash_pipe.producer.setup import check_checkpoint_fits
     from tests.drafter.conftest import tiny_config
 
-    now = tiny_config()
-    ckpt = tmp_path / "step-00000004"
-    ckpt.mkdir()
-    (ckpt / ck.DRAFTER_CONFIG).write_text(json.dumps(now.to_dict()))
-    check_checkpoint_fits(ckpt, now, tmp_path)  # the same shape: fine
+    now = tiny_config().to_dict()
+    run_dir = make_run(tmp_path / "run")
+    ckpt = step_dir(run_dir, 4)
+    (ckpt / ck.DRAFTER_CONFIG).write_text(json.dumps(now))
+    ResumePoint.read(ckpt, run_dir).check_fits(now, run_dir)  # the same shape: fine
     for field, other in (("hidden_size", 64), ("target_layer_ids", [0, 1]), ("num_hidden_layers", 3)):
-        (ckpt / ck.DRAFTER_CONFIG).write_text(json.dumps({**now.to_dict(), field: other}))
+        (ckpt / ck.DRAFTER_CONFIG).write_text(json.dumps({**now, field: other}))
+        point = ResumePoint.read(ckpt, run_dir)
         with pytest.raises(RunDirError, match=re.escape(f"the checkpoint's drafter has {field}={other!r}")):
-            check_checkpoint_fits(ckpt, now, tmp_path)
+            point.check_fits(now, run_dir)
+        point.check_fits(now, run_dir, skip=(field,))  # a field not known yet is not compared
+    (ckpt / ck.DRAFTER_CONFIG).write_text("{")
+    with pytest.raises(RunDirError, match="drafter_config.json .*The checkpoint is damaged"):
+        ResumePoint.read(ckpt, run_dir)
+
+
+def test_the_resumed_checkpoint_is_read_once_and_handed_on(tmp_path: Path):
+    """``check_resume`` (under the launch's lock) reads the step, ledger and drafter config; what it returns
+    is all the set-up needs, so nothing reads the checkpoint's files again."""
+    run_dir = make_run(tmp_path / "run")
+    point = check_resume(resumed(run_dir)).resume
+    assert point is not None and point.checkpoint == step_dir(run_dir, 4) and point.step == 4
+    assert point.ledger.num_samples == SAMPLES
+    assert point.drafter_config == json.loads((step_dir(run_dir, 4) / ck.DRAFTER_CONFIG).read_text())
 
 
 def test_a_run_that_trained_zero_steps_is_never_complete_and_does_not_export(tmp_path: Path):
@@ -280,7 +294,7 @@ def test_a_run_that_trained_zero_steps_is_never_complete_and_does_not_export(tmp
     cfg = resumed(run_dir)
     assert complete_message(cfg, "step-00000000", 0, epochs_done=True) is None
     record_complete(run_dir, checkpoint="step-00000000", epochs=1)
-    assert check_resume(cfg) == []  # neither the ledger nor the record makes step 0 complete
+    assert check_resume(cfg).notes == []  # neither the ledger nor the record makes step 0 complete
     voids = SimpleNamespace(voids=set(range(SAMPLES)), nothing_to_train=lambda: None)
     ctx = SimpleNamespace(
         cfg=cfg, ledger=Ledger(SAMPLES, 1), resume_from=step_dir(run_dir, 0), resume_step=0, regen=voids
