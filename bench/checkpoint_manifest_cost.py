@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipe.config.drafter import default_target_layer_ids
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
-from dflash_pipe.drafter.config import default_target_layer_ids
 from dflash_pipe.run import checkpoint as ck
 from dflash_pipe.run import manifest
 

@@ -49,12 +49,12 @@ from dflash_pipe.bench.result import BenchResult
 from dflash_pipe.bench.save import save_result, show_result
 from dflash_pipe.compute.compile import apply_dynamo_settings, backward_with_settings, compiler_errors
 from dflash_pipe.compute.precision import autocast, compute_dtype
+from dflash_pipe.config.presets import PRESETS
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.data.batching import plan_batches
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
-from dflash_pipe.drafter.presets import PRESETS
 from dflash_pipe.train.build import build_drafter
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.warmup import warm_up
 

@@ -36,9 +36,9 @@ from make_target import SHAPES, qwen3_config
 
 from dflash_pipe.bench import BenchResult
 from dflash_pipe.bench.save import provenance
+from dflash_pipe.config.drafter import default_target_layer_ids
 from dflash_pipe.data import Sample, plan_batches
 from dflash_pipe.data.config import DataConfig
-from dflash_pipe.drafter.config import default_target_layer_ids
 from dflash_pipe.producer.scheduler import PlannedBatch
 from dflash_pipe.producer.target_threads import TargetFailure, TargetThread
 from dflash_pipe.target import TargetCore

@@ -77,7 +77,7 @@ def moe_1t() -> Case:
         decode_source="PUBLIC, not measured here: same blog, 22.3K output tok/s per node",
     )
     # DrafterConfig.from_target on an MLA config: head_dim = v_head_dim (128), the target's 64 heads,
-    # MLA_KV_HEADS = 8 KV heads, its dense intermediate_size 18432 (drafter/config.py)
+    # MLA_KV_HEADS = 8 KV heads, its dense intermediate_size 18432 (config/drafter.py)
     d = Drafter(
         hidden=7168,
         heads=64,

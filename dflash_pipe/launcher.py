@@ -36,7 +36,9 @@ def prepare(
     from dflash_pipe.producer import target_threads
     from dflash_pipe.producer.setup import start_run
 
-    with start_run(cfg, resume=resume, checked=checked, progress=live) as pending:  # stops the tokenization on any error
+    with start_run(
+        cfg, resume=resume, checked=checked, progress=live
+    ) as pending:  # stops the tokenization on any error
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
         replicas = loader.submit(target_threads.load_replicas, pending)
         loader.shutdown(wait=False)  # the thread ends when the target is loaded
@@ -115,7 +117,7 @@ def _launch(
     import torch
     from transformers.utils import logging as hf_logging
 
-    from dflash_pipe.drafter.mask_token import mask_line
+    from dflash_pipe.config.mask_token import mask_line
     from dflash_pipe.producer.proc import DRAIN_MARGIN_S, ProducerProc
 
     if cfg.layout.device == "cpu":

@@ -139,9 +139,9 @@ def build_from_spec(spec: dict[str, Any], device: Any, *, compile_layers: bool =
     attention)."""
 
     from dflash_pipe.compute.precision import compute_dtype
+    from dflash_pipe.config.train import TrainConfig
     from dflash_pipe.drafter import DrafterConfig, load_frozen_target_parts
     from dflash_pipe.train.build import build_drafter
-    from dflash_pipe.train.config import TrainConfig
     from dflash_pipe.train.optim import build_optimizer
 
     drafter_cfg = DrafterConfig.from_dict(spec["drafter"])
@@ -158,9 +158,9 @@ def build_from_spec(spec: dict[str, Any], device: Any, *, compile_layers: bool =
 def warm(model: Any, spec: dict[str, Any], device: Any) -> dict[str, float]:
     """The worker's warm-up, as ``train.compile_warmup`` says: once (one process compiles under the cache's
     lock, the others then start warm) or each (every process compiles at once); with full, then checked."""
+    from dflash_pipe.config.train import TrainConfig
     from dflash_pipe.drafter import DrafterConfig
     from dflash_pipe.train.compile_check import warm_up_checked
-    from dflash_pipe.train.config import TrainConfig
 
     cfg = DrafterConfig.from_dict(spec["drafter"])
     plan = TrainConfig.from_dict(spec["train"]).compile_plan(device.type)

@@ -147,9 +147,9 @@ def _drafter_spec(
     """The drafter fields a WELCOME would carry for this target, with the run's default train settings."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from dflash_pipe.config.train import TrainConfig
     from dflash_pipe.drafter import DrafterConfig
     from dflash_pipe.target.gguf import resolve_target
-    from dflash_pipe.train.config import TrainConfig
 
     path = resolve_target(target_model)  # a GGUF file: its converted folder; TargetPathError (a ValueError)
     if path is None:

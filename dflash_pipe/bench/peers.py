@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dflash_pipe.drafter.config import default_target_layer_ids
+from dflash_pipe.config.drafter import default_target_layer_ids
 
 SPECFORGE_VERSION = "0.2.0"
 """The SpecForge release this driver was written against (its module paths and config fields)."""

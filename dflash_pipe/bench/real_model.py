@@ -295,13 +295,13 @@ def same_batch_check(
 
     from dflash_pipe.compute.compile import backward_with_settings
     from dflash_pipe.compute.precision import autocast
+    from dflash_pipe.config.drafter import DrafterConfig
+    from dflash_pipe.config.train import TrainConfig
     from dflash_pipe.data.config import DataConfig
     from dflash_pipe.data.loader import load_samples
-    from dflash_pipe.drafter.config import DrafterConfig
     from dflash_pipe.drafter.model import DFlashDrafter
     from dflash_pipe.drafter.target_parts import load_frozen_target_parts
     from dflash_pipe.train.build import build_drafter
-    from dflash_pipe.train.config import TrainConfig
 
     dev = torch.device(device)
     folder = target_dir(target)
@@ -388,10 +388,10 @@ def warm_compile_cache(
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_pipe.compute.compile import apply_dynamo_settings
-    from dflash_pipe.drafter.config import DrafterConfig
+    from dflash_pipe.config.drafter import DrafterConfig
+    from dflash_pipe.config.train import TrainConfig
     from dflash_pipe.train.build import build_drafter
     from dflash_pipe.train.compile_check import warm_up_checked
-    from dflash_pipe.train.config import TrainConfig
 
     dev = torch.device(device)
     config = AutoConfig.from_pretrained(str(meta))

@@ -70,7 +70,7 @@ class Protocol:
     peer_timeout_s: float = 120.0  # run/config.py WireConfig.peer_timeout_s (also the collective timeout)
     worker_credits: int = 2  # run/config.py WireConfig.worker_credits: batches leased to a worker at once
     ready_batches: int = 4  # run/config.py WireConfig.ready_batches: computed ahead per producer
-    log_every: int = 10  # train/config.py TrainConfig.log_every: METRICS from rank 0
+    log_every: int = 10  # config/train.py TrainConfig.log_every: METRICS from rank 0
     worker_msgs_per_step: int = 2  # worker/loop.py: one ACK and one READY per optimizer step
     coordinator_msgs_per_batch: int = 3  # ASSUMED (not built): lease request, grant, ack forwarded
     keep_alive_s: float = 3.0  # train/distributed.py KEEP_ALIVE_S x KEEP_ALIVE_MISSES (1 s x 3)

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_pipe.commands.options import config_flags
+from dflash_pipe.config.drafter import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_pipe.config.presets import preset_options
 from dflash_pipe.data import demo_data_path
 from dflash_pipe.data.sources import found_note
-from dflash_pipe.drafter.config import FULL_ATTENTION, SLIDING_ATTENTION
-from dflash_pipe.drafter.presets import preset_options
 from dflash_pipe.fields import flag_of
 from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.config_file import ConfigFileError, check_run_file, dump, load_file

@@ -22,12 +22,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dflash_pipe.config.drafter import SLIDING_ATTENTION, DrafterConfig, read_rope
+from dflash_pipe.config.rope import rope_parameters
 from dflash_pipe.run.files import DRAFTER_CONFIG, DRAFTER_WEIGHTS
 from dflash_pipe.run.manifest import MANIFEST, check_manifest, chmod_from_umask, write_manifest
 
-from .config import SLIDING_ATTENTION, DrafterConfig, read_rope
 from .model import DFlashDrafter
-from .rope import rope_parameters
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -215,7 +215,7 @@ def config_from_export(config: dict) -> DrafterConfig:
     num_target = int(dflash.get("num_target_layers", config.get("num_target_layers", 0)))
     layer_ids = dflash.get("target_layer_ids")
     if layer_ids is None:
-        from .config import default_target_layer_ids
+        from dflash_pipe.config.drafter import default_target_layer_ids
 
         layer_ids = default_target_layer_ids(num_target, int(config["num_hidden_layers"]))
     if "mask_token_id" not in dflash:

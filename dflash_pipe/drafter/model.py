@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_pipe.compute.compile import FLEX_MIN_HEAD_DIM, flex_kernel_options
+from dflash_pipe.config.drafter import DrafterConfig
+from dflash_pipe.config.rope import rope_inv_freq
 
 from .checkpointing import CheckpointPolicy
-from .config import DrafterConfig
 from .loss import DEFAULT_CE_CHUNK, DrafterOutput, build_block_targets, drafter_loss
 from .masks import (
     FLEX_BLOCK,
@@ -30,7 +31,6 @@ from .masks import (
     sample_anchors,
     training_eligible,
 )
-from .rope import rope_inv_freq
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [B,Hq,Q,D], k, v [B,Hkv,K,D]) -> [B,Hq,Q,D]
 

@@ -26,9 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_pipe.config.drafter import SLIDING_ATTENTION, DrafterConfig
 from dflash_pipe.run.dir import RunDir
-
-from .config import SLIDING_ATTENTION, DrafterConfig
 
 ENGINES = ("vllm", "sglang", "reference")
 REFERENCE_DEVICE = "cuda:0"

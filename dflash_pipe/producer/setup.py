@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_pipe.compute.precision import compute_dtype
-from dflash_pipe.data import DataFuture, LoadedData, Sample
-from dflash_pipe.drafter import DrafterConfig
-from dflash_pipe.drafter.config import (
+from dflash_pipe.config.drafter import (
     EngineConflictError,
     default_target_layer_ids,
     uncapturable_layers_error,
 )
-from dflash_pipe.drafter.mask_token import (
+from dflash_pipe.config.mask_token import (
     MASK_TOKEN_KEY,
     MaskTokenError,
     given_mask_token,
     resolve_mask_token,
 )
+from dflash_pipe.data import DataFuture, LoadedData, Sample
+from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.run.config import DrafterOptions, RunConfig
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.files import RunDirError

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dflash_pipe.config.presets import PRESETS, presets_help
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.data import DataConfig
 from dflash_pipe.data.config import RegenConfig
-from dflash_pipe.drafter.presets import PRESETS, presets_help
 from dflash_pipe.fields import build, check_choice, flag
 from dflash_pipe.run.files import COMPILE_CACHE_DIR
 from dflash_pipe.run.layout import LayoutConfig
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.wire.addresses import DEFAULT_ADDRESS, require_keys_for
 
 
@@ -87,7 +87,7 @@ class DrafterOptions:
         check_choice(self, "attention_backend", "drafter.attention_backend")
         if self.max_anchors < 1:
             raise ValueError(f"drafter.max_anchors must be >= 1, got {self.max_anchors}.")
-        from dflash_pipe.drafter.config import check_layer_types
+        from dflash_pipe.config.drafter import check_layer_types
 
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from dflash_pipe.compute.compile import INDUCTOR_OPTIONS, compiler_errors
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.drafter import CheckpointPolicy, DFlashDrafter, DrafterConfig
 from dflash_pipe.drafter.compile_guard import needs_compile
 from dflash_pipe.drafter.model import DFlashLayer, Kernels, run_layer
-from dflash_pipe.train.config import TrainConfig
 
 CompilePlan = Literal["off", "attention", "full"]
 """``TrainConfig.compile_plan``: nothing, the flex attention (and SDPA layers), or layers and CE too."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.config.train import TrainConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:

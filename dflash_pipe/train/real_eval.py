@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dflash_pipe.compute.precision import compute_dtype
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.drafter.generate_eval import (
     Reference,
     end_of_turn_ids,
@@ -27,7 +28,6 @@ from dflash_pipe.drafter.generate_eval import (
     prompts_from_samples,
 )
 from dflash_pipe.train.batches import DeviceBatch
-from dflash_pipe.train.config import TrainConfig
 
 
 class RealEval:

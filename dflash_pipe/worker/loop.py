@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash_pipe.compute.precision import autocast
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.diskspace import free_bytes
 from dflash_pipe.drafter.acceptance import acceptance  # the function (the package's name is the module)
 from dflash_pipe.drafter.evaluate import simulated_metrics
@@ -25,7 +26,6 @@ from dflash_pipe.run.checkpoint import checkpoint_bytes, save_checkpoint
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.batches import DeviceBatch, unpack
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GroupBrokenError, StepVote
 from dflash_pipe.train.handover import hand_over
 from dflash_pipe.train.optim import lr_at, schedule_progress, set_lr

@@ -18,6 +18,7 @@ import torch
 
 from dflash_pipe.compute.compile import apply_dynamo_settings
 from dflash_pipe.compute.precision import compute_dtype
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.diskspace import DiskFullError
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig, load_frozen_target_parts
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
@@ -28,7 +29,6 @@ from dflash_pipe.run.signals import Signals, StopNow
 from dflash_pipe.train.batches import unpack
 from dflash_pipe.train.build import build_drafter
 from dflash_pipe.train.compile_check import warm_up_checked
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, GpuTakenError, GroupBrokenError, RendezvousLostError
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.train.real_eval import RealEval

@@ -11,8 +11,8 @@ from typing import Protocol
 import torch
 
 from dflash_pipe.compute.precision import autocast
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.train.batches import DeviceBatch, unpack
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.wire import messages as m
 
 

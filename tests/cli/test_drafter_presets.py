@@ -9,7 +9,7 @@ import yaml
 from click.testing import CliRunner
 
 from dflash_pipe.cli import main
-from dflash_pipe.drafter.presets import PRESETS
+from dflash_pipe.config.presets import PRESETS
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

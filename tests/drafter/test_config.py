@@ -5,9 +5,9 @@ import json
 import pytest
 from transformers import LlamaConfig, Qwen3Config
 
+from dflash_pipe.config.drafter import default_target_layer_ids, gamma_for_block_size
+from dflash_pipe.config.mask_token import resolve_mask_token_id
 from dflash_pipe.drafter import DrafterConfig
-from dflash_pipe.drafter.config import default_target_layer_ids, gamma_for_block_size
-from dflash_pipe.drafter.mask_token import resolve_mask_token_id
 
 
 def qwen3_8b_like() -> Qwen3Config:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_pipe.config.drafter import EngineConflictError, default_target_layer_ids
+from dflash_pipe.config.mask_token import ENGINE_MASK_TOKEN, resolve_mask_token_id
 from dflash_pipe.drafter import DrafterConfig
-from dflash_pipe.drafter.config import EngineConflictError, default_target_layer_ids
-from dflash_pipe.drafter.mask_token import ENGINE_MASK_TOKEN, resolve_mask_token_id
 from tests.tiny_models import tiny_qwen3_config
 
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.drafter import DrafterConfig
-from dflash_pipe.drafter.mask_token import (
+from dflash_pipe.config.mask_token import (
     MASK_TOKEN_KEY,
     MaskTokenError,
     mask_line,
     resolve_mask_token,
     unused_special_tokens,
 )
+from dflash_pipe.drafter import DrafterConfig
 from tests.target.gguf_files import SPECIALS, write_tiny_gguf
 
 pytest.importorskip("gguf")

@@ -15,9 +15,9 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from dflash_pipe.config.rope import rope_inv_freq
 from dflash_pipe.drafter import DrafterConfig
 from dflash_pipe.drafter.model import rope_cos_sin
-from dflash_pipe.drafter.rope import rope_inv_freq
 
 from .conftest import tiny_config
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.data import DataConfig, Sample
 from dflash_pipe.producer.core import ProducerCore
 from dflash_pipe.producer.display import summary
@@ -22,7 +23,6 @@ from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.run.config import RunConfig, WireConfig
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.wire import messages as m
 
 LENGTHS = [5, 6, 7, 8]

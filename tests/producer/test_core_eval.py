@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.data import DataConfig, demo_tokenizer
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.data.regenerated import Regenerated, RegenStore, SourceConversations, provenance
@@ -22,7 +23,6 @@ from dflash_pipe.producer.target_threads import EvalDone, EvalJob
 from dflash_pipe.run.config import RunConfig, WireConfig
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.wire import messages as m
 from tests.producer.test_core import Metrics, Outbox, _hello
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_pipe.config.mask_token import MASK_TOKEN_KEY
 from dflash_pipe.data import DataConfig
-from dflash_pipe.drafter.mask_token import MASK_TOKEN_KEY
 from dflash_pipe.producer.setup import GGUF_KEY, OptionsError, SetupError, prepare_run
 from dflash_pipe.run.config import DrafterOptions, RunConfig
 from dflash_pipe.run.layout import LayoutConfig

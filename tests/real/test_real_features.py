@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_pipe.drafter.config import default_target_layer_ids
+from dflash_pipe.config.drafter import default_target_layer_ids
 from dflash_pipe.target import TargetCore
 
 pytestmark = [

@@ -3,11 +3,11 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.commands.launch_config import build_run_config
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.data import DataConfig
 from dflash_pipe.run.config import DrafterOptions, RunConfig, WireConfig
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.layout import LayoutConfig
-from dflash_pipe.train.config import TrainConfig
 
 
 def test_round_trip_through_json(tmp_path: Path):

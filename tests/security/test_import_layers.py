@@ -1,16 +1,16 @@
 """The package is one house in layers: a module imports only its own layer and the layers below it.
 
 Bottom to top: the protocol (``wire``), what every part reads (telemetry, the data inputs, the field
-metadata the configs declare their flags with), the run formats
-(run config, layout, checkpoint, ledger, producer record, the part configs), compute (the shared compile
+metadata the configs declare their flags with), the parts' config sections (``config``: drafter shape,
+presets, MASK token, RoPE check, training hyper-parameters), the run formats (the run config joining those
+sections, layout, checkpoint, ledger, producer record), compute (the shared compile
 and precision policy, then the target, the drafter, the training step), the processes (producer, worker,
 the worker pool, launcher) and the command line on top. Every import counts, the ones inside functions and under
 ``TYPE_CHECKING`` too: a lazy import of a higher layer is still a dependency on it. The AST of every module
 is read, nothing is imported, so a violation is named by file, line and import.
 
-No import cycles either, between modules or between packages (a package is a first dotted component, or a
-prefix ``LAYERS`` names: see ``package_of``): a cycle is a pair of files a reader cannot read one before
-the other, and it hides from the layers when both ends sit in one layer. Tarjan's algorithm finds each
+No import cycles either, between modules or between packages (a package is a first dotted component, see
+``package_of``): a cycle is a pair of files a reader cannot read one before the other, and it hides from the layers when both ends sit in one layer. Tarjan's algorithm finds each
 strongly connected component; the failure lists its members and one shortest loop in it, with the file and
 line of every import on the way. ``TYPE_CHECKING`` imports count here too: a type a module names is one the
 reader must look up, and the fix is the same (a small Protocol, or the type moved down to where both ends
@@ -18,7 +18,7 @@ can import it). A name a package exports lazily (``lazy_exports``) counts as an 
 that defines it, since that is what loads. Between modules, the implicit import of a module's parent
 ``__init__`` (Python runs it first) is an edge too: an ``__init__`` that imported its submodules eagerly
 would be a cycle with each of them, so every package exports lazily. Between packages it is not (the
-``__init__`` belongs to its package, and a prefix node such as ``drafter.config`` is no package of its own).
+``__init__`` belongs to its package).
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ NAME = "dflash_pipe"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("protocol", ("", "wire")),
     ("support", ("telemetry", "data", "fields", "diskspace", "cpus")),
-    (
-        "formats",
-        ("run", "drafter.config", "drafter.mask_token", "drafter.rope", "drafter.presets", "train.config"),
-    ),
+    ("config sections", ("config",)),
+    ("formats", ("run",)),
     ("compute policy", ("compute",)),
     ("target", ("target",)),
     ("drafter", ("drafter",)),
@@ -49,8 +47,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("command line", ("cli", "commands", "reference", "report", "bench", "__main__")),
 )
 """Bottom first. A module's layer is the one holding the longest prefix of its dotted name (below
-``dflash_pipe``): the part configs are run formats although their packages are compute (``drafter.rope``
-with them: a drafter config is valid when its RoPE parameters build); "" is the root package itself
+``dflash_pipe``); every layer is whole packages (no submodule of a higher package sits in a lower layer:
+the sections ``run.config`` joins live in ``config``, below it); "" is the root package itself
 (the version and the lazy-export helper every package's ``__init__`` uses: below everything)."""
 
 PEERS = (("producer",), ("train", "worker"))
@@ -283,17 +281,13 @@ def module_graph(*, parents: bool = True) -> Graph:
 
 
 def package_of(module: str) -> str:
-    """The package node of a module: its first dotted component (``target`` for ``target.decode.stack``;
-    a module at the top such as ``launcher`` is its own node), or the longer prefix ``LAYERS`` names when
-    there is one (``drafter.config`` is a run format apart from the drafter's compute, so it is a node of
-    its own). A subpackage is no node of its own: ``target.decode`` sits between target's base modules
-    (layers, packing) and ``target.generate``, a layering inside one package that the module graph checks;
-    as a node it would count as a cycle with ``target`` and ask to split the package for no reader's sake."""
-    full = f"{NAME}.{module}" if module != NAME else NAME
-    candidates = [module.split(".")[0]] + [
-        prefix for _, prefixes in LAYERS for prefix in prefixes if prefix and _under(full, (prefix,))
-    ]
-    return max(candidates, key=len)
+    """The package node of a module: its first dotted component (``target`` for ``target.decode.stack``; a
+    module at the top such as ``launcher`` is its own node). Every layer is whole packages, so no prefix
+    is a node of its own. A subpackage is no node either: ``target.decode`` sits between target's base
+    modules (layers, packing) and ``target.generate``, a layering inside one package that the module graph
+    checks; as a node it would count as a cycle with ``target`` and ask to split the package for no reader's
+    sake."""
+    return module.split(".")[0]
 
 
 def package_graph(modules: Graph) -> Graph:
@@ -356,17 +350,22 @@ def test_the_cycle_finder_sees_no_cycle_in_a_tree() -> None:
     assert strongly_connected(tree) == []
 
 
-def test_packages_group_modules_by_their_first_component_and_the_layer_prefixes() -> None:
+def test_packages_group_modules_by_their_first_component() -> None:
     assert package_of("target.decode.stack") == "target"
-    assert package_of("drafter.config") == "drafter.config"
+    assert package_of("config.drafter") == "config"
     assert package_of("drafter.model") == "drafter"
     assert package_of("launcher") == "launcher"
-    graph = package_graph({"run.config": {"drafter.presets": "x:1"}, "drafter.model": {"run.files": "y:2"}})
+    graph = package_graph({"run.config": {"config.presets": "x:1"}, "drafter.model": {"run.files": "y:2"}})
     assert graph == {
-        "run": {"drafter.presets": "x:1 (run.config -> drafter.presets)"},
+        "run": {"config": "x:1 (run.config -> config.presets)"},
         "drafter": {"run": "y:2 (drafter.model -> run.files)"},
     }
     assert strongly_connected(graph) == []
+
+
+def test_every_layer_is_whole_packages() -> None:
+    """No submodule of a higher package sits in a lower layer (the config sections moved to ``config``)."""
+    assert all("." not in prefix for _, prefixes in LAYERS for prefix in prefixes)
 
 
 def test_a_module_depends_on_its_package_init_which_imports_nothing_eagerly() -> None:
@@ -381,4 +380,4 @@ def test_a_lazily_exported_name_is_an_import_of_its_submodule(tmp_path: Path) ->
     path = tmp_path / "probe.py"
     path.write_text("from dflash_pipe.drafter import DrafterConfig\nfrom dflash_pipe.wire import Batch\n")
     got = _imports("dflash_pipe.wire.probe", path, set(_modules()))
-    assert [name for _, name in got] == ["dflash_pipe.drafter.config", "dflash_pipe.wire.messages"]
+    assert [name for _, name in got] == ["dflash_pipe.config.drafter", "dflash_pipe.wire.messages"]

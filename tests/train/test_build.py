@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.drafter import CheckpointPolicy, DFlashDrafter
 from dflash_pipe.drafter.model import DFlashLayer, Kernels, run_layer
 from dflash_pipe.train import build
 from dflash_pipe.train.compile_check import warm_up_checked
-from dflash_pipe.train.config import TrainConfig
 from tests.drafter.conftest import loss_and_grads, tiny_config
 
 CPU = torch.device("cpu")

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.drafter.model import run_layer
 from dflash_pipe.train import build
 from dflash_pipe.train.compile_check import check_compiled, warm_up_checked
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.warmup import warm_up
 from tests.drafter.conftest import tiny_config, tiny_drafter
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup, StepVote
 
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.train.optim import lr_at, schedule_progress
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.data import demo_tokenizer
 from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.train.batches import DeviceBatch
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.real_eval import RealEval
 from tests.drafter.conftest import tiny_config
 from tests.tiny_models import tiny_qwen3_config

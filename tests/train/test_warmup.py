@@ -14,11 +14,11 @@ from filelock import FileLock
 from dflash_pipe.bench.compile import together_summary
 from dflash_pipe.compute.compile import backward_with_settings
 from dflash_pipe.compute.precision import autocast
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.drafter.masks import sample_anchors, training_eligible
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.train.build import apply_compile
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.warmup import fewer_anchors, synthetic_batch, warm_up, warmup_batches, warmup_lengths
 from tests.drafter.conftest import tiny_config, tiny_drafter
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.train.real_eval import RealEval
 from dflash_pipe.wire import messages as m
 from dflash_pipe.worker.loop import _collect, evaluate

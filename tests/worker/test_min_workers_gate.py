@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.run.ledger import Ledger
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import StepVote
 from dflash_pipe.wire import messages as m
 from dflash_pipe.worker.loop import WorkerSession, run_training

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_pipe.train.config import TrainConfig
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.wire import messages as m
 from dflash_pipe.worker.step import forward_backward
 from tests.drafter.conftest import tiny_config, tiny_drafter

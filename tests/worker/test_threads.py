@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.drafter.checkpointing import CheckpointPolicy
 from dflash_pipe.drafter.compile_guard import GUARD
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.train.build import apply_checkpointing, apply_compile
-from dflash_pipe.train.config import TrainConfig
 from dflash_pipe.train.distributed import DrafterGroup
 from dflash_pipe.train.optim import build_optimizer
 from dflash_pipe.wire import messages as m

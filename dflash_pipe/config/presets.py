@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .config import FULL_ATTENTION, SLIDING_ATTENTION
+from .drafter import FULL_ATTENTION, SLIDING_ATTENTION
 
 
 @dataclass(frozen=True, slots=True)
