@@ -5,6 +5,9 @@ the real acceptance of several drafters measured against one loaded target.
 in its own call on a lent GPU. The evaluation loads the target once, decodes every prompt greedily once (the
 lossless reference and the baseline speed) and then decodes the same prompts speculatively with each
 drafter: every drafter is checked lossless and timed against the same greedy runs.
+
+Past 400 lines since the same-batch check (``same_batch_check``) learnt to load a trained export: the
+bench's phases share the target folder and data helpers here; the check is the part to move out next.
 """
 
 from __future__ import annotations
