@@ -36,9 +36,8 @@ def prepare(
     from dflash_pipe.producer import target_threads
     from dflash_pipe.producer.setup import start_run
 
-    with start_run(
-        cfg, resume=resume, checked=checked, progress=live
-    ) as pending:  # stops the tokenization on any error
+    # leaving the block stops the tokenization on any error
+    with start_run(cfg, resume=resume, checked=checked, progress=live) as pending:
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
         replicas = loader.submit(target_threads.load_replicas, pending)
         loader.shutdown(wait=False)  # the thread ends when the target is loaded
