@@ -289,8 +289,8 @@ def same_batch_check(
     fused CE, bf16 autocast over fp32 weights) against an eager fp32 copy of the same weights (SDPA with the
     dense mask, the plain CE) on one batch of real rows: the target's own features of ``rows`` samples of
     ``data``, the same anchors in both. ``drafter`` (an export) gives both its trained weights instead of a
-    fresh initialisation, so the per-slot accuracies compared are those of a drafter that learnt. Returns the losses, the relative loss and whole-gradient differences,
-    and the per-slot accuracies of both."""
+    fresh initialisation, so the per-slot accuracies compared are those of a drafter that learnt. Returns
+    the losses, the relative loss and whole-gradient differences, and the per-slot accuracies of both."""
     import math
 
     import torch
@@ -302,6 +302,7 @@ def same_batch_check(
     from dflash_pipe.config.train import TrainConfig
     from dflash_pipe.data.config import DataConfig
     from dflash_pipe.data.loader import load_samples
+    from dflash_pipe.drafter.export import load_exported, read_export_config, verify_export
     from dflash_pipe.drafter.model import DFlashDrafter
     from dflash_pipe.drafter.target_parts import load_frozen_target_parts
     from dflash_pipe.train.build import build_drafter
@@ -312,8 +313,6 @@ def same_batch_check(
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).to(dev).eval()
     samples = list(load_samples(DataConfig(path=data, max_length=max_length), tokenizer).samples)[:rows]
     if drafter is not None:
-        from dflash_pipe.drafter.export import read_export_config, verify_export
-
         verify_export(drafter)
         cfg = read_export_config(drafter)
     else:
@@ -333,16 +332,13 @@ def same_batch_check(
     embed, head = load_frozen_target_parts(folder, dtype=torch.bfloat16, device=dev)
     compiled, _ = build_drafter(cfg, TrainConfig(), embed, head, dev)
     embed32, head32 = load_frozen_target_parts(folder, dtype=torch.float32, device=dev)
-    eager = DFlashDrafter(cfg, embed32, head32).to(dev).train()
-    if drafter is not None:
-        from safetensors.torch import load_file
-
-        from dflash_pipe.drafter.export import WEIGHTS_NAME, validate_state
-
-        state = load_file(str(drafter / WEIGHTS_NAME))
-        validate_state(state, cfg, drafter / WEIGHTS_NAME)
-        compiled.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    eager.load_state_dict(compiled.state_dict())  # the same fp32 weights, the fp32 target head
+    if drafter is None:
+        eager = DFlashDrafter(cfg, embed32, head32)
+        eager.load_state_dict(compiled.state_dict())  # the same fp32 weights, the fp32 target head
+    else:  # the export's weights (checked above) in both
+        eager = load_exported(drafter, embed_tokens=embed32, lm_head=head32, verify=False).float()
+        compiled.load_state_dict(eager.state_dict())
+    eager = eager.to(dev).train()
 
     def step(drafter, amp: bool):
         drafter.zero_grad(set_to_none=True)
