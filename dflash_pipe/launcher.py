@@ -165,7 +165,7 @@ def _launch(
         summary = producer.serve(watch=pool)
         left = stop.signals.drain_left_s(DRAIN_MARGIN_S)  # a worker that never joined heard no DONE
         pool.wait(timeout_s=60 if left is None else min(10.0, left))
-        if producer.core.scheduler.finished() and summary.steps > 0:  # 0 steps is never complete
+        if producer.core.leases.scheduler.finished() and summary.steps > 0:  # 0 steps is never complete
             record_complete(cfg.run_dir, checkpoint=summary.last_checkpoint, epochs=cfg.train.epochs)
         return summary
     finally:

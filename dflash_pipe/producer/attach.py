@@ -146,7 +146,7 @@ def run_attached(
     replicas = loader.submit(load_replicas, ctx)  # while the link keeps beating (ProducerProc.start_targets)
     loader.shutdown(wait=False)
     producer = ProducerProc(ctx, console=console, live=live, upstream=upstream, replicas=replicas)
-    upstream.serves = producer.address  # said to the coordinator once the target serves (Upstream.pump)
+    upstream.serve_at(producer.address)
     pool = WorkerPool(cfg, producer.address, prefix=f"{name}-", logs=RunDir(cfg.run_dir).attached(name).logs)
     console.print(
         f"[bold]dflash-pipe[/] producer {name} attached to run {welcome.run_id} at {address}: target on "

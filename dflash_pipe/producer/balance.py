@@ -23,16 +23,16 @@ def balance_hint(core: ProducerCore) -> tuple[str, Split] | None:
     """(the dashboard's line, the balanced split), or None while both sides are busy, before the first
     ACK, on CPU or shared GPUs, or with producers attached (their workers are not counted here)."""
     layout = core.cfg.layout
-    if layout.device != "cuda" or layout.shared_gpus() or core.first_ack is None:
+    if layout.device != "cuda" or layout.shared_gpus() or core.account.first_ack is None:
         return None
-    if any(p.role == "producer" and not p.left for p in core.peers.values()):
+    if any(p.role == "producer" for p in core.peers.live()):
         return None
-    drafters = sum(p.role == "worker" and p.state == "training" and not p.left for p in core.peers.values())
+    drafters = sum(p.role == "worker" and p.state == "training" for p in core.peers.live())
     targets = len(layout.target_gpus)
-    trained, produced = core.train_rate.rate(), core.target_rate.rate()
+    trained, produced = core.account.train_rate.rate(), core.account.target_rate.rate()
     if drafters == 0 or trained <= 0 or produced <= 0:
         return None
-    starved, idle = core.waits.mean("workers_starved"), core.waits.mean("target_idle")
+    starved, idle = core.account.waits.mean("workers_starved"), core.account.waits.mean("target_idle")
     if starved > IDLE_HINT:
         supply, demand = produced / targets, trained / (drafters * (1 - starved))
         why = f"the drafters waited for batches {starved:.0%} of the time"

@@ -11,40 +11,43 @@ cross nodes. Its workers' ACKs come back through it and end the plan's lease her
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from dflash_pipe.producer.handshake import refusal, welcome
-from dflash_pipe.producer.state import Peer
-from dflash_pipe.producer.target_threads import pack
+from dflash_pipe.producer.peers import Peer
 from dflash_pipe.wire import messages as m
 
 if TYPE_CHECKING:
-    from dflash_pipe.producer.state import CoreState
+    from dflash_pipe.producer.parts import CoreParts
 
 
-def admit_producer(core: CoreState, peer_id: bytes, msg: m.Hello) -> Peer | None:
+def admit_producer(core: CoreParts, peer_id: bytes, msg: m.Hello) -> Peer | None:
     """WELCOME with the run's config and the held-out set's PLANs, or REJECT naming why."""
     if (why := refusal(core, msg)) is not None:
         core.out.reject(peer_id, why)
         return None
-    peer = Peer(
-        identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid, role="producer"
+    peer = core.peers.add(
+        Peer(
+            identity=peer_id,
+            name=msg.worker_name,
+            device=msg.device,
+            host=msg.host,
+            pid=msg.pid,
+            role="producer",
+            host_id=msg.host_id,
+            same_host=bool(core.host_id) and msg.host_id == core.host_id,
+        )
     )
-    peer.host_id = msg.host_id
-    peer.same_host = bool(core.host_id) and msg.host_id == core.host_id
-    peer.state = "starting"
-    core.peers[peer_id] = peer
-    hello = msgspec.structs.replace(welcome(core, peer, len(core.eval_batches)), config=core.cfg.to_dict())
+    eval_batches = core.leases.eval_batches
+    hello = msgspec.structs.replace(welcome(core, peer, len(eval_batches)), config=core.cfg.to_dict())
     core.out.send(peer_id, hello)
-    for batch in core.eval_batches:
+    for batch in eval_batches:
         if peer.left:
             break
         send_plan(core, peer, eval_plan(batch))
-    core.note(f"producer {peer.name} ({peer.device} on {peer.host}) attached at step {core.step}")
+    core.note(f"producer {peer.name} ({peer.device} on {peer.host}) attached at step {core.account.step}")
     return peer
 
 
@@ -60,42 +63,34 @@ def eval_plan(batch: m.Batch) -> m.Plan:
     )
 
 
-def lease_plans(core: CoreState) -> None:
-    """A plan to every attaching producer holding a credit, while there are plans. The coordinator's own
-    replicas are served first (``ProducerCore.refill`` runs before this), so a producer that attaches takes
-    only what would otherwise wait."""
-    for peer in core.peers.values():
-        if peer.role != "producer" or peer.left:
+def lease_plans(core: CoreParts) -> None:
+    """A plan to every attaching producer holding a credit, while there are plans (``Leasing.lease_plan``:
+    the coordinator's own replicas are served first)."""
+    for peer in core.peers.live():
+        if peer.role != "producer":
             continue
         while peer.credits > 0:
-            plan = core.scheduler.next_plan()
+            plan = core.leases.lease_plan(peer.identity)
             if plan is None:
                 return
-            ids, mask, lengths = pack([core.ctx.train_samples[i] for i in plan.sample_ids])
-            core.scheduler.lease_plan(peer.identity, plan, tokens=int(ids.numel()), now=time.monotonic())
-            send_plan(
-                core,
-                peer,
-                m.Plan(
-                    batch_id=plan.batch_id,
-                    epoch=plan.epoch,
-                    sample_ids=plan.sample_ids,
-                    lengths=lengths,
-                    tensors={"input_ids": ids, "loss_mask": mask.to(torch.uint8)},
-                ),
-            )
-            peer.credits -= 1
+            core.out.send(peer.identity, plan)
+            core.peers.spend_credit(peer, plan_bytes(plan))
 
 
-def send_plan(core: CoreState, peer: Peer, plan: m.Plan) -> None:
+def send_plan(core: CoreParts, peer: Peer, plan: m.Plan) -> None:
+    """A PLAN outside the producer's credits (the held-out set's)."""
     core.out.send(peer.identity, plan)
-    peer.link_bytes += sum(t.numel() * t.element_size() for t in plan.tensors.values())
+    core.peers.sent(peer, plan_bytes(plan))
 
 
-def count_features(peer: Peer, batch: m.Batch) -> None:
-    """Feature bytes a BATCH carries to ``peer`` (by reference in a ring or as frames): the per-link figure
-    the dashboard and ``metrics.jsonl`` show, local or remote."""
-    peer.link_bytes += sum(
+def plan_bytes(plan: m.Plan) -> int:
+    return sum(t.numel() * t.element_size() for t in plan.tensors.values())
+
+
+def feature_bytes(batch: m.Batch) -> int:
+    """Feature bytes a BATCH carries (by reference in a ring or as frames): the per-link figure the
+    dashboard and ``metrics.jsonl`` show, local or remote."""
+    return sum(
         t.numel() * t.element_size() for name, t in batch.tensors.items() if name.startswith("feature")
     )
 
@@ -103,7 +98,7 @@ def count_features(peer: Peer, batch: m.Batch) -> None:
 LINK_KEYS = ("wire/feature_bytes_local", "wire/feature_bytes_remote")
 
 
-def own_link_bytes(core: CoreState) -> dict[str, float]:
+def own_link_bytes(core: CoreParts) -> dict[str, float]:
     """Bytes this producer sent itself, by link: features to workers of its node and of other nodes, and
     the plans' tokens to attaching producers; with its produced tokens/s (what an attaching producer
     reports up, ``report_links``)."""
@@ -113,27 +108,28 @@ def own_link_bytes(core: CoreState) -> dict[str, float]:
             totals["wire/plan_bytes"] += peer.link_bytes
         else:
             totals[f"wire/feature_bytes_{'local' if peer.same_host else 'remote'}"] += peer.link_bytes
-    totals["tokens_per_s/producer"] = core.target_rate.rate()
-    totals["batches_via_shm"] = float(core.sent_by_ref["shm"])
-    totals["batches_via_cuda_ipc"] = float(core.sent_by_ref["cuda_ipc"])
+    account = core.account
+    totals["tokens_per_s/producer"] = account.target_rate.rate()
+    totals["batches_via_shm"] = float(account.sent_by_ref["shm"])
+    totals["batches_via_cuda_ipc"] = float(account.sent_by_ref["cuda_ipc"])
     return totals
 
 
-def take_link_report(core: CoreState, peer: Peer, msg: m.Metrics) -> bool:
+def take_link_report(core: CoreParts, peer: Peer, msg: m.Metrics) -> bool:
     """An attaching producer's own figures (not its rank 0's training metrics): kept for ``link_bytes``
     and logged under its name. False for any other METRICS."""
     if peer.role != "producer" or not set(LINK_KEYS) <= set(msg.values) or "loss" in msg.values:
         return False
-    peer.report = {k: float(v) for k, v in msg.values.items() if isinstance(v, (int, float))}
-    core.metrics.log({f"producer/{peer.name}/{k}": v for k, v in peer.report.items()}, core.step)
+    core.peers.reported(peer, {k: float(v) for k, v in msg.values.items() if isinstance(v, (int, float))})
+    core.account.log({f"producer/{peer.name}/{k}": v for k, v in peer.report.items()})
     return True
 
 
-def link_bytes(core: CoreState) -> dict[str, float]:
+def link_bytes(core: CoreParts) -> dict[str, float]:
     """The run's bytes by link as this producer knows them: its own and the latest each attaching producer
     reported (a coordinator's totals are the whole run's), and the supply of the attached producers."""
     totals = {k: v for k, v in own_link_bytes(core).items() if k.startswith("wire/")}
-    attached = [p for p in core.peers.values() if p.role == "producer" and not p.left]
+    attached = [p for p in core.peers.live() if p.role == "producer"]
     for peer in core.peers.values():
         for key in LINK_KEYS:
             totals[key] += peer.report.get(key, 0.0)

@@ -14,7 +14,9 @@ from dflash_pipe.producer.min_workers import heard_waiting
 from dflash_pipe.telemetry import RunState
 
 if TYPE_CHECKING:
-    from dflash_pipe.producer.state import CoreState, Peer
+    from dflash_pipe.producer.accounting import Accounting
+    from dflash_pipe.producer.parts import CoreParts
+    from dflash_pipe.producer.peers import Peer
     from dflash_pipe.wire import messages as m
 
 MIN_RATE_SPAN_S = 1.0
@@ -59,35 +61,35 @@ class ProducerSummary:
         return self.steps - self.start_step
 
 
-def summary(core: CoreState, *, stop_reason: str, wall_s: float, busy: dict[str, float]) -> ProducerSummary:
+def summary(core: CoreParts, *, stop_reason: str, wall_s: float, busy: dict[str, float]) -> ProducerSummary:
     """``busy``: the target threads' busy and generating seconds (``wait_report``)."""
+    account, leases = core.account, core.leases
     return ProducerSummary(
-        steps=core.step,
+        steps=account.step,
         stop_reason=stop_reason,
         wall_s=wall_s,
-        last_checkpoint=core.last_checkpoint,
+        last_checkpoint=account.last_checkpoint,
         first_step_s={
             **{p.name: p.first_step_s for p in core.peers.values() if p.first_step_s is not None},
-            **core.attached_first_steps,
+            **account.attached_first_steps,
         },
-        acked_tokens=core.scheduler.stats.acked_tokens,
-        duplicates_redelivered=core.scheduler.stats.redelivered,
-        steady_tokens_per_s=_steady_rate(core),
-        **_ack_window(core),
-        waits=wait_report(core, busy),
-        regen=core.regen.summary() if core.regen is not None else {},
+        acked_tokens=leases.scheduler.stats.acked_tokens,
+        duplicates_redelivered=leases.scheduler.stats.redelivered,
+        steady_tokens_per_s=_steady_rate(account, leases.scheduler.stats.acked_tokens),
+        **_ack_window(account),
+        waits=wait_report(account, busy),
+        regen=leases.regen.summary() if leases.regen is not None else {},
         start_step=core.ctx.resume_step,
         data=data_report(core),
     )
 
 
-def data_report(core: CoreState) -> dict[str, Any]:
+def data_report(core: CoreParts) -> dict[str, Any]:
     """What the data gave and what was left out: training samples, held-out samples, bad lines skipped by
     reason, samples dropped by reason (with regeneration: the conversations left out before it and those that
     came out with nothing to train, so far), samples cut to ``max_length``, and the note when nothing could be held out."""
-    ctx, data = core.ctx, core.ctx.data
-    if core.regen is not None:
-        regen = core.regen
+    ctx, data, regen = core.ctx, core.ctx.data, core.leases.regen
+    if regen is not None:
         samples = regen.samples_ready
         held_out, dropped = (
             len(regen.eval_indexes),
@@ -143,11 +145,11 @@ def reason_key(reason: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", reason.lower()).strip("_") or "other"
 
 
-def _ack_window(core: CoreState) -> dict[str, float]:
-    if core.window_start is None or core.last_ack is None:
+def _ack_window(account: Accounting) -> dict[str, float]:
+    if account.window_start is None or account.last_ack is None:
         return {}
-    _, t0, acked0, produced0 = core.window_start
-    t1, acked1, produced1 = core.last_ack
+    _, t0, acked0, produced0 = account.window_start
+    t1, acked1, produced1 = account.last_ack
     return {
         "ack_window_s": t1 - t0,
         "ack_window_tokens": acked1 - acked0,
@@ -155,42 +157,44 @@ def _ack_window(core: CoreState) -> dict[str, float]:
     }
 
 
-def _steady_rate(core: CoreState) -> float:
-    if core.first_ack is None:
+def _steady_rate(account: Accounting, acked_tokens: int) -> float:
+    if account.first_ack is None:
         return 0.0
-    t0, tokens0 = core.first_ack
+    t0, tokens0 = account.first_ack
     elapsed = time.monotonic() - t0
-    return (core.scheduler.stats.acked_tokens - tokens0) / elapsed if elapsed > 0 else 0.0
+    return (acked_tokens - tokens0) / elapsed if elapsed > 0 else 0.0
 
 
-def wait_report(core: CoreState, busy: dict[str, float]) -> dict[str, float]:
+def wait_report(account: Accounting, busy: dict[str, float]) -> dict[str, float]:
     """Shares of the observed time: target replicas idle (the ready queue at its bound, waiting for
     credits), workers holding unused credits (waiting for batches), and the mean ready-queue depth; the
     replicas' busy seconds, and of those the seconds spent regenerating conversations (``busy``)."""
+    waits = account.waits
     return {
-        "observed_s": core.waits.elapsed_s,
-        "target_idle_share": core.waits.mean("target_idle"),
-        "workers_starved_share": core.waits.mean("workers_starved"),
-        "queue_depth_mean": core.waits.mean("queue_depth"),
+        "observed_s": waits.elapsed_s,
+        "target_idle_share": waits.mean("target_idle"),
+        "workers_starved_share": waits.mean("workers_starved"),
+        "queue_depth_mean": waits.mean("queue_depth"),
         "target_busy_s": busy.get("target_busy_s", 0.0),
         "target_generate_s": busy.get("target_generate_s", 0.0),
     }
 
 
-def stage_rates(core: Any) -> dict[str, float]:
+def stage_rates(account: Any) -> dict[str, float]:
     """Each stage's tokens/s, once its meter spans ``MIN_RATE_SPAN_S`` (the first step's record has none:
     its two ACKs a millisecond apart once logged 1.57M tokens/s for the demo)."""
     meters = {
-        "tokens_per_s": core.train_rate,
-        "tokens_per_s/producer": core.target_rate,
-        "tokens_per_s/wire": core.wire_rate,
-        "tokens_per_s/drafters": core.train_rate,
+        "tokens_per_s": account.train_rate,
+        "tokens_per_s/producer": account.target_rate,
+        "tokens_per_s/wire": account.wire_rate,
+        "tokens_per_s/drafters": account.train_rate,
     }
     return {key: meter.rate() for key, meter in meters.items() if meter.span() >= MIN_RATE_SPAN_S}
 
 
-def log_worker_metrics(core: CoreState, peer: Peer, msg: m.Metrics) -> None:
+def log_worker_metrics(core: CoreParts, peer: Peer, msg: m.Metrics) -> None:
     """A worker's METRICS, checked, with the producer's own figures added to each training record."""
+    account, leases = core.account, core.leases
     values, bad = checked_metrics(msg.values)
     if bad:
         core.note(f"worker {peer.name} sent malformed metrics {bad}; ignored them")
@@ -202,46 +206,39 @@ def log_worker_metrics(core: CoreState, peer: Peer, msg: m.Metrics) -> None:
     if "group/min_workers" in values:
         heard_waiting(core, values)
     if "time_to_first_step_s" in values:
-        peer.first_step_s = float(values["time_to_first_step_s"])
+        core.peers.first_step(peer, float(values["time_to_first_step_s"]))
         values = {f"time_to_first_step_s/{peer.name}": peer.first_step_s}
     for key, value in values.items():  # an attaching producer's worker's, named by that producer
         if key.startswith("time_to_first_step_s/") and peer.role == "producer":
-            core.attached_first_steps[key.split("/", 1)[1]] = float(value)
-    state = core.state
+            account.attached_first_step(key.split("/", 1)[1], float(value))
     if "loss" in values:
-        core.loss_history.append(float(values["loss"]))
-        state.loss = float(values["loss"])
-        state.acc = list(values.get("acc", []))
-        state.lr = float(values.get("lr", 0.0))
-        values.update(stage_rates(core))
-        values["queue_depth"] = core.scheduler.ready_count()
-        values["leased"] = core.scheduler.leased_count()
-        values["batches_via_shm"] = core.sent_by_ref["shm"]
-        values["batches_via_cuda_ipc"] = core.sent_by_ref["cuda_ipc"]
+        account.trained(values)
+        values.update(stage_rates(account))
+        values["queue_depth"] = leases.scheduler.ready_count()
+        values["leased"] = leases.scheduler.leased_count()
+        values["batches_via_shm"] = account.sent_by_ref["shm"]
+        values["batches_via_cuda_ipc"] = account.sent_by_ref["cuda_ipc"]
         values.update(link_bytes(core))
-        values["wait/target_idle_share"] = core.waits.mean("target_idle")
-        values["wait/workers_starved_share"] = core.waits.mean("workers_starved")
-        if core.regen is not None:
-            status = core.regen.status(core.target_threads, core.generate_seconds())
+        values["wait/target_idle_share"] = account.waits.mean("target_idle")
+        values["wait/workers_starved_share"] = account.waits.mean("workers_starved")
+        if leases.regen is not None:
+            status = leases.regen.status(leases.target_threads, leases.generate_seconds())
             values.update({f"regen/{k}": v for k, v in status.items()})
     if values.get("eval/skipped"):
         held = ""
-        if core.regen is not None:
-            status = core.regen.status()
+        if leases.regen is not None:
+            status = leases.regen.status()
             held = (
                 f" ({status['eval_done']:.0f}/{status['eval_total']:.0f} held-out conversations regenerated)"
             )
         core.note(f"step {msg.step}: evaluation skipped: the held-out set is still being regenerated{held}")
-    if "simulated/tau" in values:
-        state.tau = float(values["simulated/tau"])
-    if "real/tau" in values:
-        state.real_tau = float(values["real/tau"])
+    account.evaluated(values)
     if values.get("real/lossless_mismatches"):
         core.note(
             f"REAL EVAL NOT LOSSLESS at step {msg.step}: {values['real/lossless_mismatches']:.0f} prompt(s) "
             "decoded other tokens than the target's greedy decoding (see the rank-0 worker log)"
         )
-    core.metrics.log(values, msg.step)
+    account.log(values, msg.step)
 
 
 def checked_metrics(values: dict) -> tuple[dict, list[str]]:
@@ -261,35 +258,45 @@ def checked_metrics(values: dict) -> tuple[dict, list[str]]:
     return good, bad
 
 
-def dashboard_state(core: CoreState, started: float) -> RunState:
-    """The dashboard's view of the run now (``started``: the producer's start, monotonic)."""
-    s, cfg = core.state, core.cfg
-    s.step = core.step
+def dashboard_state(core: CoreParts, started: float) -> RunState:
+    """A snapshot of the run for the dashboard (``started``: the producer's start, monotonic): built anew
+    each time from the components' counters, so the dashboard never holds or writes them."""
+    account, leases, cfg = core.account, core.leases, core.cfg
     total = core.ctx.ledger.num_samples * cfg.train.epochs
-    done = core.ctx.ledger.total_trained() + core.scheduler.stats.acked_samples
-    s.progress = min(1.0, done / total)
+    done = core.ctx.ledger.total_trained() + leases.scheduler.stats.acked_samples
+    progress = min(1.0, done / total)
     if cfg.train.max_steps:
-        s.progress = max(s.progress, min(1.0, core.step / cfg.train.max_steps))
-    s.elapsed_s = time.monotonic() - started
-    s.eta_s = s.elapsed_s * (1 - s.progress) / s.progress if s.progress > 0 else None
-    meters = {"producer": core.target_rate, "wire": core.wire_rate, "drafters": core.train_rate}
-    s.tokens_per_s = {k: m.rate() for k, m in meters.items() if m.span() >= MIN_RATE_SPAN_S}
-    s.queue_depth = core.scheduler.ready_count()
-    s.leased = core.scheduler.leased_count()
-    s.workers = [
-        {
-            "name": p.name,
-            "rank": p.rank,
-            "device": p.device,
-            "state": p.state,
-            "steps": p.steps,
-            "first_step_s": p.first_step_s,
-        }
-        for p in core.peers.values()
-    ]
-    s.messages = list(core.messages)
-    s.regen = None
-    if core.regen is not None:
-        s.regen = core.regen.status(core.target_threads, core.generate_seconds())
-        s.regen["drafters_idle_share"] = core.waits.mean("workers_starved")
-    return s
+        progress = max(progress, min(1.0, account.step / cfg.train.max_steps))
+    elapsed = time.monotonic() - started
+    meters = {"producer": account.target_rate, "wire": account.wire_rate, "drafters": account.train_rate}
+    regen = None
+    if leases.regen is not None:
+        regen = leases.regen.status(leases.target_threads, leases.generate_seconds())
+        regen["drafters_idle_share"] = account.waits.mean("workers_starved")
+    return RunState(
+        step=account.step,
+        progress=progress,
+        elapsed_s=elapsed,
+        eta_s=elapsed * (1 - progress) / progress if progress > 0 else None,
+        tokens_per_s={k: m.rate() for k, m in meters.items() if m.span() >= MIN_RATE_SPAN_S},
+        queue_depth=leases.scheduler.ready_count(),
+        leased=leases.scheduler.leased_count(),
+        workers=[
+            {
+                "name": p.name,
+                "rank": p.rank,
+                "device": p.device,
+                "state": p.state,
+                "steps": p.steps,
+                "first_step_s": p.first_step_s,
+            }
+            for p in core.peers.values()
+        ],
+        loss=account.loss,
+        acc=list(account.acc),
+        tau=account.tau,
+        real_tau=account.real_tau,
+        lr=account.lr,
+        messages=list(account.messages),
+        regen=regen,
+    )

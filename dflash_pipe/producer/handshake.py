@@ -13,17 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_pipe.producer.state import Peer
+from dflash_pipe.producer.peers import Peer
 from dflash_pipe.wire import messages as m
 
 if TYPE_CHECKING:
-    from dflash_pipe.producer.state import CoreState
+    from dflash_pipe.producer.parts import CoreParts
 
 REQUIRED_CAPABILITIES = ("frames",)
 """What a worker must support: payloads as raw tensor frames on the socket."""
 
 
-def refusal(core: CoreState, msg: m.Hello) -> str | None:
+def refusal(core: CoreParts, msg: m.Hello) -> str | None:
     """Why a HELLO (a worker's or an attaching producer's) is refused, or None: another protocol, missing
     capabilities, a finishing run, or a name already in the run."""
     if msg.protocol_version != m.PROTOCOL_VERSION:
@@ -31,9 +31,9 @@ def refusal(core: CoreState, msg: m.Hello) -> str | None:
     missing = sorted(set(REQUIRED_CAPABILITIES) - set(msg.capabilities))
     if missing:
         return f"{msg.role} lacks capabilities {missing}; upgrade dflash-pipe there"
-    if core.done_sent:
+    if core.leases.done_sent:
         return "this run is finishing; attach to the next one"
-    taken = next((p for p in core.peers.values() if p.name == msg.worker_name and not p.left), None)
+    taken = core.peers.named(msg.worker_name)
     if taken is not None and (taken.host, taken.pid) == (msg.host, msg.pid):  # the same process, reconnecting
         core.drop(taken, "reconnected (a new connection from the same process)")
         taken = None
@@ -46,54 +46,61 @@ def refusal(core: CoreState, msg: m.Hello) -> str | None:
     return None
 
 
-def admit(core: CoreState, peer_id: bytes, msg: m.Hello) -> Peer | None:
+def admit(core: CoreParts, peer_id: bytes, msg: m.Hello) -> Peer | None:
     """Admits a worker: WELCOME and the eval batches, or REJECT naming why."""
     if (why := refusal(core, msg)) is not None:
         core.out.reject(peer_id, why)
         return None
     if (redirect := redirect_for(core, msg)) is not None:
         core.out.redirect(peer_id, redirect)
-        core.redirected += 1
-        core.metrics.log({"workers_redirected": float(core.redirected)}, core.step)
+        core.account.log({"workers_redirected": float(core.peers.count_redirect())})
         core.note(
             f"{msg.worker_name} ({msg.device} on {msg.host}) sent to producer {redirect.producer} at "
             f"{redirect.address}: it runs on that worker's node, so its features stay there"
         )
         return None
+    same_host = bool(core.host_id) and msg.host_id == core.host_id
     try:
         cuda_offered, ring_offered = choose_offers(
             core.cfg.wire.payload_path,
             msg.capabilities,
-            same_host=bool(core.host_id) and msg.host_id == core.host_id,
+            same_host=same_host,
             cuda_ring=core.rings.cuda is not None,
             shm_ring=core.rings.shm is not None,
         )
     except ValueError as exc:
         core.out.reject(peer_id, str(exc))
         return None
-    peer = Peer(identity=peer_id, name=msg.worker_name, device=msg.device, host=msg.host, pid=msg.pid)
-    peer.cuda_offered, peer.ring_offered = cuda_offered, ring_offered
-    peer.host_id = msg.host_id
-    peer.same_host = bool(core.host_id) and msg.host_id == core.host_id
-    core.peers[peer_id] = peer
-    if not peer.same_host and (local := node_producer(core, msg.host_id)) is not None:
+    # Ranks come from the drafters' rendezvous, not from here: ``Peers.add`` numbers workers in arrival
+    # order, for the dashboard. Every worker gets the eval set, since any of them may become rank 0.
+    peer = core.peers.add(
+        Peer(
+            identity=peer_id,
+            name=msg.worker_name,
+            device=msg.device,
+            host=msg.host,
+            pid=msg.pid,
+            cuda_offered=cuda_offered,
+            ring_offered=ring_offered,
+            host_id=msg.host_id,
+            same_host=same_host,
+        )
+    )
+    if not same_host and (local := core.peers.node_producer(msg.host_id)) is not None:
         core.note(network_warning(peer, local, redirects=m.REDIRECT_CAPABILITY in msg.capabilities))
-    # Ranks come from the drafters' rendezvous, not from here: this one is the arrival order, for the
-    # dashboard. Every worker gets the eval set, since any of them may become rank 0.
-    peer.rank = sum(1 for p in core.peers.values() if not p.left and p.role == "worker") - 1
-    peer.state = "starting"
+    eval_batches = core.leases.eval_batches
     # Through the outbox: a peer that hangs up right after its HELLO is dropped, never fatal.
-    core.out.send(peer.identity, welcome(core, peer, len(core.eval_batches)))
-    for batch in core.eval_batches:
+    core.out.send(peer.identity, welcome(core, peer, len(eval_batches)))
+    for batch in eval_batches:
         if peer.left:
             break
         core.out.send(peer.identity, batch)
-    if core.step > 0:
-        core.note(f"{peer.name} ({peer.device}) joins the run at step {core.step}")
+    if core.account.step > 0:
+        core.note(f"{peer.name} ({peer.device}) joins the run at step {core.account.step}")
     return peer
 
 
-def redirect_for(core: CoreState, msg: m.Hello) -> m.Redirect | None:
+def redirect_for(core: CoreParts, msg: m.Hello) -> m.Redirect | None:
     """REDIRECT for a worker whose node has an attached producer serving it, or None (welcome it here).
 
     Only the coordinator redirects: an attached producer serves its own node, so a redirect never bounces.
@@ -106,7 +113,7 @@ def redirect_for(core: CoreState, msg: m.Hello) -> m.Redirect | None:
         return None
     if core.host_id and msg.host_id == core.host_id:
         return None
-    local = node_producer(core, msg.host_id)
+    local = core.peers.node_producer(msg.host_id)
     if local is None or not local.serves:
         return None
     return m.Redirect(producer=local.name, address=local.serves, timeout_s=core.cfg.wire.peer_timeout_s)
@@ -128,16 +135,7 @@ def network_warning(peer: Peer, local: Peer, *, redirects: bool) -> str:
     )
 
 
-def node_producer(core: CoreState, host_id: str) -> Peer | None:
-    """An attaching producer on the node ``host_id`` names, if one is in the run."""
-    if not host_id:
-        return None
-    return next(
-        (p for p in core.peers.values() if p.role == "producer" and not p.left and p.host_id == host_id), None
-    )
-
-
-def welcome(core: CoreState, peer: Peer, eval_batches: int) -> m.Welcome:
+def welcome(core: CoreParts, peer: Peer, eval_batches: int) -> m.Welcome:
     wire, rings = core.cfg.wire, core.rings
     return m.Welcome(
         run_id=core.ctx.run_id,
@@ -146,13 +144,14 @@ def welcome(core: CoreState, peer: Peer, eval_batches: int) -> m.Welcome:
         target_path=str(Path(core.ctx.target_path).resolve()),
         drafter=core.ctx.drafter.to_dict(),
         train=core.cfg.train.to_dict(),
-        resume_from=core.last_checkpoint or (str(core.ctx.resume_from) if core.ctx.resume_from else None),
+        resume_from=core.account.last_checkpoint
+        or (str(core.ctx.resume_from) if core.ctx.resume_from else None),
         heartbeat_s=wire.heartbeat_s,
         peer_timeout_s=wire.peer_timeout_s,
         num_samples=len(core.ctx.train_samples),
         credits=wire.worker_credits,
         eval_batches=eval_batches,
-        eval_pending=core.eval_pending,
+        eval_pending=core.leases.eval_pending,
         ring=rings.shm.offer().to_dict() if peer.ring_offered and rings.shm is not None else {},
         cuda_ring=rings.cuda.offer().to_dict() if peer.cuda_offered and rings.cuda is not None else {},
     )

@@ -10,10 +10,12 @@ comes must not leave a cluster idle without a word.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_pipe.producer.errors import RunAborted
-from dflash_pipe.producer.state import CoreState, GroupWait
+
+if TYPE_CHECKING:
+    from dflash_pipe.producer.parts import CoreParts
 
 
 def waiting_line(needed: int, present: int) -> str:
@@ -23,25 +25,23 @@ def waiting_line(needed: int, present: int) -> str:
     )
 
 
-def heard_waiting(core: CoreState, values: dict[str, Any]) -> None:
+def heard_waiting(core: CoreParts, values: dict[str, Any]) -> None:
     """Rank 0's report of a waiting group (a METRICS with ``group/min_workers``)."""
     needed, present = int(values["group/min_workers"]), int(values.get("group/drafters", 0))
-    if core.group_wait is None:
-        core.group_wait = GroupWait(since=time.monotonic(), needed=needed, present=present)
-    core.group_wait.needed, core.group_wait.present = needed, present
+    core.peers.heard_waiting(needed, present)
     core.note(waiting_line(needed, present))
 
 
-def watch_group_wait(core: CoreState, *, coordinator: bool, now: float | None = None) -> None:
+def watch_group_wait(core: CoreParts, *, coordinator: bool, now: float | None = None) -> None:
     """Once the first step is acknowledged, says so and forgets the wait. On the coordinator, a wait past
     ``wire.join_timeout_s`` raises ``RunAborted`` naming ``--min-workers``; attached producers only show it
     (the coordinator decides for the run)."""
-    wait = core.group_wait
+    wait = core.peers.group_wait
     if wait is None:
         return
-    if core.first_ack is not None:
+    if core.account.first_ack is not None:
         core.note(f"the group holds {wait.needed} or more workers: training started")
-        core.group_wait = None
+        core.peers.wait_ended()
         return
     waited = (time.monotonic() if now is None else now) - wait.since
     limit = core.cfg.wire.join_timeout_s

@@ -138,8 +138,8 @@ class ProducerProc:
             warn=lambda line: self.dashboard.console.print(line),
             plans=upstream.source() if upstream else None,
         )
-        if upstream is not None:
-            self.core.eval_pending = upstream.welcome.eval_batches > 0 or upstream.welcome.eval_pending
+        if upstream is not None and (upstream.welcome.eval_batches > 0 or upstream.welcome.eval_pending):
+            self.core.leases.await_eval()
         for line in notes:
             self.core.note(line)
         self._threads: list[TargetThread] = []
@@ -182,7 +182,8 @@ class ProducerProc:
         self._cores = self._replicas.result() if self._replicas is not None else load_replicas(self.ctx)
         placed = ", ".join("+".join(str(d) for d in core.devices) for core in self._cores)
         self.core.note(f"target: {len(self._cores)} replica(s) on {placed}")
-        regen = self.core.regen
+        leases = self.core.leases
+        regen = leases.regen
         if regen is not None:
             shared = bool(self.cfg.layout.shared_gpus())
             note = regen.size_jobs(self._cores, drafters_share_gpus=shared)  # before any thread takes a job
@@ -192,9 +193,9 @@ class ProducerProc:
             thread = TargetThread(
                 core,
                 self.ctx.train_samples,
-                self.core.plans,
-                self.core.ready,
-                self.core.target_rate,
+                leases.plans,
+                leases.ready,
+                self.core.account.target_rate,
                 name=str(core.device),
                 staging=self.staging,
                 wire_dtype=self.cfg.wire.wire_dtype,
@@ -202,12 +203,16 @@ class ProducerProc:
             )
             thread.start()
             self._threads.append(thread)
-        self.core.target_threads = len(self._threads)
-        self.core.generate_seconds = lambda: sum(t.generate_s for t in self._threads)
+        jobs_per_thread = 1
         if regen is not None:
             decoder = regen.settings.decoder
             served = all(engine_refusal(core.model, decoder) is None for core in self._cores)
-            self.core.jobs_per_thread = 2 if served else 1
+            jobs_per_thread = 2 if served else 1
+        leases.targets_started(
+            len(self._threads),
+            jobs_per_thread=jobs_per_thread,
+            generate_seconds=lambda: sum(t.generate_s for t in self._threads),
+        )
 
     def _keep_link_while_loading(self, replicas: Future[list[TargetCore]]) -> None:
         """An attaching producer's target loads for minutes at the scale of a node: the coordinator keeps
@@ -235,7 +240,7 @@ class ProducerProc:
         try:
             self._log_data()  # what the data gave and left out, by reason, in metrics.jsonl
             self.start_targets()  # a stop signal until the loop runs raises StopNow: nothing to drain yet
-            self.core.eval_batches = self._build_eval_batches() if self.ctx.eval_samples else []
+            self.core.leases.set_eval(self._build_eval_batches() if self.ctx.eval_samples else [])
             self.signals.drainable = True
             try:
                 stop_reason = self._run(watch)
@@ -254,7 +259,7 @@ class ProducerProc:
         )
 
     def _log_data(self) -> None:
-        self.metrics.log(data_metrics(data_report(self.core)), self.core.step)
+        self.core.account.log(data_metrics(data_report(self.core)))
 
     def _busy(self) -> dict[str, float]:
         return {
@@ -264,17 +269,18 @@ class ProducerProc:
 
     def _run(self, watch: WorkerWatch | None) -> str:
         core = self.core
+        peers, leases = core.peers, core.leases
         stop_reason = "finished"
         last_show = last_hint = 0.0
         join_deadline = time.monotonic() + self.cfg.wire.join_timeout_s
         while True:
             core.check(watch)
-            if not core.peers and time.monotonic() > join_deadline:
+            if not peers and time.monotonic() > join_deadline:
                 raise RunAborted(
                     f"no worker said HELLO within {self.cfg.wire.join_timeout_s:.0f} s "
                     "(wire.join_timeout_s); see RUN_DIR/logs for their output."
                 )
-            if self.signals.stop.is_set() and not core.done_sent:
+            if self.signals.stop.is_set() and not leases.done_sent:
                 stop_reason = self._drain()
             if self.signals.save.is_set():
                 self.signals.save.clear()
@@ -286,7 +292,7 @@ class ProducerProc:
             drain(self._recv, self._handle, limit=_MAX_MESSAGES_PER_TICK)
             core.dispatch()
             core.observe_waits()
-            if core.finished() and not core.done_sent:
+            if core.finished() and not leases.done_sent:
                 core.send_done("all epochs trained")
             core.watch_peers()
             now = time.monotonic()
@@ -296,17 +302,17 @@ class ProducerProc:
             if now - last_hint >= _HINT_EVERY_S:
                 last_hint = now
                 self._hint()
-            if self.upstream is not None and self.upstream.ended and all(p.left for p in core.peers.values()):
+            if self.upstream is not None and self.upstream.ended and peers.all_left():
                 return "the coordinator said DONE"
-            if all(p.left for p in core.peers.values()):
-                if core.lost and not core.done_sent:
+            if peers.all_left():
+                if peers.lost and not leases.done_sent:
                     if watch is None or watch.alive() == 0:
-                        raise RunAborted("every worker is gone:\n" + "\n".join(core.lost))
+                        raise RunAborted("every worker is gone:\n" + "\n".join(peers.lost))
                     continue  # a launched worker is still starting up
-                if not core.peers and not self.signals.stop.is_set():
+                if not peers and not self.signals.stop.is_set():
                     continue
-                if not core.done_sent and not core.scheduler.finished():
-                    stop_reason = core.bye_reason or "every worker left"
+                if not leases.done_sent and not leases.scheduler.finished():
+                    stop_reason = core.account.bye_reason or "every worker left"
                 if self.signals.stop.is_set():
                     stop_reason = self._drained(stop_reason)
                 return stop_reason
@@ -346,9 +352,7 @@ class ProducerProc:
         line, split = hint
         self._hinted = split.target
         self.core.note(line)
-        self.metrics.log(
-            {"balance/target_gpus": split.target, "balance/drafter_gpus": split.drafters}, self.core.step
-        )
+        self.core.account.log({"balance/target_gpus": split.target, "balance/drafter_gpus": split.drafters})
 
     def _drain(self) -> str:
         """A stop signal: every worker finishes its step, rank 0 checkpoints, all leave (no final evaluation,
@@ -368,7 +372,7 @@ class ProducerProc:
     def _keep_regenerated(self, reason: str) -> str:
         """After a drain: the target threads stopped (each within a decode step of the signal), what they
         finished meanwhile written to the regenerated file, and the stop reason saying what it holds."""
-        regen = self.core.regen
+        regen = self.core.leases.regen
         if regen is None or (regen.complete and regen.eval_ready):
             return reason
         self._stop_targets(self._drain_left_s())
@@ -383,11 +387,13 @@ class ProducerProc:
 
     def _drained(self, reason: str) -> str:
         """The stop reason with the truth about the final checkpoint (a CHECKPOINT after the signal)."""
-        core, stopped_at = self.core, self.signals.stopped_at or 0.0
-        if core.last_checkpoint_at is not None and core.last_checkpoint_at >= stopped_at:
-            return f"{reason}: final checkpoint {core.last_checkpoint} written; resume with --resume"
-        if core.last_checkpoint:
-            return f"{reason}: no step since the last checkpoint {core.last_checkpoint}; resume with --resume"
+        account, stopped_at = self.core.account, self.signals.stopped_at or 0.0
+        if account.last_checkpoint_at is not None and account.last_checkpoint_at >= stopped_at:
+            return f"{reason}: final checkpoint {account.last_checkpoint} written; resume with --resume"
+        if account.last_checkpoint:
+            return (
+                f"{reason}: no step since the last checkpoint {account.last_checkpoint}; resume with --resume"
+            )
         return f"{reason} before any step was trained: no checkpoint was written"
 
     def _recv(self, timeout_s: float) -> tuple[bytes, Any] | None:
@@ -408,8 +414,8 @@ class ProducerProc:
         self._stop_targets(self._drain_left_s())
         self.dashboard.close()
         self.metrics.close()
-        if self.core.regen is not None:
-            self.core.regen.store.close()
+        if self.core.leases.regen is not None:
+            self.core.leases.regen.store.close()
         self.endpoint.close()
         self.staging.close()
         self.rings.close()  # closing the staging twice is a no-op
@@ -422,7 +428,7 @@ class ProducerProc:
         it.)"""
         for thread in self._threads:
             thread.stop()
-        plans = self.core.plans
+        plans = self.core.leases.plans
         with contextlib.suppress(queue.Empty):
             while True:
                 plans.get_nowait()

@@ -23,7 +23,6 @@ import torch
 from dflash_pipe.data import Sample
 from dflash_pipe.producer.coordinator import own_link_bytes
 from dflash_pipe.producer.scheduler import PlannedBatch
-from dflash_pipe.producer.target_threads import EvalJob
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.errors import ProtocolError, TransportError
 from dflash_pipe.wire.transport import WorkerEndpoint
@@ -96,10 +95,15 @@ class Upstream:
         """The coordinator said DONE: no plan comes any more."""
         self.plans_received = 0
         self.serves = ""
-        """This producer's address for the workers of its node (set by ``run_attached`` once bound)."""
+        """This producer's address for the workers of its node (``serve_at``, once bound)."""
         self.announced = False
         """SERVING went up: the coordinator redirects this node's workers here."""
         self._last_heard = self._last_sent = self._last_report = time.monotonic()
+
+    def serve_at(self, address: str) -> None:
+        """Where this producer serves its node's workers: said to the coordinator (SERVING) once a replica
+        of the target is loaded, so a worker sent here is answered at once."""
+        self.serves = address
 
     def source(self) -> Iterator[PlannedBatch | None]:
         """The plans as they come (None while none waits), ending with the coordinator's DONE."""
@@ -122,14 +126,14 @@ class Upstream:
                 f"the coordinator at {self.address} has been silent for {now - self._last_heard:.0f} s "
                 f"(--peer-timeout {self.peer_timeout_s:.0f}); it probably died"
             )
-        if self.serves and not self.announced and core.target_threads > 0:
+        if self.serves and not self.announced and core.leases.target_threads > 0:
             self._send(m.Serving(address=self.serves))
             self.announced = True
         if now - self._last_report >= REPORT_EVERY_S:
             self._last_report = now
             values = own_link_bytes(core)
-            core.metrics.log(values, core.step)
-            self._send(m.Metrics(step=core.step, values=values))
+            core.account.log(values)
+            self._send(m.Metrics(step=core.account.step, values=values))
         wanted = self.wanted(core)
         if wanted > 0:
             self._send(m.Ready(credits=wanted))
@@ -140,10 +144,10 @@ class Upstream:
     def wanted(self, core: ProducerCore) -> int:
         """Plans to ask for: enough to keep ``wire.ready_batches`` computed and two plans per replica in
         computation, counting those already here or asked for."""
-        if self.ended or core.done_sent or core.target_threads == 0:  # no replica loaded yet
+        if self.ended or core.leases.done_sent or core.leases.target_threads == 0:  # no replica loaded yet
             return 0
-        bound = core.cfg.wire.ready_batches + 2 * core.target_threads
-        have = core.in_target + core.scheduler.ready_count() + len(self._plans) + self.requested
+        bound = core.cfg.wire.ready_batches + 2 * core.leases.target_threads
+        have = core.leases.in_target + core.leases.scheduler.ready_count() + len(self._plans) + self.requested
         return bound - have
 
     def forward(self, msg: Any) -> None:
@@ -157,9 +161,9 @@ class Upstream:
         """The last report and BYE to the coordinator (its open plans go back to the others), then close.
         Never raises: the coordinator may be gone already."""
         values = own_link_bytes(core)
-        core.metrics.log(values, core.step)
+        core.account.log(values)
         with contextlib.suppress(CoordinatorLost):
-            self._send(m.Metrics(step=core.step, values=values))
+            self._send(m.Metrics(step=core.account.step, values=values))
         self.endpoint.send_final(m.Bye(reason=reason))
 
     def _handle(self, core: ProducerCore, msg: Any) -> None:
@@ -189,8 +193,7 @@ class Upstream:
         self._eval.append(plan)
         if len(self._eval) == plan.eval_set:
             samples = [s for p in self._eval for s in plan_samples(p)]
-            core.eval_pending = True
-            core.plans.put(EvalJob(samples=samples))
+            core.leases.queue_eval(samples)
 
     def _recv(self) -> Any:
         try:

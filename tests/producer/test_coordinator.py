@@ -41,17 +41,17 @@ def test_a_producer_is_welcomed_with_the_runs_config_and_takes_no_worker_rank(tm
 
 def test_plans_carry_the_samples_tokens_and_a_lost_producers_plans_are_computed_again(tmp_path: Path) -> None:
     core, out, _ = _core(tmp_path)
-    core.target_threads = 0  # the coordinator's own replicas take one plan (ready_batches 1)
+    core.leases.targets_started(0)  # the coordinator's own replicas take one plan (ready_batches 1)
     samples = core.ctx.train_samples
     core.handle(b"p", _producer_hello())
     core.handle(b"w", _hello("w"))
     core.refill()
-    assert core.in_target == 1
+    assert core.leases.in_target == 1
     core.handle(b"p", m.Ready(credits=4))
     core.dispatch()
     plans = out.of(b"p", m.Plan)
-    assert plans and core.scheduler.next_plan() is None  # all but the local one went to the producer
-    assert core.peers[b"p"].credits == 4 - len(plans) and core.scheduler.leased_count() == len(plans)
+    assert plans and core.leases.scheduler.next_plan() is None  # all but the local one went to the producer
+    assert core.peers[b"p"].credits == 4 - len(plans) and core.leases.scheduler.leased_count() == len(plans)
     for plan in plans:
         ids = torch.cat([samples[i].input_ids for i in plan.sample_ids])
         mask = torch.cat([samples[i].loss_mask for i in plan.sample_ids])
@@ -63,8 +63,8 @@ def test_plans_carry_the_samples_tokens_and_a_lost_producers_plans_are_computed_
 
     core.peers[b"p"].last_heard = time.monotonic() - 60.0  # SIGKILLed: silent past peer_timeout_s
     core.watch_peers()
-    assert core.peers[b"p"].state == "lost" and "producer node1" in core.lost[0]
-    assert not core.scheduler.finished()
+    assert core.peers[b"p"].state == "lost" and "producer node1" in core.peers.lost[0]
+    assert not core.leases.scheduler.finished()
     trained: list[int] = []
     for step in range(1, 6):
         core.refill()  # the lost plan comes back to the coordinator's own replicas
@@ -75,7 +75,7 @@ def test_plans_carry_the_samples_tokens_and_a_lost_producers_plans_are_computed_
         batch = out.of(b"w", m.Batch)[-1]
         trained += batch.sample_ids
         core.handle(b"w", m.Ack(batch_ids=[batch.batch_id], step=step))
-        if core.scheduler.finished():
+        if core.leases.scheduler.finished():
             break
     assert sorted(trained) == list(range(len(LENGTHS)))  # every sample once, none lost with the producer
     assert {p.batch_id for p in plans} <= {b.batch_id for b in out.of(b"w", m.Batch)}
@@ -83,15 +83,15 @@ def test_plans_carry_the_samples_tokens_and_a_lost_producers_plans_are_computed_
 
 def test_a_producers_acks_end_its_plans_and_its_link_report_joins_the_runs_totals(tmp_path: Path) -> None:
     core, out, metrics = _core(tmp_path)
-    core.target_threads = 0
+    core.leases.targets_started(0)
     core.handle(b"p", _producer_hello())
     core.refill()
     core.handle(b"p", m.Ready(credits=1))
     core.dispatch()
     (plan,) = out.of(b"p", m.Plan)
     core.handle(b"p", m.Ack(batch_ids=[plan.batch_id], step=3))  # its worker trained it
-    assert core.scheduler.leased_count() == 0 and core.step == 3
-    assert core.scheduler.stats.acked_tokens == sum(LENGTHS[i] for i in plan.sample_ids)
+    assert core.leases.scheduler.leased_count() == 0 and core.account.step == 3
+    assert core.leases.scheduler.stats.acked_tokens == sum(LENGTHS[i] for i in plan.sample_ids)
     report = {"wire/feature_bytes_local": 1000.0, "wire/feature_bytes_remote": 0.0, "wire/plan_bytes": 0.0}
     core.handle(b"p", m.Metrics(step=3, values={**report, "tokens_per_s/producer": 50.0}))
     assert metrics.records[-1][0]["producer/node1/wire/feature_bytes_local"] == 1000.0
@@ -112,17 +112,17 @@ def test_a_worker_of_another_node_counts_its_features_as_remote(tmp_path: Path) 
     for peer in (b"far", b"near"):
         core.handle(peer, m.Ready(credits=1))
     feats = torch.zeros(7, 4, dtype=torch.bfloat16)
-    for batch in list(core.scheduler._ready):
+    for batch in list(core.leases.scheduler._ready):
         batch.payload.tensors["features"] = feats
     core.dispatch()
     from dflash_pipe.producer.coordinator import link_bytes
 
     totals = link_bytes(core)
     assert totals["wire/feature_bytes_remote"] == feats.numel() * 2 == totals["wire/feature_bytes_local"]
-    assert not any("over the network" in note for note in core.messages)  # no producer on its node
+    assert not any("over the network" in note for note in core.account.messages)  # no producer on its node
     core.handle(b"p", _producer_hello())  # host_id "other-node", as "far"
     core.handle(b"far2", _hello("far2", host_id="other-node"))
-    assert any("far2 gets its features over the network" in n and "node1" in n for n in core.messages)
+    assert any("far2 gets its features over the network" in n and "node1" in n for n in core.account.messages)
 
 
 def test_plan_and_role_are_validated() -> None:
@@ -159,19 +159,21 @@ def _upstream(tmp_path: Path) -> tuple[Upstream, FakeEndpoint, Any, Any]:
     )  # fmt: skip
     endpoint = FakeEndpoint()
     up = Upstream(endpoint, welcome, name="node1")  # type: ignore[arg-type]
-    core.scheduler = type(core.scheduler)(plan_epoch=core.scheduler.plan_epoch, epochs=1, source=up.source())
+    core.leases.scheduler = type(core.leases.scheduler)(
+        plan_epoch=core.leases.scheduler.plan_epoch, epochs=1, source=up.source()
+    )
     return up, endpoint, core, out
 
 
 def test_the_attaching_side_asks_for_plans_serves_them_and_passes_done_on(tmp_path: Path) -> None:
     up, endpoint, core, out = _upstream(tmp_path)
-    core.target_threads = 0  # the target still loads: no plan asked that no replica can compute
+    core.leases.targets_started(0)  # the target still loads: no plan asked that no replica can compute
     up.pump(core)
     assert not endpoint.sent and up.requested == 0
-    core.target_threads = 1
+    core.leases.targets_started(1)
     up.pump(core)
     (ready,) = [msg for msg in endpoint.sent if isinstance(msg, m.Ready)]
-    assert ready.credits == core.cfg.wire.ready_batches + 2 * core.target_threads  # 1 + 2
+    assert ready.credits == core.cfg.wire.ready_batches + 2 * core.leases.target_threads  # 1 + 2
     ids = torch.tensor([5, 6, 7, 8, 9])
     endpoint.inbox.append(
         m.Plan(batch_id=11, epoch=0, sample_ids=[2, 0], lengths=[2, 3],
@@ -179,14 +181,14 @@ def test_the_attaching_side_asks_for_plans_serves_them_and_passes_done_on(tmp_pa
     )  # fmt: skip
     up.pump(core)
     assert up.requested == 2 and not [msg for msg in endpoint.sent[1:] if isinstance(msg, m.Ready)]
-    plan = core.scheduler.next_plan()
+    plan = core.leases.scheduler.next_plan()
     assert plan is not None and plan.batch_id == 11 and plan.sample_ids == [2, 0]
     assert torch.equal(up.samples[0].input_ids, ids[2:]) and up.samples[0].loss_mask.tolist() == [1, 1, 0]
     up.forward(m.Ack(batch_ids=[11], step=1))
     assert up.samples.held() == 0 and isinstance(endpoint.sent[-1], m.Ack)
     endpoint.inbox.append(m.Done(reason="all epochs trained"))
     up.pump(core)
-    assert up.ended and core.done_sent and core.scheduler.next_plan() is None
+    assert up.ended and core.leases.done_sent and core.leases.scheduler.next_plan() is None
 
 
 def test_leased_samples_are_kept_until_their_last_batch_is_acked() -> None:

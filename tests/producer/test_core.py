@@ -82,14 +82,14 @@ def _core(tmp_path: Path) -> tuple[ProducerCore, Outbox, Metrics]:
     core = ProducerCore(
         ctx, out=out, metrics=metrics, rings=Rings(cuda=None, shm=None), host_id="h", rendezvous="tcp://r:1"
     )
-    core.target_threads = 1
+    core.leases.targets_started(1)
     return core, out, metrics
 
 
 def _compute_queued(core: ProducerCore) -> None:
     """What a target thread does: every queued plan becomes a ready batch."""
-    while not core.plans.empty():
-        plan = core.plans.get_nowait()
+    while not core.leases.plans.empty():
+        plan = core.leases.plans.get_nowait()
         assert isinstance(plan, PlannedBatch)
         lengths = [LENGTHS[i] for i in plan.sample_ids]
         ids = torch.cat([torch.arange(n) for n in lengths])
@@ -100,7 +100,7 @@ def _compute_queued(core: ProducerCore) -> None:
             lengths=lengths,
             tensors={"input_ids": ids},
         )
-        core.ready.put(ReadyBatch(plan=plan, payload=payload, tokens=sum(lengths)))
+        core.leases.ready.put(ReadyBatch(plan=plan, payload=payload, tokens=sum(lengths)))
 
 
 def _hello(name: str, **kw: Any) -> m.Hello:
@@ -128,18 +128,18 @@ def test_a_lost_workers_lease_goes_to_the_other_and_every_sample_is_trained_once
     for peer in (b"a", b"b"):
         core.handle(peer, _hello(peer.decode()))
     core.refill()
-    assert core.in_target == 3  # ready_batches 1 + 2 per target thread
+    assert core.leases.in_target == 3  # ready_batches 1 + 2 per target thread
     _compute_queued(core)
     core.take_ready()
     core.handle(b"a", m.Ready(credits=1))
     core.dispatch()
     (first,) = out.of(b"a", m.Batch)
-    assert core.scheduler.leased_count() == 1 and core.peers[b"a"].credits == 0
+    assert core.leases.scheduler.leased_count() == 1 and core.peers[b"a"].credits == 0
 
     core.peers[b"a"].last_heard = time.monotonic() - 60.0  # silent past peer_timeout_s
     core.watch_peers()
-    assert core.peers[b"a"].state == "lost" and core.scheduler.leased_count() == 0
-    assert "silent" in core.lost[0] and metrics.records[-1][0]["workers_lost"] == 1.0
+    assert core.peers[b"a"].state == "lost" and core.leases.scheduler.leased_count() == 0
+    assert "silent" in core.peers.lost[0] and metrics.records[-1][0]["workers_lost"] == 1.0
 
     trained: list[int] = []
     for step in range(1, 10):
@@ -153,7 +153,7 @@ def test_a_lost_workers_lease_goes_to_the_other_and_every_sample_is_trained_once
             assert batch.batch_id == first.batch_id  # redelivered first
         trained += batch.sample_ids
         core.handle(b"b", m.Ack(batch_ids=[batch.batch_id], step=step))
-        if core.scheduler.finished():
+        if core.leases.scheduler.finished():
             break
     assert sorted(trained) == list(range(len(LENGTHS)))
     result = summary(core, stop_reason="finished", wall_s=1.0, busy={})
@@ -167,8 +167,8 @@ def test_a_worker_that_fell_back_from_the_full_compile_is_named(tmp_path: Path) 
     core, _, metrics = _core(tmp_path)
     core.handle(b"a", _hello("a"))
     core.handle(b"a", m.Metrics(step=0, values={"warmup_s": 3.0, "compile_fallback": 0.0}))
-    assert not any("compile" in note for note in core.messages)
+    assert not any("compile" in note for note in core.account.messages)
     core.handle(b"b", _hello("b"))
     core.handle(b"b", m.Metrics(step=0, values={"warmup_s": 3.0, "compile_fallback": 1.0}))
-    assert any("worker b" in note and "--compile attention" in note for note in core.messages)
+    assert any("worker b" in note and "--compile attention" in note for note in core.account.messages)
     assert metrics.records[-1][0]["compile_fallback"] == 1.0

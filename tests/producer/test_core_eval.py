@@ -76,14 +76,14 @@ def _core(tmp_path: Path) -> tuple[ProducerCore, Outbox, Metrics]:
     core = ProducerCore(
         ctx, out=out, metrics=metrics, rings=Rings(cuda=None, shm=None), host_id="h", rendezvous="tcp://r:1"
     )
-    core.target_threads, core.jobs_per_thread = 1, 2
+    core.leases.targets_started(1, jobs_per_thread=2)
     return core, out, metrics
 
 
 def _queued(core: ProducerCore) -> list[Any]:
     items = []
-    while not core.plans.empty():
-        items.append(core.plans.get_nowait())
+    while not core.leases.plans.empty():
+        items.append(core.leases.plans.get_nowait())
     return items
 
 
@@ -134,35 +134,35 @@ def test_training_starts_before_the_held_out_set_which_every_worker_gets_later(t
     train_job, held_out_job = _queued(core)
     assert [i for i, _ in held_out_job.items] == [N - 2, N - 1]  # second, right behind the first job
 
-    core.ready.put(_answer(train_job))  # the training replies come first
+    core.leases.ready.put(_answer(train_job))  # the training replies come first
     core.take_ready()
     core.refill()
     plans = _queued(core)
     assert plans and all(isinstance(p, (PlannedBatch, GenerateJob)) for p in plans)  # no EvalJob yet
     for plan in plans:
         if isinstance(plan, PlannedBatch):
-            core.ready.put(_computed(core, plan))
+            core.leases.ready.put(_computed(core, plan))
     core.take_ready()
     core.handle(b"a", m.Ready(credits=1))
     core.dispatch()
-    assert len(out.of(b"a", m.Batch)) == 1 and core.eval_pending  # trains without the eval set
+    assert len(out.of(b"a", m.Batch)) == 1 and core.leases.eval_pending  # trains without the eval set
 
     core.handle(b"a", m.Metrics(step=1, values={"eval/skipped": 1.0}))  # an evaluation came due
-    assert any("evaluation skipped" in n and "0/2 held-out" in n for n in core.messages)
+    assert any("evaluation skipped" in n and "0/2 held-out" in n for n in core.account.messages)
     assert metrics.records[-1][0]["eval/skipped"] == 1.0
 
-    core.ready.put(_answer(held_out_job))
+    core.leases.ready.put(_answer(held_out_job))
     core.take_ready()
     core.refill()
     (eval_job,) = [p for p in _queued(core) if isinstance(p, EvalJob)]
     assert [s.sample_id for s in eval_job.samples] == [N - 2, N - 1]
-    assert core.eval_pending and not core.finished()
-    core.ready.put(EvalDone(batches=[_eval_batch(eval_job.samples)], seconds=0.1))
+    assert core.leases.eval_pending and not core.finished()
+    core.leases.ready.put(EvalDone(batches=[_eval_batch(eval_job.samples)], seconds=0.1))
     core.take_ready()
-    assert not core.eval_pending
+    assert not core.leases.eval_pending
     (late,) = [b for b in out.of(b"a", m.Batch) if b.for_eval]
     assert late.sample_ids == [N - 2, N - 1] and late.eval_set == 1
-    assert any("eval set ready: 2 held-out sample(s)" in n for n in core.messages)
+    assert any("eval set ready: 2 held-out sample(s)" in n for n in core.account.messages)
 
     core.handle(b"b", _hello("b"))  # joins after: the eval set with its WELCOME, as on dataset responses
     (welcome_b,) = out.of(b"b", m.Welcome)
@@ -181,9 +181,9 @@ def test_done_waits_for_the_held_out_set(tmp_path: Path) -> None:
             if isinstance(item, GenerateJob) and item.items[0][0] >= N - HELD_OUT:
                 held_out = item
             elif isinstance(item, GenerateJob):
-                core.ready.put(_answer(item))
+                core.leases.ready.put(_answer(item))
             else:
-                core.ready.put(_computed(core, item))
+                core.leases.ready.put(_computed(core, item))
         core.take_ready()
         core.handle(b"a", m.Ready(credits=1))
         core.dispatch()
@@ -191,15 +191,15 @@ def test_done_waits_for_the_held_out_set(tmp_path: Path) -> None:
             if batch.batch_id not in acked:
                 acked.add(batch.batch_id)
                 core.handle(b"a", m.Ack(batch_ids=[batch.batch_id], step=step))
-        if core.scheduler.finished():
+        if core.leases.scheduler.finished():
             break
-    assert core.scheduler.finished() and held_out is not None
+    assert core.leases.scheduler.finished() and held_out is not None
     assert not core.finished()  # no DONE before the held-out set
-    assert any("waiting for the held-out set before DONE" in n for n in core.messages)
-    core.ready.put(_answer(held_out))
+    assert any("waiting for the held-out set before DONE" in n for n in core.account.messages)
+    core.leases.ready.put(_answer(held_out))
     core.take_ready()
     core.refill()
     (eval_job,) = _queued(core)
-    core.ready.put(EvalDone(batches=[_eval_batch(eval_job.samples)], seconds=0.1))
+    core.leases.ready.put(EvalDone(batches=[_eval_batch(eval_job.samples)], seconds=0.1))
     core.take_ready()
     assert core.finished() and [b.for_eval for b in out.of(b"a", m.Batch)][-1]

@@ -25,7 +25,7 @@ def test_a_full_disk_on_a_worker_stops_the_run_with_its_line(tmp_path: Path) -> 
 def test_a_nearly_full_disk_is_warned_about(tmp_path: Path) -> None:
     core, _, metrics = _core(tmp_path)
     said: list[str] = []
-    core.warn = said.append
+    core.account.warn = said.append
     core.handle(b"a", _hello("w0"))
     values = {"disk/free_bytes": 3.0 * 2**20, "disk/checkpoint_bytes": 2.0 * 2**20, "disk/low_space": 1.0}
     core.handle(b"a", m.Metrics(step=5, values=values))
@@ -36,7 +36,7 @@ def test_a_nearly_full_disk_is_warned_about(tmp_path: Path) -> None:
 def test_a_preemption_warning_asks_every_worker_for_a_checkpoint(tmp_path: Path) -> None:
     core, out, _ = _core(tmp_path)
     said: list[str] = []
-    core.warn = said.append
+    core.account.warn = said.append
     core.request_checkpoint("SIGUSR1 (preemption warning)")
     assert said == [
         "SIGUSR1 (preemption warning): no worker has joined yet, so there is nothing to checkpoint"
@@ -49,13 +49,13 @@ def test_a_preemption_warning_asks_every_worker_for_a_checkpoint(tmp_path: Path)
         "training goes on"
     )
     assert [len(out.of(peer, m.Checkpoint)) for peer in (b"a", b"b")] == [0, 0]
-    core.step = 4  # the group's step, as the workers' metrics report it
+    core.account.step = 4  # the group's step, as the workers' metrics report it
     core.request_checkpoint("SIGUSR1 (preemption warning)")
     assert said[-1] == "SIGUSR1 (preemption warning): checkpoint asked at step 4; training goes on"
     assert [len(out.of(peer, m.Checkpoint)) for peer in (b"a", b"b")] == [1, 1]
     core.handle(b"a", m.Checkpoint(step=4, path=str(tmp_path / "checkpoints" / "step-00000004")))
     assert said[-1].startswith("checkpoint written at step 4 (SIGUSR1 (preemption warning))")
-    assert core.last_checkpoint_at is not None
+    assert core.account.last_checkpoint_at is not None
 
 
 def test_a_second_worker_with_a_taken_name_is_refused_naming_both(tmp_path: Path) -> None:

@@ -41,19 +41,21 @@ def test_training_starts_on_a_partly_answered_job(tmp_path: Path) -> None:
     core, _, _ = _core(tmp_path)
     core.refill()
     train_job, _ = _queued(core)
-    assert core.generating == 2
+    assert core.leases.generating == 2
     done = [_reply(i, conv) for i, conv in train_job.items[:3]]  # 3 of its 4 conversations
     for record in done:
-        core.ready.put(GenerateDone(job=train_job, results=[record], seconds=0.0, replica="cpu", last=False))
+        core.leases.ready.put(
+            GenerateDone(job=train_job, results=[record], seconds=0.0, replica="cpu", last=False)
+        )
     core.take_ready()
-    assert core.generating == 2  # the job is still open on its replica
-    assert sorted(core.regen.store.done) == sorted(r.index for r in done)  # written, one flush
+    assert core.leases.generating == 2  # the job is still open on its replica
+    assert sorted(core.leases.regen.store.done) == sorted(r.index for r in done)  # written, one flush
     core.refill()
     plans = [p for p in _queued(core) if isinstance(p, PlannedBatch)]
     assert plans and {i for p in plans for i in p.sample_ids} <= {r.index for r in done}
     last_index, last_conv = train_job.items[3]
-    core.ready.put(
+    core.leases.ready.put(
         GenerateDone(job=train_job, results=[_reply(last_index, last_conv)], seconds=1.0, replica="cpu")
     )
     core.take_ready()
-    assert core.generating == 1 and core.regen.generate_s == 1.0
+    assert core.leases.generating == 1 and core.leases.regen.generate_s == 1.0

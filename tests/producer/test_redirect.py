@@ -35,7 +35,7 @@ def _with_node1(tmp_path: Path, *, serving: bool = True):
 def test_a_worker_of_a_node_with_a_serving_producer_is_sent_there(tmp_path: Path) -> None:
     core, out, metrics = _with_node1(tmp_path)
     assert core.peers[b"p"].serves == NODE1 and any(
-        "serves the workers of its node" in n for n in core.messages
+        "serves the workers of its node" in n for n in core.account.messages
     )
     core.handle(b"w", _follower("w"))
     ((who, redirect),) = out.redirected
@@ -43,8 +43,8 @@ def test_a_worker_of_a_node_with_a_serving_producer_is_sent_there(tmp_path: Path
         producer="node1", address=NODE1, timeout_s=5.0
     )  # peer timeout
     assert b"w" not in core.peers and not out.of(b"w", m.Welcome)  # never joined here: no rank, no lease
-    assert core.redirected == 1 and metrics.records[-1][0] == {"workers_redirected": 1.0}
-    assert any("w (cpu on h) sent to producer node1" in n for n in core.messages)
+    assert core.peers.redirected == 1 and metrics.records[-1][0] == {"workers_redirected": 1.0}
+    assert any("w (cpu on h) sent to producer node1" in n for n in core.account.messages)
     core.handle(b"w", m.Ready(credits=1))  # a redirected worker that talks on is a stranger
     assert out.rejected[-1] == (b"w", "say HELLO first")
 
@@ -61,7 +61,7 @@ def test_a_worker_is_welcomed_here_when_it_must_not_be_sent(tmp_path: Path, case
     core, out, _ = _with_node1(tmp_path)
     core.handle(b"w", hello)
     assert not out.redirected and out.of(b"w", m.Welcome), case
-    network = [n for n in core.messages if "gets its features over the network" in n]
+    network = [n for n in core.account.messages if "gets its features over the network" in n]
     if warned is None:
         assert not network, case
     else:  # the warning stays for the worker that asked for the network path
@@ -72,7 +72,7 @@ def test_no_redirect_before_serving_nor_after_the_producer_is_lost(tmp_path: Pat
     core, out, _ = _with_node1(tmp_path, serving=False)
     core.handle(b"w1", _follower("w1"))  # its target still loads: it answers no HELLO yet
     assert not out.redirected and out.of(b"w1", m.Welcome)
-    assert any("did not serve yet" in n for n in core.messages)
+    assert any("did not serve yet" in n for n in core.account.messages)
     core.handle(b"p", m.Serving(address=NODE1))
     core.drop(core.peers[b"p"], "vanished")  # SIGKILLed
     core.handle(b"w2", _follower("w2"))
@@ -92,7 +92,9 @@ def test_serving_is_a_producers_word_only(tmp_path: Path) -> None:
     assert out.rejected == [(b"x", "say HELLO first")]
     core.handle(b"w", _hello("w", host_id="other-node"))
     core.handle(b"w", m.Serving(address=NODE1))  # a worker claiming to serve its node
-    assert core.peers[b"w"].serves == "" and any("ignored SERVING from worker w" in n for n in core.messages)
+    assert core.peers[b"w"].serves == "" and any(
+        "ignored SERVING from worker w" in n for n in core.account.messages
+    )
     core.handle(b"p", _producer_hello("node1"))
     core.handle(b"w2", _follower("w2"))
     assert not out.redirected
@@ -101,10 +103,10 @@ def test_serving_is_a_producers_word_only(tmp_path: Path) -> None:
 def test_the_attaching_side_says_where_it_serves_once_its_target_serves(tmp_path: Path) -> None:
     up, endpoint, core, _ = _upstream(tmp_path)
     up.serves = NODE1
-    core.target_threads = 0  # the target loads: HELLOs of its node would wait, so nothing is said yet
+    core.leases.targets_started(0)  # the target loads: HELLOs of its node would wait, so nothing is said yet
     up.pump(core)
     assert not [msg for msg in endpoint.sent if isinstance(msg, m.Serving)]
-    core.target_threads = 1
+    core.leases.targets_started(1)
     up.pump(core)
     up.pump(core)
     assert [msg for msg in endpoint.sent if isinstance(msg, m.Serving)] == [m.Serving(address=NODE1)]

@@ -62,19 +62,19 @@ def test_nothing_left_out_says_none(tmp_path: Path) -> None:
 
 def test_the_summary_counts_the_steps_of_this_launch(tmp_path: Path) -> None:
     core = _counted_core(tmp_path)
-    core.ctx.resume_step, core.step = 100, 140
+    core.ctx.resume_step, core.account.step = 100, 140
     resumed = summary(core, stop_reason="finished", wall_s=10.0, busy={})
     assert resumed.launch_steps == 40 and resumed.data == data_report(core)
     assert steps_text(resumed) == "trained 40 steps this launch (step 100 -> 140)"
-    core.ctx.resume_step, core.step = 0, 1
+    core.ctx.resume_step, core.account.step = 0, 1
     assert steps_text(summary(core, stop_reason="finished", wall_s=1.0, busy={})) == "1 step"
-    core.ctx.resume_step, core.step = 140, 141
+    core.ctx.resume_step, core.account.step = 140, 141
     assert steps_text(summary(core, stop_reason="x", wall_s=1.0, busy={})).startswith("trained 1 step this")
 
 
 def test_the_printed_summary_has_the_steps_the_data_and_the_note(tmp_path: Path) -> None:
     core = _counted_core(tmp_path)
-    core.ctx.resume_step, core.step = 100, 140
+    core.ctx.resume_step, core.account.step = 100, 140
     (tmp_path / "metrics.jsonl").write_text("")
     console = Console(record=True, width=400)
     print_summary(tmp_path, summary(core, stop_reason="finished", wall_s=10.0, busy={}), console)

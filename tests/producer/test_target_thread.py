@@ -241,7 +241,9 @@ def test_closing_the_producer_drops_queued_plans_and_joins_its_target_threads(ta
         thread.start()
     ready_q.get(timeout=30)
     notes: list[str] = []
-    producer = SimpleNamespace(_threads=threads, core=SimpleNamespace(plans=plan_q, note=notes.append))
+    producer = SimpleNamespace(
+        _threads=threads, core=SimpleNamespace(leases=SimpleNamespace(plans=plan_q), note=notes.append)
+    )
     ProducerProc._stop_targets(producer)
     assert not any(t.is_alive() for t in threads) and notes == []
     assert len(started) < 20 and plan_q.qsize() <= 2  # the 200 plans were dropped, not computed
