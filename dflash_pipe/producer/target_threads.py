@@ -34,7 +34,7 @@ from dflash_pipe.producer.regen import GenerateDone, GenerateJob
 from dflash_pipe.producer.scheduler import PlannedBatch, ReadyBatch
 from dflash_pipe.producer.setup import PendingRun, RunContext
 from dflash_pipe.target import TargetCore
-from dflash_pipe.target.generate import GenerationStopped
+from dflash_pipe.target.decode import GenerationStopped
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.fp8 import wire_features

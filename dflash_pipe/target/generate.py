@@ -17,46 +17,29 @@ sliding-window targets get theirs), announced by one log line. On both paths not
 from one ``torch.Generator`` per (conversation, turn) seeded from (seed, index, turn): a turn's tokens do
 not depend on which other conversations share its batch or on where a resumed run starts.
 
-Past 400 lines: issue 51 splits it by job (prompts, decoding, the reply's forms); until then it keeps
-the turn loop, its stop points and the loop counts together.
+The jobs are split: this module builds each turn's prompt and settles its reply into the conversation
+(``target.conversation``); the plain path's decoding is ``target.plain_decode``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.data.loops import ends_in_loop
-from dflash_pipe.data.regenerated import Regenerated, TurnFailure
+from dflash_pipe.data.regenerated import Regenerated
 from dflash_pipe.data.render import render_prompt
-from dflash_pipe.target.decode import EngineStats, GenerationStopped, SlotEngine, TurnRequest
+from dflash_pipe.target.conversation import Conversation, turn_seed
+from dflash_pipe.target.decode import EngineStats, SlotEngine, TurnRequest
 from dflash_pipe.target.decode.sizing import FALLBACK_SLOTS, FREE_SHARE, auto_slots
-from dflash_pipe.target.packing import FLEX_ATTENTION
+from dflash_pipe.target.plain_decode import PlainDecoder, Reply
 
 log = logging.getLogger("dflash_pipe.target")
-
-STOP_CHECK_EVERY = 8
-"""Decode steps between checks whether every row has ended (each check waits for the device)."""
-COMPACT_WHEN = 4
-"""At a check, once 1/COMPACT_WHEN of the batch's rows have ended, they leave the batch (their cache rows
-too: ``Cache.reorder_cache``), so a round's long replies do not drag the finished rows along."""
-
-
-@dataclass(slots=True)
-class Reply:
-    """One decoded turn: its tokens without the end-of-turn token, and whether that token came."""
-
-    tokens: list[int]
-    ended: bool
 
 
 def end_of_turn_ids(
@@ -97,11 +80,6 @@ def end_of_turn_ids(
     return out
 
 
-def turn_seed(seed: int, index: int, turn: int) -> int:
-    """The sampling seed of one (conversation, turn): independent of batching and of resume."""
-    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, index, turn]).generate_state(1, np.uint64)[0] >> 1)
-
-
 class TurnGenerator:
     """Batched, KV-cached regeneration of assistant turns with one causal LM."""
 
@@ -131,9 +109,10 @@ class TurnGenerator:
             tokenizer, getattr(model, "generation_config", None), self.template_kwargs
         )
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_ids[0]
-        params = inspect.signature(model.forward).parameters
-        self._keep_one = "logits_to_keep" in params
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self.plain = PlainDecoder(
+            model, settings, device=self.device, end_ids=self.end_ids, pad_id=self.pad_id
+        )
+        """The decoding of families the slot engine does not serve (and of ``engine=False``)."""
         self._want_engine = engine
         self._memory_share = memory_share
         self._engine: SlotEngine | None = None
@@ -176,7 +155,7 @@ class TurnGenerator:
             max_new=self.max_length,  # generate() may ask more than settings.max_new_tokens
             end_ids=self.end_ids,
             greedy=self.settings.greedy,
-            pick=self._pick,
+            pick=self.plain.pick,
         )
         return self._engine
 
@@ -205,13 +184,13 @@ class TurnGenerator:
         that decoded it), so a stop loses only the conversations still going.
         ``between`` (slot engine only; the plain path never calls it) runs at each of the engine's checks
         and returns more conversations, generated in the same call as slots free up."""
-        states = [_Conversation(index, messages) for index, messages in items]
+        states = [Conversation(index, messages) for index, messages in items]
         engine = self.engine()
         if engine is not None:
 
             def more() -> list[_TurnSession]:
                 assert between is not None
-                added = [_Conversation(index, messages) for index, messages in between()]
+                added = [Conversation(index, messages) for index, messages in between()]
                 states.extend(added)
                 return [_TurnSession(self, s, on_done) for s in added]
 
@@ -234,14 +213,14 @@ class TurnGenerator:
                 continue
             requests = [r for _, r in asking]
             seeds = None if self.settings.greedy else [r.seed for r in requests]
-            replies = self._generate_plain(
+            replies = self.plain.generate(
                 [r.prompt for r in requests], [r.max_new for r in requests], seeds, should_stop
             )
             for (state, request), reply in zip(asking, replies, strict=True):
                 self._settle(state, reply, request.max_new)
         return [s.result() for s in states]
 
-    def _request(self, state: _Conversation) -> TurnRequest | None:
+    def _request(self, state: Conversation) -> TurnRequest | None:
         """The turn ``state`` is at, as the engine takes it (None: it cannot be generated; ``state`` says why)."""
         prompt = self._prompt(state)
         if prompt is None:
@@ -250,7 +229,7 @@ class TurnGenerator:
         seed = None if self.settings.greedy else turn_seed(self.settings.seed, state.index, state.turn)
         return TurnRequest(prompt=prompt, max_new=room, seed=seed)
 
-    def _settle(self, state: _Conversation, reply: Reply, limit: int) -> None:
+    def _settle(self, state: Conversation, reply: Reply, limit: int) -> None:
         """Writes a decoded turn into its conversation (counted as capped and looped where it is: a looped
         one ends the conversation instead with ``regen.loops`` "drop")."""
         text = self.tokenizer.decode(reply.tokens, skip_special_tokens=False)
@@ -270,7 +249,7 @@ class TurnGenerator:
         if not reply.ended and limit < self.settings.max_new_tokens:
             state.stop_at_length()  # the sample is full: later turns would be cut off anyway
 
-    def _prompt(self, state: _Conversation) -> list[int] | None:
+    def _prompt(self, state: Conversation) -> list[int] | None:
         try:
             text = render_prompt(self.tokenizer, state.out, self.template_kwargs)
         except Exception:  # jinja2 errors (raise_exception in templates), KeyError, TypeError, ...
@@ -290,144 +269,16 @@ class TurnGenerator:
         should_stop: Callable[[], bool] | None = None,
     ) -> list[Reply]:
         """One reply per prompt (single turns): on the slot engine when the family has one, else
-        ``_generate_plain``. ``seeds``: None decodes greedily, else one sampling seed per prompt."""
+        ``PlainDecoder.generate``. ``seeds``: None decodes greedily, else one sampling seed per prompt."""
         engine = self.engine()
         if engine is None:
-            return self._generate_plain(prompts, max_new, seeds, should_stop)
+            return self.plain.generate(prompts, max_new, seeds, should_stop)
         sessions = [
             _OneTurn(TurnRequest(list(p), int(n), None if seeds is None else int(seeds[i])))
             for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))
         ]
         self.engine_stats = engine.run(sessions, should_stop)
         return [s.reply for s in sessions]
-
-    @torch.inference_mode()
-    def _generate_plain(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new: Sequence[int],
-        seeds: Sequence[int] | None = None,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> list[Reply]:
-        """Decodes every prompt together (left padded, one KV cache) until each row has written an
-        end-of-turn token or ``max_new[row]`` tokens; rows that have ended leave the batch as it goes
-        (``COMPACT_WHEN``). ``seeds``: None decodes greedily, else one sampling seed per row (temperature /
-        top-p / top-k of the settings)."""
-        rows = len(prompts)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for r, prompt in enumerate(prompts):
-            ids[r, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
-            mask[r, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)  # [B, S]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
-        limit = torch.as_tensor(list(max_new), dtype=torch.long, device=self.device)  # [B]
-        end_ids = torch.as_tensor(self.end_ids, dtype=torch.long, device=self.device)
-        generators = None
-        if seeds is not None:
-            generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
-        steps = int(limit.max())
-        written = torch.zeros((rows, steps), dtype=torch.long, device=self.device)  # [B, N] by original row
-        done = torch.zeros(rows, dtype=torch.bool, device=self.device)  # [B]
-        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # [B] tokens written per row
-        rows_now = torch.arange(rows, device=self.device)  # [b] the original row of each batch row
-        with self._attention_for_decoding():
-            out = self._forward(ids, mask, positions, None)
-            cache, logits = self._cache_of(out), out.logits[:, -1]  # [B, V]
-            next_pos = positions[:, -1] + 1  # [b]
-            for step in range(steps):
-                token = self._pick(logits, generators)  # [b]
-                live = ~done[rows_now]  # [b]
-                written[rows_now, step] = torch.where(live, token, self.pad_id)
-                lengths[rows_now] += live.long()
-                done[rows_now] |= live & (torch.isin(token, end_ids) | (lengths[rows_now] >= limit[rows_now]))
-                if step + 1 == steps:
-                    break
-                if (step + 1) % STOP_CHECK_EVERY == 0:
-                    finished = int(done[rows_now].sum())  # waits for the device
-                    if finished == len(rows_now):
-                        break
-                    if finished * COMPACT_WHEN >= len(rows_now) and hasattr(cache, "reorder_cache"):
-                        keep = (~done[rows_now]).nonzero().squeeze(1)  # [b'] rows still writing
-                        cache.reorder_cache(keep)
-                        mask, next_pos, token, rows_now = (
-                            mask[keep],
-                            next_pos[keep],
-                            token[keep],
-                            rows_now[keep],
-                        )
-                        if generators is not None:
-                            generators = [generators[i] for i in keep.tolist()]
-                if should_stop is not None and should_stop():
-                    raise GenerationStopped
-                ones = torch.ones((len(rows_now), 1), dtype=mask.dtype, device=self.device)
-                mask = torch.cat([mask, ones], dim=1)
-                out = self._forward(token[:, None], mask, next_pos[:, None], cache)
-                cache, logits = self._cache_of(out), out.logits[:, -1]
-                next_pos = next_pos + 1
-        replies = []
-        for row, n in zip(written.tolist(), lengths.tolist(), strict=True):
-            tokens = row[:n]
-            ended = bool(tokens) and tokens[-1] in self.end_ids
-            replies.append(Reply(tokens=tokens[:-1] if ended else tokens, ended=ended))
-        return replies
-
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
-        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self._keep_one else {}
-        kwargs[self._cache_arg] = cache
-        return self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
-        )
-
-    def _cache_of(self, out: Any) -> Any:
-        cache = out.get(self._cache_arg)
-        if cache is None:
-            raise RuntimeError(
-                f"{type(self.model).__name__} returned no KV cache ({self._cache_arg}) with use_cache=True; "
-                "regeneration needs a causal LM that caches its keys and values"
-            )
-        return cache
-
-    def _pick(self, logits: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
-        """The next token per row: argmax, or a draw from the filtered distribution with the row's generator."""
-        logits = logits.float()  # [B, V]
-        if generators is None:
-            return logits.argmax(dim=-1)
-        probs = filtered_probs(logits, self.settings)  # [B, V]
-        return torch.cat(
-            [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
-        )
-
-    @contextlib.contextmanager
-    def _attention_for_decoding(self) -> Iterator[None]:
-        """The packed flex attention of feature batches needs a BlockMask; decoding with a cache runs SDPA."""
-        config = getattr(self.model, "config", None)
-        previous = getattr(config, "_attn_implementation", None)
-        switch = previous == FLEX_ATTENTION and hasattr(self.model, "set_attn_implementation")
-        if switch:
-            self.model.set_attn_implementation("sdpa")
-        try:
-            yield
-        finally:
-            if switch:
-                self.model.set_attn_implementation(previous)
-
-
-def filtered_probs(logits: torch.Tensor, settings: RegenConfig) -> torch.Tensor:
-    """Sampling probabilities ``[B, V]`` after temperature, top-k and top-p (the most likely token always
-    stays)."""
-    logits = logits / settings.temperature
-    if settings.top_k and settings.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, settings.top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if settings.top_p < 1:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above each one
-        sorted_probs = sorted_probs.masked_fill(before >= settings.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return probs
 
 
 class _OneTurn:
@@ -451,7 +302,7 @@ class _TurnSession:
     def __init__(
         self,
         generator: TurnGenerator,
-        state: _Conversation,
+        state: Conversation,
         on_done: Callable[[Regenerated], None] | None = None,
     ) -> None:
         self.generator = generator
@@ -471,65 +322,3 @@ class _TurnSession:
 
     def take(self, tokens: list[int], ended: bool) -> None:
         self.generator._settle(self.state, Reply(tokens=tokens, ended=ended), self._limit)
-
-
-class _Conversation:
-    """One conversation being regenerated: the source, what is written so far, where it stands."""
-
-    def __init__(self, index: int, messages: list[dict[str, str]]) -> None:
-        self.index = index
-        self.source = messages
-        self.out: list[dict[str, str]] = []
-        self.pos = 0
-        self.turn = -1
-        self.turns = 0
-        self.truncated = 0
-        self.capped = 0
-        self.looped = 0
-        self.new_tokens = 0
-        self.failed: TurnFailure | None = None
-        self.stopped = False
-
-    def advance(self) -> bool:
-        """Copies the messages up to the next assistant turn; True when there is one to generate."""
-        if self.failed is not None or self.stopped:
-            return False
-        while self.pos < len(self.source) and self.source[self.pos]["role"] != "assistant":
-            self.out.append(dict(self.source[self.pos]))
-            self.pos += 1
-        if self.pos >= len(self.source):
-            return False
-        self.turn += 1
-        return True
-
-    def answer(self, text: str, new_tokens: int, *, truncated: bool) -> None:
-        self.out.append({"role": "assistant", "content": text})
-        self.pos += 1
-        self.turns += 1
-        self.new_tokens += new_tokens
-        self.truncated += int(truncated)
-
-    def fail(self, reason: str) -> None:
-        left = sum(m["role"] == "assistant" for m in self.source[self.pos :])
-        self.failed = TurnFailure(turn=self.turn, reason=reason, skipped_turns=left)
-
-    def stop_at_length(self) -> None:
-        """The sample reached data.max_length: the later turns are not generated (training would cut them
-        off), and are counted as failed with reason "sample full"."""
-        self.stopped = True
-        left = sum(m["role"] == "assistant" for m in self.source[self.pos :])
-        if left:
-            self.failed = TurnFailure(turn=self.turn + 1, reason="sample full", skipped_turns=left)
-
-    def result(self) -> Regenerated:
-        last = max((i for i, m in enumerate(self.out) if m["role"] == "assistant"), default=-1)
-        return Regenerated(
-            index=self.index,
-            messages=self.out[: last + 1],
-            turns=self.turns,
-            truncated=self.truncated,
-            capped=self.capped,
-            looped=self.looped,
-            new_tokens=self.new_tokens,
-            failed=self.failed,
-        )

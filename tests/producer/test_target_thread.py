@@ -261,7 +261,7 @@ class _SlowGenerator:
 
     def regenerate(self, items, should_stop=None, on_done=None, between=None):
         from dflash_pipe.data.regenerated import Regenerated
-        from dflash_pipe.target.generate import GenerationStopped
+        from dflash_pipe.target.decode import GenerationStopped
 
         self.calls += 1
         for index, messages in items:

@@ -325,7 +325,7 @@ def test_the_plain_path_hands_over_each_conversation_at_the_end_of_its_round(mod
     def stop() -> bool:
         return rounds >= 1 and bool(finished)
 
-    original = gen._generate_plain
+    original = gen.plain.generate
 
     def counted(*args, **kwargs):
         nonlocal rounds
@@ -333,7 +333,7 @@ def test_the_plain_path_hands_over_each_conversation_at_the_end_of_its_round(mod
         rounds += 1
         return out
 
-    gen._generate_plain = counted
+    gen.plain.generate = counted
     with pytest.raises(GenerationStopped):
         gen.regenerate(items, should_stop=stop, on_done=finished.append)
     one_turn = {i for i, c in items if sum(m["role"] == "assistant" for m in c) == 1}

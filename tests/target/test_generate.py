@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM
 from dflash_pipe.data import demo_tokenizer
 from dflash_pipe.data.config import RegenConfig
 from dflash_pipe.data.render import render_prompt
-from dflash_pipe.target.generate import TurnGenerator, end_of_turn_ids, filtered_probs, turn_seed
+from dflash_pipe.target.conversation import turn_seed
+from dflash_pipe.target.generate import TurnGenerator, end_of_turn_ids
+from dflash_pipe.target.plain_decode import filtered_probs
 from tests.target.conversations import CONVERSATIONS
 from tests.tiny_models import tiny_qwen3_config
 
@@ -218,10 +220,10 @@ def test_rows_ending_early_leave_the_batch_and_change_nothing(model, tokenizer, 
     prompts = [list(range(5 + i, 20 + 3 * i)) for i in range(5)]
     limits = [3, 40, 9, 17, 25]
     sizes: list[int] = []
-    forward = gen._forward
-    gen._forward = lambda ids, *rest: sizes.append(ids.shape[0]) or forward(ids, *rest)
+    forward = gen.plain._forward
+    gen.plain._forward = lambda ids, *rest: sizes.append(ids.shape[0]) or forward(ids, *rest)
     batched = gen.generate(prompts, limits, seeds)
-    gen._forward = forward
+    gen.plain._forward = forward
     alone = [
         gen.generate([p], [n], None if seeds is None else [seeds[i]])[0]
         for i, (p, n) in enumerate(zip(prompts, limits, strict=True))
