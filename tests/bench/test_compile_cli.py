@@ -13,6 +13,8 @@ pytestmark = pytest.mark.slow
 
 @ON_EACH_DEVICE
 def test_compile_cold_warm_and_together(tmp_path: Path, device: str):
+    """Minutes: three real Inductor compiles of a drafter layer on CPU (cold, then two workers at once), about a
+    minute each on two cores, and a warm start from the cold one's cache: the claims are about real compiles."""
     out = tmp_path / "res"
     args = ["--device", device, "--workers", "2", "--seq-len", "128", "--draft-layers", "1"]
     done = run_bench("compile", *args, "--out", str(out))

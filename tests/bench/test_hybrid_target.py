@@ -20,6 +20,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_cpu_synthetic_mode_runs_every_path_and_checks_features(tmp_path: Path):
+    """About a minute: the hybrid bench runs each feature path of a tiny hybrid target (packed, padded, the
+    torch fallback without fla) in its own process and checks each against the samples computed alone."""
     out = tmp_path / "res"
     cmd = [sys.executable, "bench/hybrid_target.py", "--out", str(out), "--shape", "tiny", "--device", "cpu"]
     cmd += ["--batches", "2", "--warmup", "0", "--token-budget", "256", "--min-len", "16", "--max-len", "64"]

@@ -45,6 +45,7 @@ def test_design_topology_follows_the_issue():
 
 
 def test_scaling_runs_the_producer_and_1_and_2_drafter_workers(tmp_path: Path):
+    """About a minute: the scaling bench's real runs with one and two drafter workers, each with its start-up."""
     producer = run(tmp_path, "scaling-producer", "--seconds", "0.3", *TINY)
     (row,) = producer["rows"]
     assert row["tokens_per_s"] > 0 and row["efficiency"] == 1.0 and row["replicas"] == 1
@@ -67,6 +68,7 @@ def test_scaling_runs_the_producer_and_1_and_2_drafter_workers(tmp_path: Path):
 
 
 def test_elastic_attaches_kills_and_loses_no_sample(tmp_path: Path):
+    """About a minute: the elastic bench attaches workers to a live run and kills one, as on GPUs, on CPU."""
     data = run(
         tmp_path,
         "elastic",

@@ -23,6 +23,8 @@ DEVICES = {
 
 @ON_EACH_DEVICE
 def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path, device: str):
+    """About a minute: each stage alone, the pipeline, threads and the offline baseline are real runs, half a
+    second of measuring each after its start-up."""
     out = tmp_path / "res"
     tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
     done = run_bench(
@@ -57,6 +59,7 @@ def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path, device
 
 
 def test_throughput_with_target_responses_beside_dataset_responses(tmp_path: Path):
+    """About a minute: two real pipelines, one regenerating its replies with the target, measured side by side."""
     data = tmp_path / "chat.jsonl"
     with open(demo_data_path()) as f:
         data.write_text("".join(next(f) for _ in range(300)))

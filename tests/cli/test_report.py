@@ -19,6 +19,7 @@ PNGS = ("loss.png", "accuracy.png", "tau.png", "throughput.png")
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> Path:
+    """A real 12-step demo launch, once for the module: the report reads what a run writes."""
     run_dir = tmp_path_factory.mktemp("report") / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--device", "cpu", "--max-steps", "12", "--plain"]

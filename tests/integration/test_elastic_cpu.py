@@ -122,6 +122,7 @@ def test_a_worker_attaches_mid_run_and_the_epoch_completes(tmp_path: Path):
 
 
 def test_a_sigkilled_worker_is_removed_and_the_epoch_completes(tmp_path: Path):
+    """About a minute: a live two-worker launch loses one worker to SIGKILL and must finish the epoch without it."""
     data = small_data(tmp_path)
     run = LiveRun(tmp_path / "run", "--data", str(data), "--epochs", "1", "--eval-samples", "4")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
@@ -145,6 +146,8 @@ def test_a_sigkilled_worker_is_removed_and_the_epoch_completes(tmp_path: Path):
 
 
 def test_a_sigkilled_producer_resumes_and_its_workers_reconnect(tmp_path: Path):
+    """About a minute: a live launch trains 10 steps, its producer is SIGKILLed, and a resume must find the
+    same workers reconnecting."""
     data = small_data(tmp_path)
     args = ["--data", str(data), "--epochs", "1", "--eval-samples", "4", "--checkpoint-every", "5"]
     run = LiveRun(tmp_path / "run", *args, "--peer-timeout", "5")
@@ -192,6 +195,7 @@ def test_a_worker_gives_up_with_a_message_when_no_producer_comes_back(tmp_path: 
 
 
 def test_ctrl_c_on_one_worker_leaves_and_the_others_train_on(tmp_path: Path):
+    """About a minute: a live two-worker launch, one worker interrupted mid-run, the epoch finished by the other."""
     data = small_data(tmp_path)
     run = LiveRun(tmp_path / "run", "--data", str(data), "--epochs", "1", "--eval-samples", "4")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)

@@ -63,6 +63,8 @@ def eval_tau(drafter: Path) -> float:
 
 
 def test_two_workers_train_checkpoint_and_resume(tmp_path: Path):
+    """Minutes: two real launches (a producer regenerating with the demo target and two worker processes,
+    24 then 16 steps), an export and two evaluations: the path a user takes, end to end."""
     run_dir = tmp_path / "run"
     common = ["--device", "cpu", "--workers", "2", "--token-budget", "1024", "--max-length", "256"]
     first = launch("--run-dir", str(run_dir), "--max-steps", "24", "--checkpoint-every", "10", *common)

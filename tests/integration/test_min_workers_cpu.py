@@ -16,6 +16,8 @@ pytestmark = pytest.mark.slow
 def test_min_workers_never_reached_stops_the_run_then_a_resume_waits_again_until_a_worker_attaches(
     tmp_path: Path,
 ):
+    """Minutes: the run must wait out a real 20 s join timeout, then a resume waits again until a worker is
+    attached by hand and trains."""
     data = small_data(tmp_path, 80)
     config = tmp_path / "short_wait.yaml"
     config.write_text("wire:\n  join_timeout_s: 20\n")

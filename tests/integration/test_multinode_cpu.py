@@ -51,6 +51,7 @@ def last(run_dir: Path, key: str) -> float:
 
 
 def test_two_nodes_train_every_sample_once_and_no_feature_crosses_between_them(tmp_path: Path):
+    """About a minute: two "nodes" (a producer and two workers each, six processes) train two epochs together."""
     data = small_data(tmp_path, 240)
     run = LiveRun(tmp_path / "run", "--data", str(data), "--epochs", str(EPOCHS), "--eval-samples", "4")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
@@ -87,6 +88,8 @@ def test_two_nodes_train_every_sample_once_and_no_feature_crosses_between_them(t
 
 
 def test_a_sigkilled_node_loses_nothing_and_the_run_finishes(tmp_path: Path):
+    """Minutes: two "nodes" (six processes on two cores) train together until one node is SIGKILLed; the run
+    must wait out the peer timeout and finish on the other."""
     data = small_data(tmp_path, 240)
     args = ["--data", str(data), "--epochs", str(EPOCHS), "--eval-samples", "4", "--peer-timeout", "5"]
     run = LiveRun(tmp_path / "run", *args)

@@ -67,6 +67,8 @@ def _kill_run(run_dir: Path, proc: subprocess.Popen) -> None:
 
 
 def test_killed_mid_regeneration_resumes_without_redoing(tmp_path: Path):
+    """About a minute: a launch regenerating with the demo target is SIGKILLed part way, and the resume must reuse
+    what the regenerated file already holds."""
     data = tmp_path / "data.jsonl"
     with open(demo_data_path()) as f:
         data.write_text("".join(next(f) for _ in range(CONVERSATIONS)))

@@ -30,6 +30,8 @@ def loss_records(run_dir: Path) -> int:
 
 
 def test_a_second_launch_is_refused_and_a_killed_run_resumes_after_a_move(tmp_path: Path):
+    """Minutes: a live launch, two refused launches beside it, then the killed run moved and resumed: the lock
+    is only proven against a run that really holds it."""
     run_dir = tmp_path / "run"
     run = LiveRun(run_dir, "--workers", "1", "--max-steps", "100000", "--checkpoint-every", "3")
     run.wait_for_steps()

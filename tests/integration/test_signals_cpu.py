@@ -30,6 +30,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_drains_the_launch_usr1_checkpoints_and_the_run_resumes(tmp_path: Path):
+    """About a minute: a live launch takes SIGUSR1 (checkpoint, train on) and SIGTERM (drain), then resumes: the
+    signals are only proven on real processes."""
     run_dir = tmp_path / "run"
     run = LiveRun(run_dir, "--max-steps", "100000", "--checkpoint-every", "100000", "--stop-timeout", "60")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)

@@ -23,6 +23,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_preset_drafter_trains_exports_and_loads_everywhere(tmp_path: Path) -> None:
+    """About a minute: a real launch with a sliding-window preset drafter, its export, and the export loaded as
+    vLLM's, SGLang's and the reference's loaders load it."""
     run_dir, exported = tmp_path / "run", tmp_path / "export"
     out = cli(
         "launch", "--plain", "--device", "cpu", "--workers", "1", "--run-dir", str(run_dir),

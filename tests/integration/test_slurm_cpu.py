@@ -31,6 +31,7 @@ fi
 
 
 def test_the_warning_signal_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path: Path):
+    """About a minute: a live launch under a fake scontrol gets Slurm's warning signal, requeues and resumes."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
