@@ -46,7 +46,7 @@ def prepare(args: argparse.Namespace) -> None:
         args.out / "data",
         train_records=args.train_records,
         eval_prompts=args.eval_prompts,
-        first_turns=args.first_turns,
+        turns=args.turns,
     )
     print(json.dumps({"train": str(data.train), "eval": {k: str(v) for k, v in data.eval_sets.items()}}))
 
@@ -193,7 +193,15 @@ def main() -> None:
     p.add_argument("--humaneval", type=Path)
     p.add_argument("--train-records", type=int, default=4000)
     p.add_argument("--eval-prompts", type=int, default=32)
-    p.add_argument("--first-turns", action="store_true", help="train on each record's first exchange only")
+    cut = p.add_mutually_exclusive_group()
+    cut.add_argument(
+        "--first-turns", dest="turns", action="store_const", const="first", default="all",
+        help="train on each record's first exchange only",
+    )  # fmt: skip
+    cut.add_argument(
+        "--each-turn", dest="turns", action="store_const", const="each",
+        help="every exchange of a training record becomes a record of its own (more prompts, no context)",
+    )  # fmt: skip
     t = sub.add_parser("train")
     t.add_argument("--target", type=Path, required=True)
     t.add_argument("--responses", choices=["target", "dataset"], default="target")

@@ -40,20 +40,31 @@ def sharegpt_records(path: Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def first_exchange(record: dict[str, Any]) -> list[dict[str, str]] | None:
-    """The record's first user turn and the reply after it, as messages; None when it has no such pair."""
+def exchanges(record: dict[str, Any]) -> list[list[dict[str, str]]]:
+    """Every user turn of the record that has a reply right after it, with that reply, as messages, in order."""
     turns = [
         (SHAREGPT_ROLES.get(t.get("from")), t.get("value"))
         for t in record.get("conversations") or []
         if isinstance(t, dict)
     ]
+    pairs = []
     for (role, text), (next_role, reply) in zip(turns, turns[1:], strict=False):
         pair = (
             role == "user" and next_role == "assistant" and isinstance(text, str) and isinstance(reply, str)
         )
         if pair and text.strip() and reply.strip():
-            return [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
-    return None
+            pairs.append([{"role": "user", "content": text}, {"role": "assistant", "content": reply}])
+    return pairs
+
+
+def first_exchange(record: dict[str, Any]) -> list[dict[str, str]] | None:
+    """The record's first user turn and the reply after it, as messages; None when it has no such pair."""
+    pairs = exchanges(record)
+    return pairs[0] if pairs else None
+
+
+TURNS = ("all", "first", "each")
+"""How the training records are cut: whole conversations, their first exchange, or every exchange apart."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,28 +84,37 @@ def prepare_data(
     eval_prompts: int,
     max_prompt_chars: int = 2000,
     seed: int = 0,
-    first_turns: bool = False,
+    turns: str = "all",
 ) -> PreparedData:
     """Training file and held-out prompt sets, disjoint: training takes the file's first ``train_records``
     records; the ShareGPT prompts are drawn (seeded) from the records after them; HumanEval's prompts come
     from its own file. Prompts longer than ``max_prompt_chars`` are left out (the bench times decoding,
-    not prefill). ``first_turns``: each training record is cut to its first exchange (ShareGPT form; one
-    without is left out), as the held-out prompts are: regeneration then answers more conversations per
-    GPU-minute, each one a first turn like those measured."""
+    not prefill). ``turns`` (``TURNS``): "all" keeps each training record whole; "first" cuts it to its
+    first exchange (ShareGPT form; one without is left out), as the held-out prompts are, so regeneration
+    answers more conversations per GPU-minute, each one a first turn like those measured; "each" makes every
+    exchange of it a record of its own (``ID-K``: ShareGPT's ~3.5 user turns a record become as many
+    prompts, each answered without the turns before it)."""
+    if turns not in TURNS:
+        raise ValueError(f"turns={turns!r}: expected one of {', '.join(TURNS)}")
     out.mkdir(parents=True, exist_ok=True)
-    train, rest = [], []
+    train, rest, taken = [], [], 0
     for i, record in enumerate(sharegpt_records(sharegpt)):
         if i >= train_records:
             rest.append(record)
-        elif not first_turns:
+            continue
+        taken += 1
+        name = record.get("id", str(i))
+        if turns == "all":
             train.append(record)
-        elif pair := first_exchange(record):
-            train.append({"id": record.get("id", str(i)), "conversations": _as_sharegpt(pair)})
-    if first_turns:
-        train_records = min(train_records, len(train))  # those without a first exchange are left out
-    if len(train) < train_records or not rest:
+            continue
+        pairs = exchanges(record)[: 1 if turns == "first" else None]
+        train += [
+            {"id": name if turns == "first" else f"{name}-{k}", "conversations": _as_sharegpt(pair)}
+            for k, pair in enumerate(pairs)
+        ]
+    if taken < train_records or not rest:
         raise SystemExit(
-            f"{sharegpt}: {len(train) + len(rest)} complete records, fewer than the {train_records} training "
+            f"{sharegpt}: {taken + len(rest)} complete records, fewer than the {train_records} training "
             "records plus held-out ones asked for; lower --train-records"
         )
     train_path = out / "train.json"

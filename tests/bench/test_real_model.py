@@ -96,7 +96,7 @@ def test_first_turns_cuts_each_training_record_to_its_first_exchange(tmp_path):
     records = [long, conversation(1, first="gpt"), conversation(2), *[conversation(i) for i in range(3, 12)]]
     data = real_model.prepare_data(
         sharegpt_file(tmp_path / "sg.json", records), None, tmp_path / "out", train_records=3, eval_prompts=4,
-        first_turns=True,
+        turns="first",
     )  # fmt: skip
     train = json.loads(data.train.read_text())
     assert [r["id"] for r in train] == ["0", "2"]  # record 1 opens with the assistant: no first exchange
@@ -106,3 +106,28 @@ def test_first_turns_cuts_each_training_record_to_its_first_exchange(tmp_path):
         for line in data.eval_sets["sharegpt"].read_text().splitlines()
     }
     assert held and not held & {"q0", "q1", "q2"}
+
+
+def test_each_turn_makes_every_exchange_a_record_and_keeps_the_held_out_prompts_apart(tmp_path):
+    long = conversation(0)
+    long["conversations"] += [{"from": "human", "value": "again"}, {"from": "gpt", "value": "more"}]
+    long["conversations"] += [{"from": "human", "value": "unanswered"}]
+    records = [long, conversation(1, first="gpt"), conversation(2), *[conversation(i) for i in range(3, 12)]]
+    data = real_model.prepare_data(
+        sharegpt_file(tmp_path / "sg.json", records), None, tmp_path / "out", train_records=3, eval_prompts=4,
+        turns="each",
+    )  # fmt: skip
+    train = json.loads(data.train.read_text())
+    assert [r["id"] for r in train] == ["0-0", "0-1", "2-0"]  # record 1 opens with the assistant
+    assert train[1]["conversations"] == [
+        {"from": "human", "value": "again"},
+        {"from": "gpt", "value": "more"},
+    ]
+    held = {
+        json.loads(line)["messages"][0]["content"]
+        for line in data.eval_sets["sharegpt"].read_text().splitlines()
+    }
+    assert held and not held & {"q0", "q1", "q2", "again"}
+    with pytest.raises(ValueError, match="turns='every'"):
+        real_model.prepare_data(tmp_path / "sg.json", None, tmp_path / "o2", train_records=3, eval_prompts=4,
+                                turns="every")  # fmt: skip
