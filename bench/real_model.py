@@ -146,6 +146,13 @@ def export(run_dir: Path, out: Path) -> bool:
 def evaluate(args: argparse.Namespace) -> None:
     drafters = {p.name: p for p in sorted((args.out / "drafters").glob("*")) if p.is_dir()}
     drafters.update(dict(spec.split("=", 1) for spec in args.drafter))
+    if args.only:
+        missing = sorted(set(args.only) - set(drafters))
+        if missing:
+            raise SystemExit(
+                f"--only {' '.join(missing)}: no such export (have: {', '.join(sorted(drafters))})"
+            )
+        drafters = {name: drafters[name] for name in args.only}
     sets = {p.stem.removeprefix("eval_"): p for p in sorted((args.out / "data").glob("eval_*.jsonl"))}
     full = [name for name in drafters if any(name.endswith(f"-{m:g}min") for m in args.all_sets_at)]
     sets_for = {name: list(sets) if name in full else ["sharegpt"] for name in drafters}
@@ -158,8 +165,9 @@ def evaluate(args: argparse.Namespace) -> None:
         max_prompts=args.eval_prompts,
         sets_for=sets_for,
         dtype=args.dtype,
+        draft_attention=args.draft_attention,
     )
-    (args.out / "eval_rows.json").write_text(json.dumps(rows, indent=1))
+    (args.out / args.rows).write_text(json.dumps(rows, indent=1))
 
 
 def warm(args: argparse.Namespace) -> None:
@@ -232,6 +240,14 @@ def main() -> None:
     e.add_argument("--eval-prompts", type=int, default=32)
     e.add_argument(
         "--all-sets-at", type=float, nargs="*", default=[8.0], help="minutes: every set, not ShareGPT alone"
+    )
+    e.add_argument("--only", action="append", default=[], help="evaluate only this export (repeatable)")
+    e.add_argument(
+        "--draft-attention", choices=["auto", "flex", "sdpa"], default="auto",
+        help="how the drafters attend while drafting (auto: flex on CUDA, as they train)",
+    )  # fmt: skip
+    e.add_argument(
+        "--rows", default="eval_rows.json", help="file under DIR for the rows (summarize reads the default)"
     )
     w = sub.add_parser("warm", help="compile the drafter's kernels ahead into a cache (no weights needed)")
     w.add_argument("--meta", type=Path, required=True, help="the target's config.json and tokenizer files")

@@ -12,7 +12,7 @@
 #      the call waits for it at most WAIT_S (540) seconds
 #   w: waits for that peer again (its writing rows, capture, MINUTES of training and exports outlast a call)
 #   d: the same-batch check on real features; every export measured by real speculative decoding on
-#      held-out ShareGPT and HumanEval (fp32); summary
+#      held-out ShareGPT and HumanEval (fp32); summary; the last export again drafting through SDPA
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
 # (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
 # Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
@@ -119,6 +119,12 @@ case ${1:?phase a, s, b, c, w or d} in
     python3 bench/real_model.py summarize --out $D/b
     cp $D/b/same_batch_check.json "$OUT/" 2>/dev/null || true
     cp $D/b/eval_rows.json $D/b/real_model.* "$OUT/"
+    # the last export again, drafting through SDPA instead of flex: where a draft step's time goes
+    if [ -n "$L" ]; then
+      python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 128 \
+        --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at --only "$(basename "$L")" --draft-attention sdpa \
+        --rows eval_rows_sdpa.json && cp $D/b/eval_rows_sdpa.json "$OUT/" || echo "SDPA drafting eval failed (rc $?)"
+    fi
     ;;
   *)
     echo "unknown phase $1"; exit 2

@@ -165,11 +165,14 @@ def evaluate_drafters(
     max_prompts: int,
     sets_for: dict[str, Sequence[str]] | None = None,
     dtype: str = "float32",
+    draft_attention: str = "auto",
 ) -> list[dict[str, Any]]:
     """One row per (drafter, prompt set): real tau, per-position acceptance, tokens/s, speedup over greedy
     decoding of the same prompts, lossless mismatches. ``sets_for``: the sets each drafter runs (default:
     every set). ``dtype``: the target's and drafters'; float32 (default) makes the lossless check exact (bf16
-    rounds the block verify and the one-token decode differently: near-ties flip), bfloat16 is how it serves."""
+    rounds the block verify and the one-token decode differently: near-ties flip), bfloat16 is how it serves.
+    ``draft_attention``: how the drafters attend while drafting (``DFlashDrafter.use_attention``); each row
+    says which one ran."""
     import torch
     from transformers import AutoTokenizer
 
@@ -200,6 +203,7 @@ def evaluate_drafters(
     for drafter_name, drafter_dir in drafters.items():
         verify_export(drafter_dir)
         drafter = load_eval_drafter(drafter_dir, target, dev, torch_dtype)
+        drafter.use_attention(draft_attention)
         with eval_precision(dev, torch_dtype):  # untimed: the drafter's first proposals pay its warm-up
             evaluate_generate(
                 target,
@@ -228,6 +232,7 @@ def evaluate_drafters(
                     "drafter": drafter_name,
                     "set": set_name,
                     "dtype": dtype,
+                    "draft_attention": drafter.backend(dev),
                     **metrics,
                     "eval_s": time.perf_counter() - started,
                 }

@@ -8,6 +8,7 @@ the module tree: frozen, never in `state_dict()` or `trainable_parameters()`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -246,6 +247,13 @@ class DFlashDrafter(nn.Module):
             yield
         finally:
             self._reference = False
+
+    def use_attention(self, backend: str) -> None:
+        """Attend with ``backend`` ("auto", "flex", "sdpa") from now on. Speculative decoding drafts one
+        block at the end of the context: through flex it pays the training path's padding (the anchor to a
+        128-row tile, the context to a multiple of 128) and a BlockMask each step, through SDPA a small
+        dense mask; the drafts are the same (``tests/drafter/test_backends.py``)."""
+        self.cfg = dataclasses.replace(self.cfg, attention_backend=backend)  # the config checks the name
 
     def backend(self, device: torch.device) -> str:
         if self._reference:

@@ -3,6 +3,7 @@ here: the GPU phases themselves run only on a lent GPU (bench/real_model_h200.sh
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +132,18 @@ def test_each_turn_makes_every_exchange_a_record_and_keeps_the_held_out_prompts_
     with pytest.raises(ValueError, match="turns='every'"):
         real_model.prepare_data(tmp_path / "sg.json", None, tmp_path / "o2", train_records=3, eval_prompts=4,
                                 turns="every")  # fmt: skip
+
+
+def test_evaluate_only_names_an_export_that_exists(tmp_path):
+    """``evaluate --only`` (phase d's second pass, drafting through SDPA) refuses a name it has no export for,
+    naming those it has, before loading any model."""
+    import subprocess
+    import sys
+
+    (tmp_path / "drafters" / "ours-target-8min").mkdir(parents=True)
+    cmd = [sys.executable, "bench/real_model.py", "evaluate", "--target", str(tmp_path / "t.gguf")]
+    cmd += ["--out", str(tmp_path), "--only", "ours-target-9min", "--draft-attention", "sdpa"]
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "--only ours-target-9min: no such export (have: ours-target-8min)" in done.stderr

@@ -151,3 +151,30 @@ def test_attention_inputs_share_the_autocast_dtype(monkeypatch) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids, feats, loss_mask)
     assert seen and set(seen) == {(torch.bfloat16,) * 3}
+
+
+@torch.no_grad()
+def test_a_draft_step_is_the_same_through_flex_and_sdpa() -> None:
+    """Speculative decoding drafts one block at the end of the context: flex pads it to a tile of anchors and
+    the context to a multiple of 128, SDPA takes a small dense mask. ``use_attention`` switches a loaded
+    drafter between them (the real-model bench times both); the block and the draft are the same."""
+    from dflash_pipe.drafter.speculate import drafter_proposer
+
+    drafter = tiny_drafter()
+    g = torch.Generator().manual_seed(3)
+    n = 37  # verified tokens: neither a multiple of the block nor of the 128-row tile
+    tokens = torch.randint(0, 49, (n + 1,), generator=g)
+    features = torch.randn(n, drafter.cfg.feature_size, generator=g)
+    padded = torch.cat([features, features.new_zeros(1, features.shape[1])])[None]
+    anchors, valid = torch.tensor([[n]]), torch.ones(1, 1, dtype=torch.bool)
+    out = {}
+    for backend in ("flex", "sdpa"):
+        drafter.use_attention(backend)
+        assert drafter.backend(torch.device("cpu")) == backend
+        hidden = drafter.block_hidden(tokens[None], padded, anchors, valid)
+        out[backend] = (hidden, drafter_proposer(drafter)(tokens, features))
+    torch.testing.assert_close(out["flex"][0], out["sdpa"][0], rtol=1e-5, atol=1e-5)
+    assert out["flex"][0].shape == (1, 1, drafter.cfg.block_size, drafter.cfg.hidden_size)
+    assert torch.equal(out["flex"][1], out["sdpa"][1])
+    with pytest.raises(ValueError, match="attention_backend='xformers'"):
+        drafter.use_attention("xformers")
