@@ -28,18 +28,7 @@ def admit_producer(core: CoreParts, peer_id: bytes, msg: m.Hello) -> Peer | None
     if (why := refusal(core, msg)) is not None:
         core.out.reject(peer_id, why)
         return None
-    peer = core.peers.add(
-        Peer(
-            identity=peer_id,
-            name=msg.worker_name,
-            device=msg.device,
-            host=msg.host,
-            pid=msg.pid,
-            role="producer",
-            host_id=msg.host_id,
-            same_host=bool(core.host_id) and msg.host_id == core.host_id,
-        )
-    )
+    peer = core.peers.add(Peer.from_hello(peer_id, msg, here=core.host_id))
     eval_batches = core.leases.eval_batches
     hello = msgspec.structs.replace(welcome(core, peer, len(eval_batches)), config=core.cfg.to_dict())
     core.out.send(peer_id, hello)

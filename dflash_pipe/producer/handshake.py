@@ -74,17 +74,7 @@ def admit(core: CoreParts, peer_id: bytes, msg: m.Hello) -> Peer | None:
     # Ranks come from the drafters' rendezvous, not from here: ``Peers.add`` numbers workers in arrival
     # order, for the dashboard. Every worker gets the eval set, since any of them may become rank 0.
     peer = core.peers.add(
-        Peer(
-            identity=peer_id,
-            name=msg.worker_name,
-            device=msg.device,
-            host=msg.host,
-            pid=msg.pid,
-            cuda_offered=cuda_offered,
-            ring_offered=ring_offered,
-            host_id=msg.host_id,
-            same_host=same_host,
-        )
+        Peer.from_hello(peer_id, msg, here=core.host_id, cuda_offered=cuda_offered, ring_offered=ring_offered)
     )
     if not same_host and (local := core.peers.node_producer(msg.host_id)) is not None:
         core.note(network_warning(peer, local, redirects=m.REDIRECT_CAPABILITY in msg.capabilities))

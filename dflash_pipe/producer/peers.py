@@ -63,6 +63,22 @@ class Peer:
     report: dict[str, float] = field(default_factory=dict)
     """An attaching producer's latest own figures (its links' bytes, its tokens/s)."""
 
+    @classmethod
+    def from_hello(cls, identity: bytes, msg: m.Hello, *, here: str, **offers: bool) -> Peer:
+        """The record of a peer admitted on its HELLO; ``here``: this producer's host identity (same node or
+        not). ``offers``: the rings offered to a worker (``cuda_offered``, ``ring_offered``)."""
+        return cls(
+            identity=identity,
+            name=msg.worker_name,
+            device=msg.device,
+            host=msg.host,
+            pid=msg.pid,
+            role=msg.role,
+            host_id=msg.host_id,
+            same_host=bool(here) and msg.host_id == here,
+            **offers,
+        )
+
 
 class Peers:
     """The run's peers by ZeroMQ identity, the lost, the redirected and the group's wait."""
