@@ -106,8 +106,9 @@ class Peers:
         """Every peer ever admitted, in arrival order (the left and lost too)."""
         return iter(list(self._by_id.values()))
 
-    def __iter__(self) -> Iterator[Peer]:
-        return self.values()
+    def __contains__(self, identity: object) -> bool:
+        """Whether a peer of this ZeroMQ identity was ever admitted (as ``in`` on the dict it replaced)."""
+        return identity in self._by_id
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -122,6 +122,15 @@ def test_the_check_finds_a_write_through_a_reference(code: str, written: str):
     assert found == [f"dflash_pipe/producer/core.py:1: {written}"]
 
 
+def test_the_peer_table_answers_in_by_identity():
+    """``b"id" in core.peers`` asks about an identity, as it did of the dict: never about the records."""
+    from dflash_pipe.producer.peers import Peer, Peers
+
+    peers = Peers()
+    peers.add(Peer(identity=b"w", name="w", device="cpu", host="h", pid=1))
+    assert b"w" in peers and b"x" not in peers and len(peers) == 1
+
+
 def test_the_owner_writes_its_own_records_and_self_is_left_alone():
     owned = owned_fields()
     inside = (
