@@ -4,6 +4,7 @@
 # the calls must follow each other while the machine stays warm (/tmp is kept between them).
 #   a: half the GGUF to /tmp, the wheels the image lacks, the drafter's kernels compiled ahead (warm;
 #      WARM_ARGS: e.g. the --max-anchors the run will train with)
+#   data: (between a and b, when the data and the GGUF's second half exceed one call) CARRY_D's data/ to /tmp
 #   s: (instead of b, for a recipe) the GGUF whole; the training file regenerated alone (REGEN_BATCH slots
 #      for 70 s, then REGEN_BATCH2: both rates in the logs); one short run per SWEEP_VARIANTS on it
 #   b: the GGUF whole, converted once; dflash-pipe trains online for MINUTES (--responses target), exports
@@ -12,9 +13,12 @@
 #      TRAIN_ARGS gave ours, for a comparison of trainers and not of recipes), started in its own session;
 #      the call waits for it at most WAIT_S (540) seconds
 #   w: waits for that peer again (its writing rows, capture, MINUTES of training and exports outlast a call)
-#   d: the same-batch check on real features; every export measured by real speculative decoding on
-#      held-out ShareGPT and HumanEval (fp32); summary; the last export again drafting through SDPA
-# Usage (repo root, device machine): bash bench/real_model_h200.sh a|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
+#   d: the same-batch check on real features (CHECK=0: not); every export measured by real speculative
+#      decoding on held-out ShareGPT and HumanEval (fp32); summary; the last export again drafting through
+#      SDPA (SDPA=0: not)
+#   Device time (one H100, 2026-12-06): start ~90 s, a 181 s (a cold compile), b MINUTES + ~20 s, c and w
+#   the peer's rows, MINUTES and exports (~660 s), d ~380 s with the check and SDPA (~250 s without)
+# Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
 # (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
 # Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
 # CARRY_B names another folder for the second half and the data (e.g. .carry/b2: prepare --first-turns).
@@ -57,7 +61,7 @@ PY
   cp $D/c/specforge_summary.json $D/c/metrics.jsonl "$OUT/"
 }
 
-case ${1:?phase a, s, b, c, w or d} in
+case ${1:?phase a, data, s, b, c, w or d} in
   a)
     mkdir -p $D
     cp .carry/a/gguf.part1 $D/
@@ -66,6 +70,12 @@ case ${1:?phase a, s, b, c, w or d} in
     python3 -c "import torch, transformers, zmq, msgspec, gguf; print(torch.__version__, transformers.__version__)"
     python3 bench/real_model.py warm --meta .carry/a/meta --cache $D/cache --out $D/a ${WARM_ARGS:-}
     cp $D/a/warm.json "$OUT/"
+    ;;
+  data)  # the training data in a call of its own, when it and the GGUF's second half exceed one call's carry
+    mkdir -p $D/b/data
+    cp ${CARRY_D:?the folder that holds data/}/data/eval_*.jsonl $D/b/data/
+    xz -T4 -dc $CARRY_D/data/train.json.xz > $D/b/data/train.json
+    ls -la $D/b/data
     ;;
   s)
     whole_gguf
@@ -111,17 +121,21 @@ case ${1:?phase a, s, b, c, w or d} in
     ;;
   d)
     test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
-    # the same-batch check on the last export's trained weights (a failure is recorded, the evaluation goes on)
+    # the same-batch check on the last export's trained weights (a failure is recorded, the evaluation goes on;
+    # CHECK=0 skips it)
     L=$(ls -d $D/b/drafters/ours-*-"$MINUTES"min 2>/dev/null | head -n 1)
-    python3 bench/real_model.py check --target $G --data $D/b/data/eval_sharegpt.jsonl --out $D/b \
-      ${L:+--drafter "$L"} || echo "same-batch check failed (rc $?)"
+    if [ "${CHECK:-1}" != 0 ]; then
+      python3 bench/real_model.py check --target $G --data $D/b/data/eval_sharegpt.jsonl --out $D/b \
+        ${L:+--drafter "$L"} || echo "same-batch check failed (rc $?)"
+    fi
     python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 128 \
       --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at "$MINUTES"
     python3 bench/real_model.py summarize --out $D/b
     cp $D/b/same_batch_check.json "$OUT/" 2>/dev/null || true
     cp $D/b/eval_rows.json $D/b/real_model.* "$OUT/"
-    # the last export again, drafting through SDPA instead of flex: where a draft step's time goes
-    if [ -n "$L" ]; then
+    # the last export again, drafting through SDPA instead of flex: where a draft step's time goes (SDPA=0
+    # skips it)
+    if [ -n "$L" ] && [ "${SDPA:-1}" != 0 ]; then
       python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 128 \
         --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at --only "$(basename "$L")" --draft-attention sdpa \
         --rows eval_rows_sdpa.json && cp $D/b/eval_rows_sdpa.json "$OUT/" || echo "SDPA drafting eval failed (rc $?)"

@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     if args.conversations is not None:
+        t0 = time.perf_counter()
         n = peers.write_rows(
             args.conversations, tokenizer, args.rows, max_length=args.max_length, limit=args.max_rows
         )
-        print(f"wrote {n} rows to {args.rows}", flush=True)
+        print(f"wrote {n} rows to {args.rows} in {time.perf_counter() - t0:.1f}s", flush=True)
     rows = peers.read_rows(args.rows, tokenizer, max_length=args.max_length)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
