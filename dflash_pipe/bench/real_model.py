@@ -167,13 +167,15 @@ def evaluate_drafters(
     sets_for: dict[str, Sequence[str]] | None = None,
     dtype: str = "float32",
     draft_attention: str = "auto",
+    draft_graphs: bool | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (drafter, prompt set): real tau, per-position acceptance, tokens/s, speedup over greedy
     decoding of the same prompts, lossless mismatches. ``sets_for``: the sets each drafter runs (default:
     every set). ``dtype``: the target's and drafters'; float32 (default) makes the lossless check exact (bf16
     rounds the block verify and the one-token decode differently: near-ties flip), bfloat16 is how it serves.
-    ``draft_attention``: how the drafters attend while drafting (``DFlashDrafter.use_attention``); each row
-    says which one ran."""
+    ``draft_attention``: how the drafters attend while drafting (``DFlashDrafter.use_attention``);
+    ``draft_graphs``: whether each draft step replays a captured CUDA graph (None: where they apply, then
+    through SDPA); each row says which ran."""
     import torch
     from transformers import AutoTokenizer
 
@@ -189,6 +191,7 @@ def evaluate_drafters(
         load_eval_target,
         prompts_from_samples,
     )
+    from dflash_pipe.drafter.graphed_draft import graphs_apply
 
     dev = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -205,6 +208,7 @@ def evaluate_drafters(
         verify_export(drafter_dir)
         drafter = load_eval_drafter(drafter_dir, target, dev, torch_dtype)
         drafter.use_attention(draft_attention)
+        graphed = graphs_apply(drafter) if draft_graphs is None else draft_graphs
         with eval_precision(dev, torch_dtype):  # untimed: the drafter's first proposals pay its warm-up
             evaluate_generate(
                 target,
@@ -213,6 +217,7 @@ def evaluate_drafters(
                 max_new_tokens=16,
                 stop_ids=stop_ids,
                 check=False,
+                graphs=graphed,
             )
         for set_name in (sets_for or {}).get(drafter_name, list(eval_sets)):
             started = time.perf_counter()
@@ -226,6 +231,7 @@ def evaluate_drafters(
                     check=True,
                     strict=False,
                     references=references[set_name],
+                    graphs=graphed,
                 )
             metrics = {k.removeprefix(METRIC_PREFIX): v for k, v in result.metrics().items()}
             rows.append(
@@ -233,7 +239,8 @@ def evaluate_drafters(
                     "drafter": drafter_name,
                     "set": set_name,
                     "dtype": dtype,
-                    "draft_attention": drafter.backend(dev),
+                    "draft_attention": "sdpa" if graphed else drafter.backend(dev),
+                    "draft_graphs": graphed,
                     **metrics,
                     "eval_s": time.perf_counter() - started,
                 }

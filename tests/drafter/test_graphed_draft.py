@@ -1,0 +1,93 @@
+"""Drafting from captured graphs drafts what the drafter's own forward drafts (``drafter_proposer``).
+
+On CPU the proposer runs its static buffers eagerly (``capture=False``): the bucketed, padded context and the
+reused buffers are what a graph replays, so equality here is the buffers' correctness; on CUDA the capture
+itself is compared too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dflash_pipe.drafter.graphed_draft import GraphedProposer, graphs_apply
+from dflash_pipe.drafter.speculate import drafter_proposer
+
+from .conftest import tiny_config, tiny_drafter
+
+
+def _sharp(cfg) -> object:
+    """A tiny drafter whose drafts depend on the context (the default init's logits are near-flat, so every
+    context drafts the same token and equal drafts would prove little)."""
+    drafter = tiny_drafter(cfg)
+    drafter.reset_parameters(std=0.5)
+    return drafter
+
+
+def _context(drafter, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 49, (n + 1,), generator=g)
+    features = torch.randn(n, drafter.cfg.feature_size, generator=g)
+    return tokens, features
+
+
+# lengths inside a bucket, at its edge, past it, then shorter again (the buffers hold a longer context's rows)
+LENGTHS = (5, 7, 8, 19, 3, 12)
+
+
+@pytest.mark.parametrize("windows", [None, (3, None)], ids=["full", "sliding"])
+@torch.no_grad()
+def test_graphed_buffers_draft_what_the_forward_drafts(windows) -> None:
+    cfg = tiny_config(block_size=4, attention_backend="sdpa")
+    if windows is not None:
+        cfg = dataclasses.replace(cfg, layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    drafter = _sharp(cfg)
+    plain, graphed = drafter_proposer(drafter), GraphedProposer(drafter, bucket=8, capture=False)
+    seen = []
+    for i, n in enumerate(LENGTHS):
+        tokens, features = _context(drafter, n, seed=i)
+        want = plain(tokens, features)
+        got = graphed(tokens, features)
+        assert got.shape == (cfg.block_size - 1,)
+        assert torch.equal(got, want), f"context of {n} tokens"
+        seen.append(want)
+    assert sorted(graphed._steps) == [8, 16, 24]  # one set of buffers per bucket reached
+    assert len({tuple(d.tolist()) for d in seen}) > 1  # the drafts depend on the context
+
+
+@torch.no_grad()
+def test_a_context_row_past_the_anchor_cannot_change_the_draft() -> None:
+    """Stale rows of a longer context stay in the bucket's buffers: they must be invisible."""
+    drafter = _sharp(tiny_config(block_size=4))
+    graphed = GraphedProposer(drafter, bucket=16, capture=False)
+    tokens, features = _context(drafter, 6, seed=1)
+    first = graphed(tokens, features)
+    step = graphed._steps[16]
+    step.features[0, 6:].normal_()  # what the zeroing removes; the mask must hide it anyway
+    step.ids[0, 7:] = 3
+    assert torch.equal(step.run(), first)
+
+
+def test_bad_inputs_are_refused() -> None:
+    drafter = tiny_drafter()
+    with pytest.raises(ValueError, match="bucket must be >= 1"):
+        GraphedProposer(drafter, bucket=0)
+    with pytest.raises(ValueError, match="capture=True needs a drafter on CUDA"):
+        GraphedProposer(drafter, capture=True)
+    tokens, features = _context(drafter, 4, seed=0)
+    with pytest.raises(ValueError, match="verified tokens plus the block's first"):
+        GraphedProposer(drafter, capture=False)(tokens[:-1], features)
+    assert not graphs_apply(drafter)  # a CPU drafter: evaluate_generate drafts step by step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture")
+@torch.no_grad()
+def test_captured_graphs_draft_what_the_forward_drafts_on_cuda() -> None:
+    drafter = _sharp(tiny_config(block_size=4, attention_backend="sdpa")).cuda()
+    assert graphs_apply(drafter)
+    plain, graphed = drafter_proposer(drafter), GraphedProposer(drafter, bucket=8)
+    for i, n in enumerate(LENGTHS):
+        tokens, features = (t.cuda() for t in _context(drafter, n, seed=i))
+        assert torch.equal(graphed(tokens, features), plain(tokens, features)), f"context of {n} tokens"
