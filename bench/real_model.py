@@ -166,7 +166,7 @@ def evaluate(args: argparse.Namespace) -> None:
         sets_for=sets_for,
         dtype=args.dtype,
         draft_attention=args.draft_attention,
-        draft_graphs={"auto": None, "on": True, "off": False}[args.draft_graphs],
+        draft_graphs=args.draft_graphs == "on",
     )
     (args.out / args.rows).write_text(json.dumps(rows, indent=1))
 
@@ -252,8 +252,8 @@ def main() -> None:
         help="how the drafters attend while drafting (auto: flex on CUDA, as they train)",
     )  # fmt: skip
     e.add_argument(
-        "--draft-graphs", choices=["auto", "on", "off"], default="auto",
-        help="draft steps replayed from captured CUDA graphs (auto: on CUDA; they draft through SDPA)",
+        "--draft-graphs", choices=["on", "off"], default="off",
+        help="draft steps replayed from captured CUDA graphs (CUDA only; they draft through SDPA)",
     )  # fmt: skip
     e.add_argument(
         "--rows", default="eval_rows.json", help="file under DIR for the rows (summarize reads the default)"

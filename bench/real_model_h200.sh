@@ -14,8 +14,8 @@
 #      the call waits for it at most WAIT_S (540) seconds
 #   w: waits for that peer again (its writing rows, capture, MINUTES of training and exports outlast a call)
 #   d: the same-batch check on real features (CHECK=0: not); every export measured by real speculative
-#      decoding on held-out ShareGPT and HumanEval (fp32); summary; the last export again drafting through
-#      SDPA (SDPA=0: not)
+#      decoding on held-out ShareGPT and HumanEval (fp32); summary; the last export again drafting from
+#      captured CUDA graphs (GRAPHS=0: not)
 #   Device time (one H100, 2026-12-06): start ~90 s, a 181 s (a cold compile), b MINUTES + ~20 s, c and w
 #   the peer's rows, MINUTES and exports (~660 s), d ~380 s with the check and SDPA (~250 s without)
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
@@ -133,12 +133,12 @@ case ${1:?phase a, data, s, b, c, w or d} in
     python3 bench/real_model.py summarize --out $D/b
     cp $D/b/same_batch_check.json "$OUT/" 2>/dev/null || true
     cp $D/b/eval_rows.json $D/b/real_model.* "$OUT/"
-    # the last export again, drafting through SDPA instead of flex: where a draft step's time goes (SDPA=0
-    # skips it)
-    if [ -n "$L" ] && [ "${SDPA:-1}" != 0 ]; then
+    # the last export again, each draft step replayed from a captured CUDA graph: what launching the
+    # drafter's kernels one by one costs (GRAPHS=0 skips it; a failure is said, the rows above stand)
+    if [ -n "$L" ] && [ "${GRAPHS:-1}" != 0 ]; then
       python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 128 \
-        --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at --only "$(basename "$L")" --draft-attention sdpa \
-        --rows eval_rows_sdpa.json && cp $D/b/eval_rows_sdpa.json "$OUT/" || echo "SDPA drafting eval failed (rc $?)"
+        --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at --only "$(basename "$L")" --draft-graphs on \
+        --rows eval_rows_graphs.json && cp $D/b/eval_rows_graphs.json "$OUT/" || echo "graphed drafting eval failed (rc $?)"
     fi
     ;;
   *)

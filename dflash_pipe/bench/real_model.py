@@ -167,15 +167,15 @@ def evaluate_drafters(
     sets_for: dict[str, Sequence[str]] | None = None,
     dtype: str = "float32",
     draft_attention: str = "auto",
-    draft_graphs: bool | None = None,
+    draft_graphs: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per (drafter, prompt set): real tau, per-position acceptance, tokens/s, speedup over greedy
     decoding of the same prompts, lossless mismatches. ``sets_for``: the sets each drafter runs (default:
     every set). ``dtype``: the target's and drafters'; float32 (default) makes the lossless check exact (bf16
     rounds the block verify and the one-token decode differently: near-ties flip), bfloat16 is how it serves.
     ``draft_attention``: how the drafters attend while drafting (``DFlashDrafter.use_attention``);
-    ``draft_graphs``: whether each draft step replays a captured CUDA graph (None: where they apply, then
-    through SDPA); each row says which ran."""
+    ``draft_graphs``: each draft step replays a captured CUDA graph (through SDPA); each row says which
+    ran."""
     import torch
     from transformers import AutoTokenizer
 
@@ -191,7 +191,6 @@ def evaluate_drafters(
         load_eval_target,
         prompts_from_samples,
     )
-    from dflash_pipe.drafter.graphed_draft import graphs_apply
 
     dev = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -208,7 +207,7 @@ def evaluate_drafters(
         verify_export(drafter_dir)
         drafter = load_eval_drafter(drafter_dir, target, dev, torch_dtype)
         drafter.use_attention(draft_attention)
-        graphed = graphs_apply(drafter) if draft_graphs is None else draft_graphs
+        graphed = draft_graphs
         with eval_precision(dev, torch_dtype):  # untimed: the drafter's first proposals pay its warm-up
             evaluate_generate(
                 target,

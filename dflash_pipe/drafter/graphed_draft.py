@@ -7,7 +7,8 @@ step is the same forward (``draft_tokens``: ``block_hidden`` with SDPA and the t
 once per context bucket, a multiple of ``bucket`` tokens: a step copies the tokens and features into the
 bucket's static buffers, sets the anchor, and replays. Rows past the context are never attended (the mask
 shows a block the positions before its anchor), so the drafts are those of ``drafter_proposer``
-(tests/drafter/test_graphed_draft.py).
+(tests/drafter/test_graphed_draft.py). Opt-in (``evaluate_generate(graphs=True)``, the real-model bench's
+``--draft-graphs on``) until a GPU run has timed and checked the capture.
 """
 
 from __future__ import annotations
@@ -100,19 +101,28 @@ def _captured(forward: Callable[[], Tensor], pool) -> Callable[[], Tensor]:
     the returned function replays it and returns its output buffer."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = forward()
+    with _no_autocast_cache():
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
 
     def replay() -> Tensor:
         graph.replay()
         return out
 
     return replay
+
+
+def _no_autocast_cache() -> contextlib.AbstractContextManager:
+    """The caller's autocast without its cast cache: a cast cached before the capture would be read by the
+    graph from memory the autocast frees when it exits (PyTorch's CUDA-graph notes ask for this)."""
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from dflash_pipe.drafter.generate_eval import evaluate_generate
 from dflash_pipe.drafter.graphed_draft import GraphedProposer, graphs_apply
 from dflash_pipe.drafter.speculate import drafter_proposer
 
@@ -79,7 +80,9 @@ def test_bad_inputs_are_refused() -> None:
     tokens, features = _context(drafter, 4, seed=0)
     with pytest.raises(ValueError, match="verified tokens plus the block's first"):
         GraphedProposer(drafter, capture=False)(tokens[:-1], features)
-    assert not graphs_apply(drafter)  # a CPU drafter: evaluate_generate drafts step by step
+    assert not graphs_apply(drafter)
+    with pytest.raises(ValueError, match="captured only for a drafter on CUDA"):
+        evaluate_generate(drafter, drafter, [tokens], max_new_tokens=4, stop_ids=(), graphs=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture")
