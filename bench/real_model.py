@@ -17,8 +17,9 @@ exports the latest checkpoint at every mark of --marks (minutes) into DIR/drafte
 `sweep` trains one short run per --variant (its launch arguments, beside EXTRA) on the same file, one after
 the other, and writes DIR/sweep.json as each ends: where each run's loss and per-slot accuracy stood over its
 last steps (the recipe for small targets in docs/performance.md comes from these).
-`evaluate` measures every export under DIR/drafters (and any --drafter) on every prompt set; `summarize`
-writes DIR/real_model.json (provenance, rows, goals) and a PNG.
+`evaluate` measures every export under DIR/drafters (and any --drafter; --only: those named) on every prompt
+set, adding its rows to DIR's and storing the greedy references in DIR/references.json for the next call;
+`summarize` writes DIR/real_model.json (provenance, rows, goals) and a PNG.
 """
 
 from __future__ import annotations
@@ -167,8 +168,13 @@ def evaluate(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         draft_attention=args.draft_attention,
         draft_graphs=args.draft_graphs == "on",
+        references_file=args.out / "references.json",
     )
-    (args.out / args.rows).write_text(json.dumps(rows, indent=1))
+    path = args.out / args.rows
+    kept = json.loads(path.read_text()) if path.is_file() else []  # an earlier call's rows of other drafters
+    fresh = {(r["drafter"], r["set"]) for r in rows}
+    merged = [r for r in kept if (r["drafter"], r["set"]) not in fresh] + rows
+    path.write_text(json.dumps(merged, indent=1))
 
 
 def warm(args: argparse.Namespace) -> None:
@@ -256,7 +262,10 @@ def main() -> None:
         help="draft steps replayed from captured CUDA graphs (CUDA only; they draft through SDPA)",
     )  # fmt: skip
     e.add_argument(
-        "--rows", default="eval_rows.json", help="file under DIR for the rows (summarize reads the default)"
+        "--rows",
+        default="eval_rows.json",
+        help="file under DIR for the rows (summarize reads the default); rows already there for other "
+        "drafters or sets are kept, so evaluations in several calls add up",
     )
     w = sub.add_parser("warm", help="compile the drafter's kernels ahead into a cache (no weights needed)")
     w.add_argument("--meta", type=Path, required=True, help="the target's config.json and tokenizer files")

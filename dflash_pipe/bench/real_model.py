@@ -168,6 +168,7 @@ def evaluate_drafters(
     dtype: str = "float32",
     draft_attention: str = "auto",
     draft_graphs: bool = False,
+    references_file: Path | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (drafter, prompt set): real tau, per-position acceptance, tokens/s, speedup over greedy
     decoding of the same prompts, lossless mismatches. ``sets_for``: the sets each drafter runs (default:
@@ -175,10 +176,12 @@ def evaluate_drafters(
     rounds the block verify and the one-token decode differently: near-ties flip), bfloat16 is how it serves.
     ``draft_attention``: how the drafters attend while drafting (``DFlashDrafter.use_attention``);
     ``draft_graphs``: each draft step replays a captured CUDA graph (through SDPA); each row says which
-    ran."""
+    ran. ``references_file``: the prompts' greedy decodings are read from it where stored for the same
+    settings, and written back (``stored_references``), so a later evaluation does not decode them again."""
     import torch
     from transformers import AutoTokenizer
 
+    from dflash_pipe.bench.stored_references import load_references, save_references
     from dflash_pipe.data.config import DataConfig
     from dflash_pipe.data.loader import load_samples
     from dflash_pipe.drafter.export import verify_export
@@ -201,7 +204,18 @@ def evaluate_drafters(
         name: prompts_from_samples(load_samples(DataConfig(path=path), tokenizer).samples, max_prompts)
         for name, path in eval_sets.items()
     }
-    references: dict[str, dict] = {name: {} for name in eval_sets}  # the first drafter computes them
+    settings = {
+        "target": target_dir.resolve(),
+        "dtype": dtype,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "max_new_tokens": max_new_tokens,
+        "stop_ids": list(stop_ids),
+    }
+    # the first drafter computes what is not stored
+    if references_file is not None:
+        references = load_references(references_file, settings, prompts)
+    else:
+        references = {name: {} for name in eval_sets}
     rows = []
     for drafter_name, drafter_dir in drafters.items():
         verify_export(drafter_dir)
@@ -232,6 +246,8 @@ def evaluate_drafters(
                     references=references[set_name],
                     graphs=graphed,
                 )
+            if references_file is not None:
+                save_references(references_file, settings, prompts, references)
             metrics = {k.removeprefix(METRIC_PREFIX): v for k, v in result.metrics().items()}
             rows.append(
                 {
