@@ -14,11 +14,14 @@
 #      TRAIN_ARGS gave ours, for a comparison of trainers and not of recipes), started in its own session;
 #      the call waits for it at most WAIT_S (540) seconds
 #   w: waits for that peer again (its writing rows, capture, MINUTES of training and exports outlast a call)
-#   d: the same-batch check on real features (CHECK=0: not); every export (ONLY: those named) measured by
+#   d: (PEER_ROWS=1: first starts writing the peer's rows on the CPU, for phase c after it) the same-batch
+#      check on real features (CHECK=0: not); every export (ONLY: those named) measured by
 #      real speculative decoding on held-out ShareGPT and HumanEval (fp32), its rows added to the earlier
 #      ones; summary; the last export again drafting from captured CUDA graphs (GRAPHS=0: not)
-#   Device time (one H100, 2026-12-06): start ~90 s, a 181 s (a cold compile), b MINUTES + ~20 s, c and w
-#   the peer's rows, MINUTES and exports (~660 s), d ~380 s with the check and SDPA (~250 s without)
+#   Device time (one H100, 2026-12-06): start ~90 s, a 181 s (a cold compile; WARM=0 ~10 s), data ~6 s,
+#   b MINUTES + ~30 s, c and w the peer's rows (unless written ahead), MINUTES and exports (~660 s; ~530 s
+#   with PEER_ROWS=1 in the d before), d ~380 s with the check and a second process (its greedy references
+#   are now stored, DIR/references.json: a later d skips them)
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
 # (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
 # Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
@@ -109,10 +112,18 @@ case ${1:?phase a, data, s, b, c, w or d} in
     test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
     F=$(python3 -c "from dflash_pipe.target.gguf import resolve_target; print(resolve_target('$G', say=None))")
     mkdir -p $D/c
+    # the rows phase d wrote ahead (PEER_ROWS=1), once their writer is done; else written here, before the
+    # peer's clock starts
+    if [ -f $D/c/rows.pid ]; then
+      while kill -0 "$(cat $D/c/rows.pid)" 2>/dev/null; do sleep 2; done
+      cat $D/c/rows.log
+    fi
+    ROWS_FROM=(--conversations $D/b/runs/ours-target/regenerated.jsonl)
+    test -f $D/c/rows.done && ROWS_FROM=()
     # in its own session, so it outlives this call (600 s at most, less than the peer's capture + MINUTES +
     # exports): phase w waits for the rest
-    setsid nohup python3 bench/peers/specforge_dflash.py --target "$F" \
-      --conversations $D/b/runs/ours-target/regenerated.jsonl --max-length 2048 --rows $D/c/rows.jsonl \
+    setsid nohup python3 bench/peers/specforge_dflash.py --target "$F" "${ROWS_FROM[@]}" \
+      --max-length 2048 --rows $D/c/rows.jsonl \
       --out $D/c --minutes "$MINUTES" --save-at 2 4 --mask-token-id 16 --device cuda ${PEER_ARGS:-} \
       > $D/c/peer.log 2>&1 < /dev/null &
     echo $! > $D/c/pid
@@ -124,6 +135,15 @@ case ${1:?phase a, data, s, b, c, w or d} in
     ;;
   d)
     test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
+    if [ "${PEER_ROWS:-0}" = 1 ] && [ ! -f $D/c/rows.done ]; then  # the peer's rows, written on the CPU
+      mkdir -p $D/c  # while this phase evaluates on the GPU (phase c then starts the peer at once)
+      F=$(python3 -c "from dflash_pipe.target.gguf import resolve_target; print(resolve_target('$G', say=None))")
+      setsid nohup bash -c "python3 bench/peers/specforge_dflash.py --target '$F' --rows-only \
+        --conversations $D/b/runs/ours-target/regenerated.jsonl --max-length 2048 --rows $D/c/rows.jsonl \
+        --out $D/c --minutes $MINUTES --mask-token-id 16 && touch $D/c/rows.done" \
+        > $D/c/rows.log 2>&1 < /dev/null &
+      echo $! > $D/c/rows.pid
+    fi
     # the same-batch check on the last export's trained weights (a failure is recorded, the evaluation goes on;
     # CHECK=0 skips it)
     L=$(ls -d $D/b/drafters/ours-*-"$MINUTES"min 2>/dev/null | head -n 1)

@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--conversations", type=Path, help="write --rows first from this conversations JSONL")
     p.add_argument("--max-rows", type=int, help="with --conversations: keep the first N rows")
+    p.add_argument(
+        "--rows-only", action="store_true",
+        help="write --rows from --conversations and stop: rows prepared ahead stay out of the timed run",
+    )  # fmt: skip
     p.add_argument("--max-length", type=int, default=3072, help="tokens per row (truncation)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--minutes", type=float, required=True, help="wall-clock budget from the start of capture")
@@ -79,12 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loader-workers", type=int, help="SpecForge's dataloader workers (default its own, 8)")
     p.add_argument("--slot-rows", type=int, default=16, help="rows for the per-slot accuracy at the end")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rows_only and args.conversations is None:
+        p.error("--rows-only writes --rows from --conversations: give --conversations")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    specforge = peers.import_specforge()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -95,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             args.conversations, tokenizer, args.rows, max_length=args.max_length, limit=args.max_rows
         )
         print(f"wrote {n} rows to {args.rows} in {time.perf_counter() - t0:.1f}s", flush=True)
+    if args.rows_only:
+        return 0
+    specforge = peers.import_specforge()
     rows = peers.read_rows(args.rows, tokenizer, max_length=args.max_length)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
