@@ -147,7 +147,7 @@ def scaling_drafters(args: argparse.Namespace, work_dir: Path, say: Callable[[st
     pool = layout.cpu_workers if layout.device == "cpu" else len(layout.drafter_gpus)
     say(f"producer alone ({args.seconds:g} s): the pipeline's ceiling")
     producer = producer_alone(work, args.seconds).tokens_per_s
-    rows = []
+    rows, per_worker = [], {}
     for k in scaling_counts(pool, args.max_count):
         changes = {"cpu_workers": k} if layout.device == "cpu" else {"drafter_gpus": layout.drafter_gpus[:k]}
         work_k = with_layout(work, **changes)
@@ -155,12 +155,14 @@ def scaling_drafters(args: argparse.Namespace, work_dir: Path, say: Callable[[st
         work_k.work_dir.mkdir(parents=True, exist_ok=True)
         say(f"{k} drafter worker(s): drafters alone, then a launch")
         alone = drafters_alone(work_k, args.seconds)
+        per_worker[str(k)] = alone.extra["per_worker"]
         pipeline, waits = run_pipeline(work_k, args.seconds, min(producer, alone.tokens_per_s), mode=None)
         rows.append(
             {
                 "workers": k,
                 "worker_devices": ",".join(work_k.cfg.layout.worker_devices()),
                 "drafters_alone_tokens_per_s": round(alone.tokens_per_s, 1),
+                "drafters_alone_window_s": round(alone.seconds, 3),
                 "pipeline_tokens_per_s": round(pipeline.tokens_per_s, 1),
                 "pipeline_steps": pipeline.extra["steps"],
                 "target_idle_share": round(waits.get("target_idle_share", float("nan")), 3),
@@ -184,6 +186,7 @@ def scaling_drafters(args: argparse.Namespace, work_dir: Path, say: Callable[[st
             goal("pipeline drafter scaling vs linear", last["pipeline_efficiency"], at_least=SCALING_GOAL),
         ],
         "notes": _drafter_notes(work.cfg.layout, last, producer),
+        "drafters_alone_per_worker": per_worker,  # each worker's steps and ACK window, per worker count
     }
     chart = {
         "x": "workers",

@@ -276,7 +276,14 @@ def lockstep_rate(stage: str, results: list[dict]) -> StageRate:
     """Sum of the workers' tokens after their first step, over the longest worker window."""
     tokens = sum(r["tokens_after_first"] for r in results)
     window = max(r["last_ack"] - r["first_ack"] for r in results)
-    extra = {"steps": max(r["steps"] for r in results), "workers": len(results)}
+    extra = {
+        "steps": max(r["steps"] for r in results),
+        "workers": len(results),
+        # per worker: what a rate of 0 would come from (one ACK, or none after the first)
+        "per_worker": [
+            {k: r[k] for k in ("steps", "first_ack", "last_ack", "tokens_after_first")} for r in results
+        ],
+    }
     return StageRate(stage, tokens, window, extra)
 
 

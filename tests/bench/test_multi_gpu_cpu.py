@@ -54,11 +54,15 @@ def test_scaling_runs_the_producer_and_1_and_2_drafter_workers(tmp_path: Path):
     assert [r["workers"] for r in rows] == [1, 2]
     for key in ("drafters_alone", "pipeline"):
         one = rows[0][f"{key}_tokens_per_s"]
-        assert one > 0 and rows[1][f"{key}_tokens_per_s"] > 0
+        assert one > 0 and rows[1][f"{key}_tokens_per_s"] > 0, (
+            rows,
+            drafters["summary"],
+        )  # each worker's window
         assert rows[1][f"{key}_efficiency"] == pytest.approx(
             rows[1][f"{key}_tokens_per_s"] / (2 * one), abs=1e-3
         )
     summary = drafters["summary"]
+    assert [len(summary["drafters_alone_per_worker"][k]) for k in ("1", "2")] == [1, 2]
     assert summary["pipeline_efficiency"] == rows[1]["pipeline_efficiency"]
     assert summary["producer_alone_tokens_per_s"] > 0
     assert [g["name"] for g in summary["goals"]] == [
