@@ -125,7 +125,7 @@ case ${1:?phase a, data, s, b, c, w or d} in
       cat $D/c/rows.log
     fi
     ROWS_FROM=(--conversations $D/b/runs/ours-target/regenerated.jsonl)
-    test -f $D/c/rows.done && ROWS_FROM=()
+    grep -qs "^wrote [0-9]* rows" $D/c/rows.log && ROWS_FROM=()  # the writer ahead finished
     # in its own session, so it outlives this call (600 s at most, less than the peer's capture + MINUTES +
     # exports): phase w waits for the rest
     setsid nohup python3 bench/peers/specforge_dflash.py --target "$F" "${ROWS_FROM[@]}" \
@@ -141,13 +141,12 @@ case ${1:?phase a, data, s, b, c, w or d} in
     ;;
   d)
     test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
-    if [ "${PEER_ROWS:-0}" = 1 ] && [ ! -f $D/c/rows.done ]; then  # the peer's rows, written on the CPU
+    if [ "${PEER_ROWS:-0}" = 1 ] && [ ! -f $D/c/rows.pid ]; then  # the peer's rows, written on the CPU
       mkdir -p $D/c  # while this phase evaluates on the GPU (phase c then starts the peer at once)
       F=$(python3 -c "from dflash_pipe.target.gguf import resolve_target; print(resolve_target('$G', say=None))")
-      setsid nohup bash -c "python3 bench/peers/specforge_dflash.py --target '$F' --rows-only \
+      setsid nohup python3 bench/peers/specforge_dflash.py --target "$F" --rows-only \
         --conversations $D/b/runs/ours-target/regenerated.jsonl --max-length 2048 --rows $D/c/rows.jsonl \
-        --out $D/c --minutes $MINUTES --mask-token-id 16 && touch $D/c/rows.done" \
-        > $D/c/rows.log 2>&1 < /dev/null &
+        --out $D/c --minutes "$MINUTES" --mask-token-id 16 > $D/c/rows.log 2>&1 < /dev/null &
       echo $! > $D/c/rows.pid
     fi
     # the same-batch check on the last export's trained weights (a failure is recorded, the evaluation goes on;
