@@ -221,7 +221,6 @@ def evaluate_drafters(
         verify_export(drafter_dir)
         drafter = load_eval_drafter(drafter_dir, target, dev, torch_dtype)
         drafter.use_attention(draft_attention)
-        graphed = draft_graphs
         with eval_precision(dev, torch_dtype):  # untimed: the drafter's first proposals pay its warm-up
             evaluate_generate(
                 target,
@@ -230,7 +229,7 @@ def evaluate_drafters(
                 max_new_tokens=16,
                 stop_ids=stop_ids,
                 check=False,
-                graphs=graphed,
+                graphs=draft_graphs,
             )
         for set_name in (sets_for or {}).get(drafter_name, list(eval_sets)):
             started = time.perf_counter()
@@ -244,7 +243,7 @@ def evaluate_drafters(
                     check=True,
                     strict=False,
                     references=references[set_name],
-                    graphs=graphed,
+                    graphs=draft_graphs,
                 )
             if references_file is not None:
                 save_references(references_file, settings, prompts, references)
@@ -254,8 +253,8 @@ def evaluate_drafters(
                     "drafter": drafter_name,
                     "set": set_name,
                     "dtype": dtype,
-                    "draft_attention": "sdpa" if graphed else drafter.backend(dev),
-                    "draft_graphs": graphed,
+                    "draft_attention": "sdpa" if draft_graphs else drafter.backend(dev),
+                    "draft_graphs": draft_graphs,
                     **metrics,
                     "eval_s": time.perf_counter() - started,
                 }
