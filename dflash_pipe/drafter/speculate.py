@@ -70,10 +70,16 @@ class SpecOutput:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
-def accepted_length(draft: Tensor, target_greedy: Tensor) -> int:
+def accepted_length(draft: Sequence[int], target_greedy: Sequence[int]) -> int:
     """Greedy acceptance: how many leading draft tokens equal the target's choices. draft, target_greedy
-    [bs-1]: draft[i] is accepted when it and every draft token before it match target_greedy."""
-    return int((draft == target_greedy).long().cumprod(0).sum())
+    [bs-1] token ids, read from the device once a step (a read per token would wait on the GPU each time):
+    draft[i] is accepted when it and every draft token before it match target_greedy."""
+    accepted = 0
+    for drafted, chosen in zip(draft, target_greedy, strict=True):
+        if drafted != chosen:
+            break
+        accepted += 1
+    return accepted
 
 
 def context_features(hidden_states: Sequence[Tensor], layer_ids: Sequence[int]) -> Tensor:
@@ -260,8 +266,9 @@ def speculative_generate(
         _sync(device)
         propose_s += t_drafted - t_step
         verify_s += time.perf_counter() - t_drafted
-        accepted = accepted_length(draft, greedy[:-1])
-        produced = [int(t) for t in draft[:accepted]] + [int(greedy[accepted])]
+        draft_ids, greedy_ids = draft.tolist(), greedy.tolist()
+        accepted = accepted_length(draft_ids, greedy_ids[:-1])
+        produced = draft_ids[:accepted] + [greedy_ids[accepted]]
         keep = len(produced)
         for i, t in enumerate(produced):
             if t in stop:

@@ -120,7 +120,7 @@ def test_the_speedup_is_against_the_stack_and_hf_generate_is_said_beside_it(targ
 
 def test_check_catches_a_wrong_acceptance_rule(target, monkeypatch) -> None:
     drafter = drafter_for(target)
-    monkeypatch.setattr(speculate, "accepted_length", lambda draft, greedy: int(draft.numel()))  # accept all
+    monkeypatch.setattr(speculate, "accepted_length", lambda draft, greedy: len(draft))  # accept all
     with pytest.raises(LosslessError, match="not lossless"):
         evaluate_generate(target, drafter, prompts(1), max_new_tokens=24, stop_ids=())
 
@@ -288,3 +288,14 @@ def test_bad_inputs_are_named(target) -> None:
         )
     with pytest.raises(ValueError, match="no prompts"):
         evaluate_generate(target, drafter_for(target), [], max_new_tokens=4, stop_ids=())
+
+
+def test_accepted_length_counts_the_leading_matches() -> None:
+    from dflash_pipe.drafter.speculate import accepted_length
+
+    assert accepted_length([1, 2, 3], [1, 2, 4]) == 2
+    assert accepted_length([1, 2, 3], [1, 2, 3]) == 3
+    assert accepted_length([7, 2, 3], [1, 2, 3]) == 0  # a later match after a miss counts for nothing
+    assert accepted_length([], []) == 0  # greedy decoding: nothing drafted
+    with pytest.raises(ValueError):
+        accepted_length([1, 2], [1])
