@@ -8,16 +8,13 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
 from dflash_pipe.bench import real_model
 from dflash_pipe.bench.stored_references import load_references
-from dflash_pipe.data import demo_data_path, demo_tokenizer
-from dflash_pipe.drafter import DFlashDrafter, export_drafter
+from dflash_pipe.data import demo_data_path
 from dflash_pipe.drafter.generate_eval import Reference
 from dflash_pipe.drafter.speculate import GreedyOutput
-from tests.drafter.conftest import tiny_config
-from tests.tiny_models import tiny_qwen3_config
+from tests.tiny_models import export_random_drafter, save_demo_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,18 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("real")
-    tok = demo_tokenizer()
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(
-        tiny_qwen3_config(vocab_size=len(tok), num_hidden_layers=4, tie_word_embeddings=True)
-    )
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    cfg = tiny_config(
-        vocab_size=len(tok), num_hidden_layers=1, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-        target_layer_ids=(1, 2),
-    )  # fmt: skip
-    export_drafter(DFlashDrafter(cfg, target.get_input_embeddings(), target.lm_head), root / "ours-2min")
+    target = save_demo_target(root / "target", tie_word_embeddings=True)
+    export_random_drafter(target, root / "ours-2min")
     lines = demo_data_path().read_text().splitlines(keepends=True)
     (root / "eval_a.jsonl").write_text("".join(lines[:3]))
     (root / "eval_b.jsonl").write_text("".join(lines[3:5]))

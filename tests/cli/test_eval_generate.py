@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 from transformers import Qwen3ForCausalLM
 
 from dflash_pipe.cli import main
 from dflash_pipe.data import DataConfig, demo_data_path, demo_tokenizer, load_samples
-from dflash_pipe.drafter import DFlashDrafter, export_drafter, load_exported
+from dflash_pipe.drafter import export_drafter, load_exported
 from dflash_pipe.drafter.generate_eval import prompts_from_samples
-from tests.drafter.conftest import tiny_config
-from tests.tiny_models import tiny_qwen3_config
+from tests.tiny_models import export_random_drafter, save_demo_target
 from tests.trained_drafter import train_on_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -24,20 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def exported(tmp_path_factory):
     """A tiny random target over the demo tokenizer, saved as an HF dir, and a random drafter's export."""
     root = tmp_path_factory.mktemp("eval")
-    tok = demo_tokenizer()
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(
-        tiny_qwen3_config(vocab_size=len(tok), num_hidden_layers=4, tie_word_embeddings=True)
-    )
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    cfg = tiny_config(
-        vocab_size=len(tok),
-        num_hidden_layers=1,
-        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-        target_layer_ids=(1, 2),
-    )
-    export_drafter(DFlashDrafter(cfg, target.get_input_embeddings(), target.lm_head), root / "drafter")
+    target = save_demo_target(root / "target", tie_word_embeddings=True)
+    export_random_drafter(target, root / "drafter")
     data = root / "eval.jsonl"
     data.write_text("".join(demo_data_path().read_text().splitlines(keepends=True)[:6]))
     return root, data

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
 from dflash_pipe.config.train import TrainConfig
-from dflash_pipe.data import demo_tokenizer
 from dflash_pipe.drafter import DFlashDrafter
 from dflash_pipe.train.batches import DeviceBatch
 from dflash_pipe.train.real_eval import RealEval
 from tests.drafter.conftest import tiny_config
-from tests.tiny_models import tiny_qwen3_config
+from tests.tiny_models import save_demo_target
 from tests.trained_drafter import train_on_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -21,12 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("target")
-    tok = demo_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=len(tok), num_hidden_layers=4))
-    model.save_pretrained(root)
-    tok.save_pretrained(root)
-    return root, model
+    return root, save_demo_target(root)
 
 
 def eval_batches() -> list[DeviceBatch]:
