@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from dflash_pipe.bench.result import BenchResult  # noqa: E402
 from dflash_pipe.bench.save import save_result, show_result  # noqa: E402
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_pipe.drafter.graphed_draft import GraphedProposer  # noqa: E402
+from dflash_pipe.drafter.graphed_draft import GraphedProposer, attending  # noqa: E402
 from dflash_pipe.drafter.speculate import (  # noqa: E402
     drafter_proposer,
     speculative_generate,
@@ -67,17 +67,12 @@ def main() -> None:
     mismatches = {"steps": 0, "differ": 0}
     with torch.inference_mode():
         flex_eager = drafter_proposer(drafter) if device.type == "cuda" else None
-        sdpa_drafter = drafter  # the same weights; the backend is switched around each call below
-        graphed = (
-            GraphedProposer(drafter) if device.type == "cuda" else GraphedProposer(drafter, capture=False)
-        )
+        graphed = GraphedProposer(drafter)  # captures on CUDA, runs its buffers eagerly elsewhere
+        eager = drafter_proposer(drafter)
 
         def sdpa_eager(tokens, features):
-            sdpa_drafter.use_attention("sdpa")
-            try:
-                return drafter_proposer(sdpa_drafter)(tokens, features)
-            finally:
-                sdpa_drafter.use_attention("auto")
+            with attending(drafter, "sdpa"):  # the same weights, the graphed path's attention
+                return eager(tokens, features)
 
         def compared(tokens, features):
             out = graphed(tokens, features)

@@ -72,8 +72,8 @@ class GraphedProposer:
         length = math.ceil((n + 1) / self.bucket) * self.bucket
         step = self._steps.get(length) or self._build(length)
         step.ids[0, : n + 1].copy_(tokens)
+        # rows from n on are never attended: zeros at first, an earlier context's (finite) features after
         step.features[0, :n].copy_(features)
-        step.features[0, n:].zero_()  # never attended; kept finite (a NaN key poisons SDPA's masked row)
         step.anchor.fill_(n)
         return step.run().clone()
 
@@ -86,7 +86,7 @@ class GraphedProposer:
         valid = torch.ones(1, 1, dtype=torch.bool, device=device)
 
         def forward() -> Tensor:
-            with _attention(self.drafter, "sdpa"):
+            with attending(self.drafter, "sdpa"):
                 return draft_tokens(self.drafter, ids, features, anchor, valid)[0, 0]
 
         run = forward
@@ -126,7 +126,7 @@ def _no_autocast_cache() -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def _attention(drafter: DFlashDrafter, backend: str) -> Iterator[None]:
+def attending(drafter: DFlashDrafter, backend: str) -> Iterator[None]:
     """Within: ``drafter`` attends through ``backend`` (SDPA's dense mask is one kernel with static shapes;
     flex builds a BlockMask each step)."""
     before = drafter.cfg.attention_backend

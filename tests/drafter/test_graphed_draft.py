@@ -66,7 +66,7 @@ def test_a_context_row_past_the_anchor_cannot_change_the_draft() -> None:
     tokens, features = _context(drafter, 6, seed=1)
     first = graphed(tokens, features)
     step = graphed._steps[16]
-    step.features[0, 6:].normal_()  # what the zeroing removes; the mask must hide it anyway
+    step.features[0, 6:].normal_()  # what a longer context leaves there; the mask must hide it
     step.ids[0, 7:] = 3
     assert torch.equal(step.run(), first)
 
