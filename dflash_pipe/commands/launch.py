@@ -98,6 +98,7 @@ def launch(**opts) -> None:
 def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
     from rich.markup import escape
 
+    from dflash_pipe.compute.torch_threads import exit_past_computing
     from dflash_pipe.data import DataError
     from dflash_pipe.diskspace import DiskFullError
     from dflash_pipe.launcher import checkpoint_note
@@ -139,3 +140,4 @@ def _run_launch(cfg, *, resume: bool, live: bool | None) -> None:
         console.print(f"Resume with: dflash-pipe launch --resume {cfg.run_dir}")
         sys.exit(1)
     print_summary(cfg.run_dir, summary, console)
+    exit_past_computing(lambda line: console.print(line, markup=False, highlight=False))

@@ -61,6 +61,7 @@ def producer(**opts) -> None:
     from rich.markup import escape
 
     from dflash_pipe.commands.launch_config import layout_from_flags
+    from dflash_pipe.compute.torch_threads import exit_past_computing
     from dflash_pipe.producer.attach import AttachError, run_attached
     from dflash_pipe.producer.errors import RunAborted
     from dflash_pipe.wire.addresses import DEFAULT_ADDRESS
@@ -98,6 +99,7 @@ def producer(**opts) -> None:
         markup=False,
         highlight=False,
     )
+    exit_past_computing(lambda line: console.print(line, markup=False, highlight=False))
 
 
 def dry_run_plan(connect: str, layout, *, name: str, bind: str, keys: Path | None) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dflash_pipe.compute.compile import apply_dynamo_settings
+from dflash_pipe.compute.torch_threads import computes_torch
 from dflash_pipe.data import Sample
 from dflash_pipe.data.regenerated import Regenerated
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob
@@ -243,6 +244,7 @@ class TargetThread(threading.Thread):
         """``make_generator``: builds this replica's ``TurnGenerator`` for the ``GenerateJob``s that come
         through ``plans`` (runs with ``data.responses = "target"``)."""
         super().__init__(name=f"target-{name}", daemon=True)
+        computes_torch(self)  # the command's exit must not finalize around it
         self.core = core
         self.samples = samples
         self.plans = plans
