@@ -7,8 +7,8 @@ conversation, keyed by its index in the source (the order of its conversations, 
 ``conversations.py`` reads them):
 
 - ``{"messages": [...], "regen": {"index": 3, "turns": 2, "truncated": 0, "capped": 0, "looped": 0,
-  "new_tokens": 118, "failed": null}}`` (``capped`` and ``looped``: see ``Regenerated``; 0 in files written
-  before they were counted)
+  "new_tokens": 118, "failed": null, "tokens": {"ids": [...], "trained": [[41, 97], ...]}}}``
+  (``capped``, ``looped``, ``tokens``: see ``Regenerated``; absent in files written before they were kept)
 - ``{"dflash_pipe": {"index": 7, "failed": {...}}}`` when not one turn could be generated (every reader
   skips it, see ``formats.is_bookkeeping``).
 
@@ -45,6 +45,7 @@ from .formats import BOOKKEEPING_KEY
 from .resolved import Source, TableSource
 from .samples import DataError
 from .sources import resolve_source
+from .token_form import TokenForm
 
 FILE_VERSION = 1
 
@@ -83,6 +84,8 @@ class Regenerated:
     new_tokens: int = 0
     """Tokens the target generated for this conversation."""
     failed: TurnFailure | None = None
+    tokens: TokenForm | None = None
+    """The ids the target read and wrote, which its sample trains (None: rendered from ``messages``)."""
 
     def to_line(self) -> dict[str, Any]:
         failed = None if self.failed is None else _failure_dict(self.failed)
@@ -97,6 +100,8 @@ class Regenerated:
             "new_tokens": self.new_tokens,
             "failed": failed,
         }
+        if self.tokens is not None:
+            regen["tokens"] = self.tokens.to_json()
         return {"messages": self.messages, "regen": regen}
 
     @classmethod
@@ -114,6 +119,7 @@ class Regenerated:
             looped=int(info.get("looped", 0)),
             new_tokens=int(info.get("new_tokens", 0)),
             failed=TurnFailure(**failed) if isinstance(failed, dict) else None,
+            tokens=TokenForm.from_json(info.get("tokens")),
         )
 
 

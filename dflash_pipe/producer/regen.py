@@ -77,13 +77,17 @@ def to_sample(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConf
 
 def sample_or_reason(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConfig) -> Sample | str:
     """``to_sample``, or why the conversation has nothing to train: its first turn's failure (``prompt too
-    long``, ``empty reply``, ``template error``) or the loader's drop reason (``data.samples.DROP_*``)."""
+    long``, ``empty reply``, ``template error``) or the loader's drop reason (``data.samples.DROP_*``).
+    The sample is the target's own ids where the record has them, else the messages rendered."""
     if not record.turns:
         return record.failed.reason if record.failed is not None else "no regenerated turn"
-    try:
-        ids, mask = render_conversation(tokenizer, record.messages, cfg.chat_template_kwargs)
-    except FormatError as exc:
-        return exc.kind
+    if record.tokens is not None:
+        ids, mask = record.tokens.ids, record.tokens.mask()
+    else:
+        try:
+            ids, mask = render_conversation(tokenizer, record.messages, cfg.chat_template_kwargs)
+        except FormatError as exc:
+            return exc.kind
     fitted = fit_sample(ids, mask, cfg)
     if fitted is None:
         return drop_reason(mask, cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_pipe.data.regenerated import Regenerated, TurnFailure
+from dflash_pipe.data.token_form import TokenForm
 
 
 def turn_seed(seed: int, index: int, turn: int) -> int:
@@ -31,6 +32,8 @@ class Conversation:
         self.new_tokens = 0
         self.failed: TurnFailure | None = None
         self.stopped = False
+        self.tokens: TokenForm | None = TokenForm()
+        """The turns answered so far as the target's ids (None once a prompt did not extend them)."""
 
     def advance(self) -> bool:
         """Copies the messages up to the next assistant turn; True when there is one to generate."""
@@ -50,6 +53,11 @@ class Conversation:
         self.turns += 1
         self.new_tokens += new_tokens
         self.truncated += int(truncated)
+
+    def answered_ids(self, prompt: list[int], reply: list[int], end: int | None) -> None:
+        """The turn just answered, as the prompt prefilled and the reply decoded (``TokenForm``)."""
+        if self.tokens is not None:
+            self.tokens = self.tokens.extended(prompt, reply, end)
 
     def fail(self, reason: str) -> None:
         left = sum(m["role"] == "assistant" for m in self.source[self.pos :])
@@ -74,4 +82,5 @@ class Conversation:
             looped=self.looped,
             new_tokens=self.new_tokens,
             failed=self.failed,
+            tokens=self.tokens if self.turns else None,
         )

@@ -217,7 +217,7 @@ class TurnGenerator:
                 [r.prompt for r in requests], [r.max_new for r in requests], seeds, should_stop
             )
             for (state, request), reply in zip(asking, replies, strict=True):
-                self._settle(state, reply, request.max_new)
+                self._settle(state, reply, request)
         return [s.result() for s in states]
 
     def _request(self, state: Conversation) -> TurnRequest | None:
@@ -229,9 +229,10 @@ class TurnGenerator:
         seed = None if self.settings.greedy else turn_seed(self.settings.seed, state.index, state.turn)
         return TurnRequest(prompt=prompt, max_new=room, seed=seed)
 
-    def _settle(self, state: Conversation, reply: Reply, limit: int) -> None:
-        """Writes a decoded turn into its conversation (counted as capped and looped where it is: a looped
-        one ends the conversation instead with ``regen.loops`` "drop")."""
+    def _settle(self, state: Conversation, reply: Reply, request: TurnRequest) -> None:
+        """Writes a decoded turn into its conversation, as text and as the ids the target read and wrote
+        (counted as capped and looped where it is: a looped one ends the conversation instead with
+        ``regen.loops`` "drop")."""
         text = self.tokenizer.decode(reply.tokens, skip_special_tokens=False)
         if not text.strip():
             state.fail("empty reply")
@@ -246,7 +247,8 @@ class TurnGenerator:
                 state.fail("looped")
                 return
         state.answer(text, new_tokens, truncated=not reply.ended)
-        if not reply.ended and limit < self.settings.max_new_tokens:
+        state.answered_ids(request.prompt, reply.tokens, reply.end)
+        if not reply.ended and request.max_new < self.settings.max_new_tokens:
             state.stop_at_length()  # the sample is full: later turns would be cut off anyway
 
     def _prompt(self, state: Conversation) -> list[int] | None:
@@ -286,14 +288,14 @@ class _OneTurn:
 
     def __init__(self, request: TurnRequest) -> None:
         self._request: TurnRequest | None = request
-        self.reply = Reply(tokens=[], ended=False)
+        self.reply = Reply(tokens=[])
 
     def next_request(self) -> TurnRequest | None:
         request, self._request = self._request, None
         return request
 
-    def take(self, tokens: list[int], ended: bool) -> None:
-        self.reply = Reply(tokens=tokens, ended=ended)
+    def take(self, tokens: list[int], end: int | None) -> None:
+        self.reply = Reply(tokens, end)
 
 
 class _TurnSession:
@@ -308,17 +310,18 @@ class _TurnSession:
         self.generator = generator
         self.state = state
         self.on_done = on_done
-        self._limit = 0
+        self._request: TurnRequest | None = None
 
     def next_request(self) -> TurnRequest | None:
         while self.state.advance():
             request = self.generator._request(self.state)
             if request is not None:
-                self._limit = request.max_new
+                self._request = request
                 return request
         if self.on_done is not None:
             self.on_done(self.state.result())
         return None
 
-    def take(self, tokens: list[int], ended: bool) -> None:
-        self.generator._settle(self.state, Reply(tokens=tokens, ended=ended), self._limit)
+    def take(self, tokens: list[int], end: int | None) -> None:
+        assert self._request is not None
+        self.generator._settle(self.state, Reply(tokens, end), self._request)

@@ -30,10 +30,15 @@ too: ``Cache.reorder_cache``), so a round's long replies do not drag the finishe
 
 @dataclass(slots=True)
 class Reply:
-    """One decoded turn: its tokens without the end-of-turn token, and whether that token came."""
+    """One decoded turn: its tokens without the end-of-turn token, and that token (None: the turn ran to its
+    limit)."""
 
     tokens: list[int]
-    ended: bool
+    end: int | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.end is not None
 
 
 class PlainDecoder:
@@ -123,7 +128,7 @@ class PlainDecoder:
         for row, n in zip(written.tolist(), lengths.tolist(), strict=True):
             tokens = row[:n]
             ended = bool(tokens) and tokens[-1] in self.end_ids
-            replies.append(Reply(tokens=tokens[:-1] if ended else tokens, ended=ended))
+            replies.append(Reply(tokens[:-1], tokens[-1]) if ended else Reply(tokens))
         return replies
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:

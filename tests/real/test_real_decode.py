@@ -22,14 +22,14 @@ class _Prompt:
     def __init__(self, request: TurnRequest) -> None:
         self.request: TurnRequest | None = request
         self.reply: list[int] | None = None
-        self.ended: bool | None = None
+        self.end: int | None = None
 
     def next_request(self) -> TurnRequest | None:
         request, self.request = self.request, None
         return request
 
-    def take(self, tokens: list[int], ended: bool) -> None:
-        self.reply, self.ended = tokens, ended
+    def take(self, tokens: list[int], end: int | None) -> None:
+        self.reply, self.end = tokens, end
 
 
 def _hf_reply(model, prompt: list[int], end_ids: list[int]) -> list[int]:
@@ -64,7 +64,7 @@ def test_slot_engine_replies_equal_hf_generate(hf_model, tokenizer, sharegpt_pro
     want = [_hf_reply(hf_model, p, gen.end_ids) for p in prompts]
     for session, reply in zip(sessions, want, strict=True):
         assert session.reply == reply
-        assert session.ended == (len(reply) < MAX_NEW)
+        assert (session.end is not None) == (len(reply) < MAX_NEW)
     assert sum(len(r) for r in want) >= MAX_NEW * len(want) // 2, want  # real replies, not empty ones
 
     # the same turns through regeneration: each conversation's assistant turn is the decoded HF reply

@@ -135,7 +135,7 @@ class _Prompt:
         request, self.request = self.request, None
         return request
 
-    def take(self, tokens, ended):
+    def take(self, tokens, end):
         self.reply = tokens
 
 

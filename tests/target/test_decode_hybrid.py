@@ -201,7 +201,7 @@ class _Conversation:
             self.prompt = last_prompt + last_reply + self.extras.pop(0)
         return TurnRequest(self.prompt, self.limit)
 
-    def take(self, tokens: list[int], ended: bool) -> None:
+    def take(self, tokens: list[int], end: int | None) -> None:
         self.turns.append((self.prompt, tokens))
 
 

@@ -84,6 +84,16 @@ def test_greedy_batched_equals_a_plain_greedy_loop_per_conversation(model, token
             assert result.failed.reason == "empty reply"
             assert want[len(result.messages)]["content"].strip() == ""
     assert any(r.turns for r in got)
+    # the one-turn conversation's sample ids: the prompt HF's template renders, then the reference's reply
+    one = CONVERSATIONS[1]
+    prompt = tokenizer(render_prompt(tokenizer, one[:1], {}), add_special_tokens=False)["input_ids"]
+    greedy = lambda logits, step: int(logits.argmax())  # noqa: E731
+    reply = _plain_turn(model, prompt, 12, gen.end_ids, greedy)
+    with torch.no_grad():  # a reply under the limit stopped at an end-of-turn token: which one
+        end = greedy(model(input_ids=torch.tensor([prompt + reply])).logits[:, -1].float(), 0)
+    form = got[1].tokens
+    assert form is not None and form.ids == prompt + reply + ([end] if len(reply) < 12 else [])
+    assert form.trained == [(len(prompt), len(form.ids))]
 
 
 def test_turn_two_is_prompted_with_the_regenerated_turn_one(model, tokenizer):

@@ -53,8 +53,9 @@ class Session(Protocol):
     def next_request(self) -> TurnRequest | None:
         """The next turn to generate, None when the conversation has no turn left."""
 
-    def take(self, tokens: list[int], ended: bool) -> None:
-        """The turn's reply: its tokens without the end-of-turn token, and whether that token came."""
+    def take(self, tokens: list[int], end: int | None) -> None:
+        """The turn's reply: its tokens without the end-of-turn token, and that token (None: the turn ran to
+        its limit)."""
 
 
 @dataclass(slots=True)
@@ -243,8 +244,10 @@ class SlotEngine:
             self.stats.turns += 1
             self.stats.generated += len(tokens)
             slot.cached = slot.request.prompt + tokens[:-1]  # the last token picked was never fed
-            is_end = bool(tokens) and tokens[-1] in self._end_ids
-            slot.session.take(tokens[:-1] if is_end else tokens, is_end)
+            if tokens and tokens[-1] in self._end_ids:
+                slot.session.take(tokens[:-1], tokens[-1])
+            else:
+                slot.session.take(tokens, None)
             slot.request = slot.session.next_request()
             if slot.request is not None:
                 pending.append(index)  # the same conversation's next turn, on its own cache
