@@ -66,13 +66,20 @@ class Row:
 
 
 def write_rows(conversations: Path, tokenizer: Any, out: Path, *, max_length: int, limit: int | None) -> int:
-    """Tokenize a conversations JSONL the way dflash-pipe does (``load_samples``) and write the rows as
-    pre-tokenized JSONL (``{"input_ids", "loss_mask"}`` per line); returns the rows written."""
+    """Tokenize a conversations JSONL the way dflash-pipe does and write the rows as pre-tokenized JSONL
+    (``{"input_ids", "loss_mask"}`` per line); returns the rows written. A regenerated file gives the
+    samples its run trained (``data.regen_samples``: the target's own ids where a line keeps them), any
+    other file what ``load_samples`` makes of it."""
     from dflash_pipe.data.config import DataConfig
     from dflash_pipe.data.loader import load_samples
+    from dflash_pipe.data.regen_samples import is_regenerated_file, regenerated_samples
 
-    loaded = load_samples(DataConfig(path=conversations, max_length=max_length), tokenizer)
-    samples = list(loaded.samples)[:limit] if limit is not None else list(loaded.samples)
+    cfg = DataConfig(path=conversations, max_length=max_length)
+    if is_regenerated_file(conversations):
+        made = regenerated_samples(conversations, tokenizer, cfg)
+    else:
+        made = iter(load_samples(cfg, tokenizer).samples)
+    samples = [s for _, s in zip(range(limit), made, strict=False)] if limit is not None else list(made)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for s in samples:

@@ -4,7 +4,7 @@ and epoch 0's batches planned as the replies arrive.
 The target threads take ``GenerateJob``s from the same queue as feature batches (one job per idle replica
 at most, so features for the workers are never queued behind more than one job per replica) and hand back
 ``GenerateDone``. The main thread (``Regeneration.accept``) appends the replies to the run's regenerated
-file, renders them into training samples and makes them plannable; epoch 0 (``epoch0``) yields batches of
+file, turns them into training samples (``data.regen_samples``) and makes them plannable; epoch 0 (``epoch0``) yields batches of
 what has arrived, and ``None`` while the rest is still being generated. Later epochs plan every sample, as a
 run on dataset responses does. Sample ids are conversation indexes: a conversation left with nothing to
 train (every turn failed, or too short once rendered) is a *void* id that no epoch plans.
@@ -25,14 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dflash_pipe.data import DataConfig, Sample, plan_batches
 from dflash_pipe.data.config import RegenConfig
-from dflash_pipe.data.formats import FormatError
-from dflash_pipe.data.lines import drop_reason, fit_sample
+from dflash_pipe.data.regen_samples import sample_or_reason, to_sample
 from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, SourceConversations
-from dflash_pipe.data.render import render_conversation
 from dflash_pipe.data.spill import SpilledSamples
 from dflash_pipe.producer.failed_notes import FailedTurnNotes
 from dflash_pipe.target.decode.sizing import FALLBACK_SLOTS, FREE_SHARE, SHARED_FREE_SHARE
@@ -66,34 +63,6 @@ class GenerateDone:
     replica: str
     last: bool = True
     """The job's last conversations: the job is answered (its replica may take another)."""
-
-
-def to_sample(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConfig) -> Sample | None:
-    """A regenerated conversation as a training sample (rendered like any conversation line), or None when
-    it has nothing to train."""
-    made = sample_or_reason(record, sample_id, tokenizer, cfg)
-    return made if isinstance(made, Sample) else None
-
-
-def sample_or_reason(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConfig) -> Sample | str:
-    """``to_sample``, or why the conversation has nothing to train: its first turn's failure (``prompt too
-    long``, ``empty reply``, ``template error``) or the loader's drop reason (``data.samples.DROP_*``).
-    The sample is the target's own ids where the record has them, else the messages rendered."""
-    if not record.turns:
-        return record.failed.reason if record.failed is not None else "no regenerated turn"
-    if record.tokens is not None:
-        ids, mask = record.tokens.ids, record.tokens.mask()
-    else:
-        try:
-            ids, mask = render_conversation(tokenizer, record.messages, cfg.chat_template_kwargs)
-        except FormatError as exc:
-            return exc.kind
-    fitted = fit_sample(ids, mask, cfg)
-    if fitted is None:
-        return drop_reason(mask, cfg)
-    return Sample(
-        sample_id=sample_id, input_ids=torch.from_numpy(fitted[0]), loss_mask=torch.from_numpy(fitted[1])
-    )
 
 
 class Regeneration:

@@ -35,3 +35,38 @@ def test_rows_only_needs_conversations(tmp_path):
     done = peer("--target", str(tmp_path), "--rows", str(tmp_path / "r.jsonl"), "--out", str(tmp_path),
                 "--rows-only")  # fmt: skip
     assert done.returncode == 2 and "give --conversations" in done.stderr
+
+
+def test_rows_of_a_regenerated_file_are_the_target_ids_the_run_trained(tmp_path):
+    """A regenerated line that keeps the target's ids gives those ids (not its text tokenized again, which
+    differs here); a line without them gives its rendered text, as the producer's samples do."""
+    from dflash_pipe.bench.peers import write_rows
+    from dflash_pipe.data.config import RegenConfig
+    from dflash_pipe.data.regenerated import Regenerated, RegenStore, provenance
+    from dflash_pipe.data.render import render_conversation, render_prompt
+    from dflash_pipe.data.token_form import TokenForm
+
+    tok = demo_tokenizer()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    data = DataConfig(path=demo_data_path(), max_length=512)
+    store = RegenStore(tmp_path / "regenerated.jsonl", provenance(tmp_path / "target", data, RegenConfig()))
+    asked = [{"role": "user", "content": "Name a pet."}]
+    prompt = tok(render_prompt(tok, asked, {}), add_special_tokens=False)["input_ids"]
+    letters = [tok.convert_tokens_to_ids(c) for c in "cat"]  # the text "cat" tokenizes otherwise
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    form = TokenForm().extended(prompt, letters, end)
+    said = [*asked, {"role": "assistant", "content": "cat"}]
+    plain = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "red, or blue"}]
+    store.append([Regenerated(index=0, messages=said, turns=1, tokens=form),
+                  Regenerated(index=1, messages=plain, turns=1)])  # fmt: skip
+    store.close()
+    rows = tmp_path / "rows.jsonl"
+    assert write_rows(tmp_path / "regenerated.jsonl", tok, rows, max_length=512, limit=None) == 2
+    first, second = (json.loads(line) for line in rows.read_text().splitlines())
+    assert (
+        first["input_ids"] == prompt + letters + [end] != render_conversation(tok, said)[0][: len(form.ids)]
+    )
+    assert first["loss_mask"] == [0] * len(prompt) + [1] * 4
+    ids, mask = render_conversation(tok, plain)
+    assert second["input_ids"] == ids and second["loss_mask"] == [int(m) for m in mask]

@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from dflash_pipe.data import DataConfig, demo_tokenizer
 from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.regen_samples import sample_or_reason
 from dflash_pipe.data.regenerated import Regenerated
 from dflash_pipe.data.render import render_conversation, render_prompt
 from dflash_pipe.data.token_form import TokenForm
-from dflash_pipe.producer.regen import sample_or_reason
 from dflash_pipe.target.generate import TurnGenerator
 from dflash_pipe.target.plain_decode import Reply
 from tests.target.conversations import CONVERSATIONS
