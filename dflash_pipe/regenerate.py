@@ -14,7 +14,8 @@ from typing import Any
 
 from dflash_pipe.data import DataConfig
 from dflash_pipe.data.config import RegenConfig
-from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, load_conversations, provenance
+from dflash_pipe.data.conversations import load_conversations
+from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, provenance
 
 CHUNK_SLOTS = 16
 """Conversations handed to the generator per call, in slots' worth: a slot whose conversation ends takes

@@ -68,8 +68,20 @@ def regen_line(regen: Mapping[str, Any]) -> str:
         f"regenerated: {regen['conversations_generated']} conversations now ({regen['conversations_reused']} "
         f"reused from {regen['file']}), {regen['turns']} turns ({regen['truncated_turns']} cut at the token "
         f"limit{_capped_looped(regen)}), failed turns: {failed} ({regen['skipped_turns']} turns left out), "
-        f"{regen['dropped_conversations']} conversations with nothing to train; {regen['new_tokens']:,} tokens, "
+        f"{regen['dropped_conversations']} conversations with nothing to train{_rendered(regen)}; "
+        f"{regen['new_tokens']:,} tokens, "
         f"{regen['seconds']:.0f} s from the first job to the last reply ({rate:,.0f} generated tokens/s)"
+    )
+
+
+def _rendered(regen: Mapping[str, Any]) -> str:
+    """``, 3 trained from their text ...`` when some conversations' ids did not chain (nothing otherwise)."""
+    n = regen.get("rendered_conversations", 0)
+    if not n:
+        return ""
+    return (
+        f", {n} trained from their text re-tokenized (the chat template rewrote an earlier turn or a reply's "
+        "text tokenizes otherwise; the rest train the target's own ids)"
     )
 
 

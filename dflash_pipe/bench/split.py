@@ -167,7 +167,8 @@ def decode_probe(cfg: RunConfig, work: Any, out_dir: Path) -> dict[str, float]:
     its tokens): the target's replies are assumed as long as the dataset's."""
     from transformers import AutoTokenizer
 
-    from dflash_pipe.data.regenerated import RegenTally, load_conversations
+    from dflash_pipe.data.conversations import load_conversations
+    from dflash_pipe.data.regenerated import RegenTally
     from dflash_pipe.regenerate import load_model
     from dflash_pipe.target.generate import TurnGenerator
 

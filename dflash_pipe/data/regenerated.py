@@ -36,11 +36,6 @@ import numpy as np
 from dflash_pipe.diskspace import is_no_space, no_space_error
 
 from .config import DataConfig, RegenConfig
-from .conversations import (  # noqa: F401 -- their home is conversations.py; callers import them here too
-    SourceConversations,
-    check_prompts_fit,
-    load_conversations,
-)
 from .formats import BOOKKEEPING_KEY
 from .resolved import Source, TableSource
 from .samples import DataError
@@ -382,6 +377,8 @@ class RegenTally:
     """Failed turns (the first failing one of each conversation) by reason."""
     skipped_turns: int = 0
     """Turns not generated: each failed turn and the turns after it."""
+    rendered: int = 0
+    """Conversations with turns but no ``tokens``: their sample is rendered from the text."""
 
     def add(self, record: Regenerated) -> None:
         self.conversations += 1
@@ -391,6 +388,7 @@ class RegenTally:
         self.looped_turns += record.looped
         self.new_tokens += record.new_tokens
         self.dropped += int(not record.turns)
+        self.rendered += int(record.turns > 0 and record.tokens is None)
         if record.failed is not None:
             self.failed[record.failed.reason] += 1
             self.skipped_turns += record.failed.skipped_turns

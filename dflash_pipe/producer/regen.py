@@ -28,8 +28,9 @@ import numpy as np
 
 from dflash_pipe.data import DataConfig, Sample, plan_batches
 from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.conversations import SourceConversations
 from dflash_pipe.data.regen_samples import sample_or_reason, to_sample
-from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally, SourceConversations
+from dflash_pipe.data.regenerated import Regenerated, RegenStore, RegenTally
 from dflash_pipe.data.spill import SpilledSamples
 from dflash_pipe.producer.failed_notes import FailedTurnNotes
 from dflash_pipe.target.decode.sizing import FALLBACK_SLOTS, FREE_SHARE, SHARED_FREE_SHARE
@@ -351,6 +352,7 @@ class Regeneration:
             "failed_turns": dict(self.tally.failed),
             "skipped_turns": self.tally.skipped_turns,
             "dropped_conversations": len(self.voids),
+            "rendered_conversations": self.tally.rendered,
             "new_tokens": self.tally.new_tokens,
             "seconds": elapsed,
         }

@@ -178,12 +178,8 @@ class PendingRun:
 
     def _regeneration(self) -> Regeneration:
         """The conversations to regenerate, with what the run dir's regenerated file already holds."""
-        from dflash_pipe.data.regenerated import (
-            RegenStore,
-            check_prompts_fit,
-            load_conversations,
-            provenance,
-        )
+        from dflash_pipe.data.conversations import check_prompts_fit, load_conversations
+        from dflash_pipe.data.regenerated import RegenStore, provenance
         from dflash_pipe.producer.regen import Regeneration
 
         source = load_conversations(self.cfg.data, spill_dir=self.cfg.run_dir)

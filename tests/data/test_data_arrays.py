@@ -14,7 +14,7 @@ from data_helpers import conv
 from dflash_pipe.data import DataConfig, DataError, load_samples, loader
 from dflash_pipe.data import arrays as arrays_module
 from dflash_pipe.data.arrays import ArrayRecords
-from dflash_pipe.data.regenerated import load_conversations
+from dflash_pipe.data.conversations import load_conversations
 from dflash_pipe.data.resolved import JsonArraySource, JsonlSource
 from dflash_pipe.data.sources import resolve_source
 

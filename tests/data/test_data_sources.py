@@ -24,8 +24,9 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from dflash_pipe.data import DataConfig, DataError, DataFuture, LoadedData, load_samples, loader, pool  # noqa: E402
+from dflash_pipe.data.conversations import load_conversations  # noqa: E402
 from dflash_pipe.data.lines import Tokenized  # noqa: E402
-from dflash_pipe.data.regenerated import load_conversations, source_digest  # noqa: E402
+from dflash_pipe.data.regenerated import source_digest  # noqa: E402
 from dflash_pipe.data.resolved import TableSource  # noqa: E402
 from dflash_pipe.data.sources import resolve_source  # noqa: E402
 from dflash_pipe.data.tables import record_batches  # noqa: E402

@@ -10,13 +10,13 @@ from data_helpers import conv
 
 from dflash_pipe.data import DataConfig, DataError, load_samples
 from dflash_pipe.data.config import RegenConfig
+from dflash_pipe.data.conversations import load_conversations
 from dflash_pipe.data.regenerated import (
     Regenerated,
     RegenFileError,
     RegenStore,
     RegenTally,
     TurnFailure,
-    load_conversations,
     provenance,
 )
 from dflash_pipe.data.render import render_conversation
@@ -156,7 +156,7 @@ def test_chat_template_kwargs_are_validated():
 def test_a_file_whose_every_prompt_is_too_long_stops_before_regenerating(write_jsonl, tok):
     """No conversation leaves room under max_length for a reply to train: one line naming the shortest
     prompt and the length that fits it, before anything is generated."""
-    from dflash_pipe.data.regenerated import check_prompts_fit
+    from dflash_pipe.data.conversations import check_prompts_fit
     from dflash_pipe.data.render import render_prompt
 
     rows = [conv(("a much longer question than the other one, " * 3, "x")), conv(("short?", "y"), ("z", "w"))]

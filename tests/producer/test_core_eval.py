@@ -13,7 +13,8 @@ import torch
 from dflash_pipe.config.train import TrainConfig
 from dflash_pipe.data import DataConfig, demo_tokenizer
 from dflash_pipe.data.config import RegenConfig
-from dflash_pipe.data.regenerated import Regenerated, RegenStore, SourceConversations, provenance
+from dflash_pipe.data.conversations import SourceConversations
+from dflash_pipe.data.regenerated import Regenerated, RegenStore, provenance
 from dflash_pipe.producer.core import ProducerCore
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob, Regeneration
 from dflash_pipe.producer.rings import Rings

@@ -8,13 +8,8 @@ import pytest
 
 from dflash_pipe.data import DataConfig, demo_tokenizer
 from dflash_pipe.data.config import RegenConfig
-from dflash_pipe.data.regenerated import (
-    Regenerated,
-    RegenStore,
-    SourceConversations,
-    TurnFailure,
-    provenance,
-)
+from dflash_pipe.data.conversations import SourceConversations
+from dflash_pipe.data.regenerated import Regenerated, RegenStore, TurnFailure, provenance
 from dflash_pipe.data.render import render_conversation
 from dflash_pipe.producer import failed_notes
 from dflash_pipe.producer.regen import GenerateDone, GenerateJob, Regeneration, first_open_epoch
@@ -262,3 +257,19 @@ def test_auto_jobs_take_the_slots_the_replicas_got(tmp_path, tok, monkeypatch):
     explicit = _make(tmp_path / "b", tok, batch=4)
     assert explicit.size_jobs([_Core(5)], drafters_share_gpus=False) is None
     assert len(explicit.next_job().items) == 4
+
+
+def test_the_summary_counts_conversations_trained_from_their_text(tmp_path, tok):
+    """Records without the target's ids (here: all but one) are counted and said in the summary line."""
+    from dflash_pipe.data.token_form import TokenForm
+    from dflash_pipe.report import regen_line
+
+    regen = _make(tmp_path, tok)
+    job = regen.next_job()
+    results = _answer(job.items, empty={job.items[1][0]})
+    results[0].tokens = TokenForm([1, 2, 3, 4], [(2, 4)])
+    regen.accept(GenerateDone(job=job, results=results, seconds=0.1, replica="cpu"))
+    summary = regen.summary()
+    assert summary["rendered_conversations"] == len(results) - 2  # not the one with ids, not the empty one
+    assert f", {len(results) - 2} trained from their text re-tokenized" in regen_line(summary)
+    assert "trained from their text" not in regen_line({**summary, "rendered_conversations": 0})
