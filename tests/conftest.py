@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Inductor compiles in this process (and in the processes tests start, which inherit it), not in a pool of
+# compile workers: on 2 shared cores the pool's processes cost more CPU than they save (bench/compile_sweep.py
+# --cpu: 294 s of CPU with the pool, 240 s without; bench compile's test: 177 s, 166 s).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture
