@@ -52,7 +52,7 @@ def to_sample(record: Regenerated, sample_id: int, tokenizer: Any, cfg: DataConf
 def is_regenerated_file(path: Path) -> bool:
     """True when ``path`` starts with a regenerated file's provenance header."""
     with open(path, "rb") as f:
-        first = f.readline()
+        first = f.readline(1 << 20)  # a header is small; a one-line JSON array is not read whole
     try:
         header = json.loads(first)
     except (json.JSONDecodeError, UnicodeDecodeError):

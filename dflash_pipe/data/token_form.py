@@ -52,7 +52,10 @@ class TokenForm:
         ids, spans = obj["ids"], obj.get("trained")
         if not all(isinstance(i, int) for i in ids) or not isinstance(spans, list):
             return None
-        trained = [(int(s), int(e)) for s, e in spans]
+        try:
+            trained = [(int(s), int(e)) for s, e in spans]
+        except (TypeError, ValueError):  # a span that is not two numbers
+            return None
         if any(not 0 <= s < e <= len(ids) for s, e in trained):
             return None
         return cls(ids, trained)

@@ -4,10 +4,11 @@ and epoch 0's batches planned as the replies arrive.
 The target threads take ``GenerateJob``s from the same queue as feature batches (one job per idle replica
 at most, so features for the workers are never queued behind more than one job per replica) and hand back
 ``GenerateDone``. The main thread (``Regeneration.accept``) appends the replies to the run's regenerated
-file, turns them into training samples (``data.regen_samples``) and makes them plannable; epoch 0 (``epoch0``) yields batches of
-what has arrived, and ``None`` while the rest is still being generated. Later epochs plan every sample, as a
-run on dataset responses does. Sample ids are conversation indexes: a conversation left with nothing to
-train (every turn failed, or too short once rendered) is a *void* id that no epoch plans.
+file, turns them into training samples (``data.regen_samples``) and makes them plannable; epoch 0
+(``epoch0``) yields batches of what has arrived, and ``None`` while the rest is still being generated.
+Later epochs plan every sample, as a run on dataset responses does. Sample ids are conversation indexes: a
+conversation left with nothing to train (every turn failed, or too short) is a *void* id that no epoch
+plans.
 
 The held-out conversations (the file's tail) are generation jobs too, handed out right after the first
 training job: serving and training start at once, and the eval set exists a job or two later

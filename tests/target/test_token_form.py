@@ -175,6 +175,7 @@ def test_the_form_survives_the_file_line_and_bad_forms_are_not_read():
     assert back.tokens == form and back.tokens.mask().tolist() == [False, False, True, True, False]
     assert TokenForm.from_json({"ids": [1, 2], "trained": [[1, 3]]}) is None  # past the end
     assert TokenForm.from_json({"ids": [1, "2"], "trained": []}) is None
+    assert TokenForm.from_json({"ids": [1, 2], "trained": [[1]]}) is None  # a span that is not two numbers
     assert Regenerated.from_line({"messages": [], "regen": {"index": 1}}).tokens is None  # older files
 
 
