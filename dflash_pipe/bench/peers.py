@@ -19,6 +19,7 @@ change together with SpecForge's version; none is used elsewhere.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -79,7 +80,7 @@ def write_rows(conversations: Path, tokenizer: Any, out: Path, *, max_length: in
         made = regenerated_samples(conversations, tokenizer, cfg)
     else:
         made = iter(load_samples(cfg, tokenizer).samples)
-    samples = [s for _, s in zip(range(limit), made, strict=False)] if limit is not None else list(made)
+    samples = list(itertools.islice(made, limit))
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for s in samples:

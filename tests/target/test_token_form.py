@@ -6,6 +6,7 @@ rewrites an earlier turn or a reply's text tokenizes otherwise."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -104,9 +105,7 @@ def test_the_sample_is_the_target_ids_and_equals_the_rendered_sample(tok):
     cfg = DataConfig(path=Path("unused.jsonl"), max_length=512)
     for record in records:
         sample = sample_or_reason(record, record.index, tok, cfg)
-        rendered = sample_or_reason(
-            Regenerated(**{**_fields(record), "tokens": None}), record.index, tok, cfg
-        )
+        rendered = sample_or_reason(dataclasses.replace(record, tokens=None), record.index, tok, cfg)
         n = sample.input_ids.numel()
         assert sample.input_ids.tolist() == rendered.input_ids[:n].tolist()
         assert sample.loss_mask.tolist() == rendered.loss_mask[:n].tolist()
@@ -185,7 +184,3 @@ def test_extending_needs_the_prompt_to_begin_with_everything_so_far():
     assert form.extended([1, 2, 3, 4, 9, 7], [8], None) == TokenForm([1, 2, 3, 4, 9, 7, 8], [(2, 5), (6, 7)])
     assert form.extended([1, 2, 3, 5, 9, 7], [8], None) is None
     assert np.flatnonzero(form.mask()).tolist() == [2, 3, 4]
-
-
-def _fields(record: Regenerated) -> dict:
-    return {name: getattr(record, name) for name in record.__slots__}
