@@ -33,7 +33,8 @@ set -euo pipefail
 D=/tmp/dp
 G=$D/SmolLM2-135M-Instruct.Q4_1.gguf
 MINUTES=${MINUTES:-6}
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DFLASH_PIPE_CACHE=$D/cache-dp
+# the repo root too: the peer runs as a script (bench/peers/...), whose own folder is its sys.path[0]
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DFLASH_PIPE_CACHE=$D/cache-dp
 OUT=${OUT:-$D/out}
 mkdir -p "$OUT"
 
