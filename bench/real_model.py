@@ -167,7 +167,7 @@ def evaluate(args: argparse.Namespace) -> None:
         sets_for=sets_for,
         dtype=args.dtype,
         draft_attention=args.draft_attention,
-        draft_graphs=args.draft_graphs == "on",
+        draft_graphs=args.draft_graphs,
         references_file=args.out / "references.json",
     )
     path = args.out / args.rows
@@ -258,8 +258,9 @@ def main() -> None:
         help="how the drafters attend while drafting (auto: flex on CUDA, as they train)",
     )  # fmt: skip
     e.add_argument(
-        "--draft-graphs", choices=["on", "off"], default="off",
-        help="draft steps replayed from captured CUDA graphs (CUDA only; they draft through SDPA)",
+        "--draft-graphs", choices=["on", "off", "check"], default="off",
+        help="draft steps replayed from captured CUDA graphs (on: CUDA only; they draft through SDPA); check: "
+        "each graphed draft compared with the step-by-step forward's, the first mismatches in the rows",
     )  # fmt: skip
     e.add_argument(
         "--rows",

@@ -19,7 +19,8 @@
 #   d: (PEER_ROWS=1: first starts writing the peer's rows on the CPU, for phase c after it) the same-batch
 #      check on real features (CHECK=0: not); every export (ONLY: those named) measured by
 #      real speculative decoding on held-out ShareGPT and HumanEval (fp32), its rows added to the earlier
-#      ones; summary; the last export again drafting from captured CUDA graphs (GRAPHS=0: not)
+#      ones; summary; the last export again drafting from captured CUDA graphs, each draft checked against
+#      the forward's (GRAPHS=on: timed without the check; GRAPHS=0: not)
 #   Device time (one H100, 2026-12-06): start ~90 s, a 181 s (a cold compile; WARM=0 ~10 s), data ~6 s,
 #   b MINUTES + ~30 s, c and w the peer's rows (unless written ahead), MINUTES and exports (~660 s; ~530 s
 #   with PEER_ROWS=1 in the d before), d ~380 s with the check and a second process (its greedy references
@@ -165,10 +166,12 @@ case ${1:?phase a, data, s, b, c, w or d} in
     cp $D/b/same_batch_check.json "$OUT/" 2>/dev/null || true
     cp $D/b/eval_rows.json $D/b/real_model.* "$OUT/"
     # the last export again, each draft step replayed from a captured CUDA graph: what launching the
-    # drafter's kernels one by one costs (GRAPHS=0 skips it; a failure is said, the rows above stand)
-    if [ -n "$L" ] && [ "${GRAPHS:-1}" != 0 ]; then
+    # drafter's kernels one by one costs (GRAPHS=0 skips it; a failure is said, the rows above stand). They
+    # drafted other tokens on an H100 (2026-12-07), so by default each draft is also checked against the
+    # forward's (the rows' graph_check; GRAPHS=on: without the check, for the timing)
+    if [ -n "$L" ] && [ "${GRAPHS:-check}" != 0 ]; then
       python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 128 \
-        --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at --only "$(basename "$L")" --draft-graphs on \
+        --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at --only "$(basename "$L")" --draft-graphs "${GRAPHS:-check}" \
         --rows eval_rows_graphs.json && cp $D/b/eval_rows_graphs.json "$OUT/" || echo "graphed drafting eval failed (rc $?)"
     fi
     ;;

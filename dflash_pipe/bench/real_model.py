@@ -167,7 +167,7 @@ def evaluate_drafters(
     sets_for: dict[str, Sequence[str]] | None = None,
     dtype: str = "float32",
     draft_attention: str = "auto",
-    draft_graphs: bool = False,
+    draft_graphs: str = "off",
     references_file: Path | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (drafter, prompt set): real tau, per-position acceptance, tokens/s, speedup over greedy
@@ -175,8 +175,9 @@ def evaluate_drafters(
     every set). ``dtype``: the target's and drafters'; float32 (default) makes the lossless check exact (bf16
     rounds the block verify and the one-token decode differently: near-ties flip), bfloat16 is how it serves.
     ``draft_attention``: how the drafters attend while drafting (``DFlashDrafter.use_attention``);
-    ``draft_graphs``: each draft step replays a captured CUDA graph (through SDPA); each row says which
-    ran. ``references_file``: the prompts' greedy decodings are read from it where stored for the same
+    ``draft_graphs``: "on": each draft step replays a captured CUDA graph (through SDPA; its buffers run
+    eagerly off CUDA); "check": the same, each draft also compared with the step-by-step forward's (the row's
+    ``graph_check``: ``GraphedProposer.check_report``); each row says which ran. ``references_file``: the prompts' greedy decodings are read from it where stored for the same
     settings, and written back (``stored_references``), so a later evaluation does not decode them again."""
     import torch
     from transformers import AutoTokenizer
@@ -194,6 +195,7 @@ def evaluate_drafters(
         load_eval_target,
         prompts_from_samples,
     )
+    from dflash_pipe.drafter.graphed_draft import GraphedProposer
 
     dev = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -229,10 +231,11 @@ def evaluate_drafters(
                 max_new_tokens=16,
                 stop_ids=stop_ids,
                 check=False,
-                graphs=draft_graphs,
+                graphs=draft_graphs == "on",
             )
         for set_name in (sets_for or {}).get(drafter_name, list(eval_sets)):
             started = time.perf_counter()
+            checked = GraphedProposer(drafter, check=True) if draft_graphs == "check" else None
             with eval_precision(dev, torch_dtype):
                 result = evaluate_generate(
                     target,
@@ -243,7 +246,7 @@ def evaluate_drafters(
                     check=True,
                     strict=False,
                     references=references[set_name],
-                    graphs=draft_graphs,
+                    graphs=checked or draft_graphs == "on",
                 )
             if references_file is not None:
                 save_references(references_file, settings, prompts, references)
@@ -253,9 +256,10 @@ def evaluate_drafters(
                     "drafter": drafter_name,
                     "set": set_name,
                     "dtype": dtype,
-                    "draft_attention": "sdpa" if draft_graphs else drafter.backend(dev),
+                    "draft_attention": "sdpa" if draft_graphs != "off" else drafter.backend(dev),
                     "draft_graphs": draft_graphs,
                     **metrics,
+                    **({"graph_check": checked.check_report()} if checked else {}),
                     "eval_s": time.perf_counter() - started,
                 }
             )

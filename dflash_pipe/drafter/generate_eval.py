@@ -238,24 +238,27 @@ def evaluate_generate(
     strict: bool = True,
     references: dict[int, Reference] | None = None,
     progress: bool = False,
-    graphs: bool = False,
+    graphs: bool | GraphedProposer = False,
 ) -> GenerateResult:
     """Speculative decoding of every prompt; with ``check``, the target's greedy decoding of each too
     (from ``references`` when it holds the prompt's index, stored there otherwise). ``strict``: raise
     `LosslessError` on the first prompt whose output differs (else count it in ``lossless_mismatches``).
-    ``graphs``: draft through captured CUDA graphs (``GraphedProposer``, the same drafts; a CUDA drafter
-    with eager layers); False: the drafter's forward launched step by step. Off by default until the
-    capture has been timed and checked on a GPU (``bench/draft_graphs.py``)."""
+    ``graphs``: True drafts through captured CUDA graphs (a CUDA drafter with eager layers), a
+    ``GraphedProposer`` through that one (e.g. one that checks its drafts); False: the drafter's forward
+    launched step by step. Off by default: on a GPU the graphs drafted other tokens (docs/performance.md)."""
     if not prompts:
         raise ValueError("no prompts to evaluate: the held-out samples have no turn before an assistant turn")
-    if graphs and not graphs_apply(drafter):
+    if graphs is True and not graphs_apply(drafter):
         raise ValueError(
             "graphs=True: the draft step is captured only for a drafter on CUDA with eager layers; "
             f"this one is on {drafter.fc.weight.device} with {drafter.kernels}"
         )
     was_training = drafter.training
     drafter.eval()
-    propose = GraphedProposer(drafter) if graphs else drafter_proposer(drafter)
+    if isinstance(graphs, GraphedProposer):
+        propose = graphs
+    else:
+        propose = GraphedProposer(drafter) if graphs else drafter_proposer(drafter)
     results = []
     warmed = False  # the first reference computed in this call is timed warm
     try:

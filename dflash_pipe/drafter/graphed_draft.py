@@ -8,7 +8,10 @@ once per context bucket, a multiple of ``bucket`` tokens: a step copies the toke
 bucket's static buffers, sets the anchor, and replays. Rows past the context are never attended (the mask
 shows a block the positions before its anchor), so the drafts are those of ``drafter_proposer``
 (tests/drafter/test_graphed_draft.py). Opt-in (``evaluate_generate(graphs=True)``, the real-model bench's
-``--draft-graphs on``) until a GPU run has timed and checked the capture.
+``--draft-graphs on``): on an H100 the graphs cut SmolLM2-135M's draft step from 7.6 to 1.3 ms but drafted
+other tokens than the forward (docs/performance.md). ``check=True`` finds where: every graphed draft is
+compared with the step-by-step SDPA forward's and with the same buffers run eagerly (the real-model
+bench's ``--draft-graphs check``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from torch import Tensor
 
 from .acceptance import draft_tokens
 from .model import DFlashDrafter, Kernels
+from .speculate import drafter_proposer
 
 DRAFT_BUCKET = 128
 """Context lengths are rounded up to a multiple of this: one captured graph per multiple reached."""
+KEPT_MISMATCHES = 20
+"""With ``check``: the first this many differing drafts are kept in full (all are counted)."""
 
 
 def graphs_apply(drafter: DFlashDrafter) -> bool:
@@ -42,15 +48,24 @@ class _Step:
     features: Tensor  # [1, L, k*H]
     anchor: Tensor  # [1, 1]
     run: Callable[[], Tensor]  # -> draft [bs-1], in a buffer the next run of any bucket may overwrite
+    eager: Callable[[], Tensor]  # the same step on the same buffers, launched kernel by kernel
 
 
 class GraphedProposer:
     """A ``Proposer`` (tokens [n+1], features [n, k*H] -> draft [bs-1]) that replays captured graphs.
 
     ``capture``: None captures on CUDA; False runs the same buffers eagerly (what CPU tests compare).
-    Graphs share one memory pool; the inputs live outside it, one set per bucket."""
+    Graphs share one memory pool; the inputs live outside it, one set per bucket. ``check``: each step also
+    drafts step by step, and ``check_report()`` says how often and where the drafts differed."""
 
-    def __init__(self, drafter: DFlashDrafter, *, bucket: int = DRAFT_BUCKET, capture: bool | None = None):
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        *,
+        bucket: int = DRAFT_BUCKET,
+        capture: bool | None = None,
+        check: bool = False,
+    ):
         if bucket < 1:
             raise ValueError(f"bucket must be >= 1, got {bucket}")
         self.drafter, self.bucket = drafter, bucket
@@ -62,6 +77,10 @@ class GraphedProposer:
         drafter.inv_freq = drafter.inv_freq.to(self.device)
         self._steps: dict[int, _Step] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.check = check
+        self._plain = drafter_proposer(drafter)
+        self.checked, self.mismatched = 0, 0
+        self.mismatches: list[dict] = []
 
     def __call__(self, tokens: Tensor, features: Tensor) -> Tensor:
         n = features.shape[0]
@@ -75,7 +94,38 @@ class GraphedProposer:
         # rows from n on are never attended: zeros at first, an earlier context's (finite) features after
         step.features[0, :n].copy_(features)
         step.anchor.fill_(n)
-        return step.run().clone()
+        draft = step.run().clone()
+        if self.check:
+            self._compare(draft, step, tokens, features, length)
+        return draft
+
+    def _compare(self, draft: Tensor, step: _Step, tokens: Tensor, features: Tensor, length: int) -> None:
+        """Count a draft that differs from the step-by-step forward's; keep the first few with what tells a
+        capture fault (the same buffers run eagerly agree with the forward) from a buffer fault (they don't)."""
+        with attending(self.drafter, "sdpa"):
+            want = self._plain(tokens, features)
+        self.checked += 1
+        if torch.equal(draft, want):
+            return
+        self.mismatched += 1
+        if len(self.mismatches) < KEPT_MISMATCHES:
+            eager = step.eager()
+            self.mismatches.append(
+                {
+                    "step": self.checked,
+                    "context": features.shape[0],
+                    "bucket": length,
+                    "buckets_built": list(self._steps),
+                    "first_slot": int((draft != want).nonzero()[0, 0]) + 1,
+                    "graphed": draft.tolist(),
+                    "forward": want.tolist(),
+                    "buffers_eager_equal_forward": bool(torch.equal(eager, want)),
+                }
+            )
+
+    def check_report(self) -> dict:
+        """With ``check``: drafts compared, how many differed, and the first ``KEPT_MISMATCHES`` of them."""
+        return {"checked": self.checked, "mismatched": self.mismatched, "first": self.mismatches}
 
     def _build(self, length: int) -> _Step:
         cfg, device = self.drafter.cfg, self.device
@@ -92,7 +142,7 @@ class GraphedProposer:
         run = forward
         if self.capture:
             run = _captured(forward, self._pool)
-        self._steps[length] = step = _Step(ids, features, anchor, run)
+        self._steps[length] = step = _Step(ids, features, anchor, run, forward)
         return step
 
 

@@ -66,6 +66,18 @@ def test_references_are_stored_and_reused_for_the_same_prompts(bench_dir, tmp_pa
     assert json.loads(stored.read_text())["settings"]["max_new_tokens"] == 6
 
 
+def test_checked_graphed_drafting_compares_every_draft_with_the_forward(bench_dir, tmp_path):
+    """``draft_graphs="check"`` off CUDA: the graphed proposer's buffers, run eagerly, draft what the forward
+    drafts at every step (the same tau), and each row says how many drafts were compared."""
+    plain = evaluate(bench_dir, tmp_path / "references.json")
+    checked = evaluate(bench_dir, tmp_path / "references.json", draft_graphs="check")
+    assert [r["tau"] for r in checked] == [r["tau"] for r in plain]
+    for row in checked:
+        assert row["draft_graphs"] == "check" and row["draft_attention"] == "sdpa"
+        assert row["graph_check"]["checked"] == row["steps"] > 0
+        assert row["graph_check"]["mismatched"] == 0 and row["graph_check"]["first"] == []
+
+
 def test_a_stored_reference_for_other_prompt_tokens_is_not_reused(tmp_path):
     path = tmp_path / "references.json"
     settings = {"target": "t", "max_new_tokens": 4}

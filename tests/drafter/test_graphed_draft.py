@@ -59,6 +59,30 @@ def test_graphed_buffers_draft_what_the_forward_drafts(windows) -> None:
 
 
 @torch.no_grad()
+def test_check_counts_every_draft_and_keeps_where_one_differed() -> None:
+    """``check``: every step compared with the forward's; a step whose replay drafts otherwise (what a faulty
+    capture would do, its buffers' eager run still right) is counted and kept with where it happened."""
+    drafter = _sharp(tiny_config(block_size=4, attention_backend="sdpa"))
+    graphed = GraphedProposer(drafter, bucket=8, capture=False, check=True)
+    for i, n in enumerate(LENGTHS):
+        graphed(*_context(drafter, n, seed=i))
+    assert graphed.check_report() == {"checked": len(LENGTHS), "mismatched": 0, "first": []}
+
+    step = graphed._steps[16]
+    right = step.run
+    step.run = lambda: (right() + 1) % 49  # a replay that drafts other tokens
+    tokens, features = _context(drafter, 12, seed=9)
+    wrong = graphed(tokens, features)
+    report = graphed.check_report()
+    assert report["checked"] == len(LENGTHS) + 1 and report["mismatched"] == 1
+    (kept,) = report["first"]
+    assert kept["step"] == len(LENGTHS) + 1 and kept["context"] == 12 and kept["bucket"] == 16
+    assert kept["buckets_built"] == [8, 16, 24] and kept["first_slot"] == 1
+    assert kept["graphed"] == wrong.tolist() != kept["forward"]
+    assert kept["buffers_eager_equal_forward"] is True  # the replay is at fault, not the buffers
+
+
+@torch.no_grad()
 def test_a_context_row_past_the_anchor_cannot_change_the_draft() -> None:
     """Stale rows of a longer context stay in the bucket's buffers: they must be invisible."""
     drafter = _sharp(tiny_config(block_size=4))
