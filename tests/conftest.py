@@ -8,6 +8,11 @@ import os
 # compile workers: on 2 shared cores the pool's processes cost more CPU than they save (bench/compile_sweep.py
 # --cpu: 294 s of CPU with the pool, 240 s without; bench compile's test: 177 s, 166 s).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# OpenMP threads that finish a parallel region sleep instead of spinning (libgomp spins by default): the two
+# xdist workers and the processes their tests start share 2 cores, and a spinning thread burns the CPU another
+# process is waiting for (bench/compile_sweep.py --cpu beside a one-core busy loop: 118 s spinning, 89 s
+# passive). Set before torch loads libgomp, and inherited by the processes tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
