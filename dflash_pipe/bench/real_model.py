@@ -175,10 +175,13 @@ def evaluate_drafters(
     every set). ``dtype``: the target's and drafters'; float32 (default) makes the lossless check exact (bf16
     rounds the block verify and the one-token decode differently: near-ties flip), bfloat16 is how it serves.
     ``draft_attention``: how the drafters attend while drafting (``DFlashDrafter.use_attention``);
-    ``draft_graphs``: "on": each draft step replays a captured CUDA graph (through SDPA; its buffers run
-    eagerly off CUDA); "check": the same, each draft also compared with the step-by-step forward's (the row's
-    ``graph_check``: ``GraphedProposer.check_report``); each row says which ran. ``references_file``: the prompts' greedy decodings are read from it where stored for the same
-    settings, and written back (``stored_references``), so a later evaluation does not decode them again."""
+    ``draft_graphs``: "on": each draft step replays a captured CUDA graph (through SDPA); "check": the
+    same (its buffers run eagerly off CUDA), each draft also compared with the step-by-step forward's (the
+    row's ``graph_check``: ``GraphedProposer.check_report``); each row says which ran. ``references_file``:
+    the prompts' greedy decodings are read from it where stored for the same settings, and written back
+    (``stored_references``), so a later evaluation does not decode them again."""
+    if draft_graphs not in ("off", "on", "check"):
+        raise ValueError(f"draft_graphs must be off, on or check, got {draft_graphs!r}")
     import torch
     from transformers import AutoTokenizer
 

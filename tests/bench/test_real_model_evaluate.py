@@ -76,6 +76,8 @@ def test_checked_graphed_drafting_compares_every_draft_with_the_forward(bench_di
         assert row["draft_graphs"] == "check" and row["draft_attention"] == "sdpa"
         assert row["graph_check"]["checked"] == row["steps"] > 0
         assert row["graph_check"]["mismatched"] == 0 and row["graph_check"]["first"] == []
+    with pytest.raises(ValueError, match="draft_graphs must be off, on or check, got True"):
+        evaluate(bench_dir, None, draft_graphs=True)  # the old flag's form: refused, not read as "off"
 
 
 def test_a_stored_reference_for_other_prompt_tokens_is_not_reused(tmp_path):
