@@ -64,7 +64,6 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     vocab = drafter.cfg.vocab_size - 1
     prompts = [torch.randint(0, vocab, (args.prompt_tokens,), generator=g) for _ in range(args.prompts + 1)]
-    mismatches = {"steps": 0, "differ": 0}
     with torch.inference_mode():
         flex_eager = drafter_proposer(drafter) if device.type == "cuda" else None
         graphed = GraphedProposer(drafter)  # captures on CUDA, runs its buffers eagerly elsewhere
@@ -73,12 +72,6 @@ def main() -> None:
         def sdpa_eager(tokens, features):
             with attending(drafter, "sdpa"):  # the same weights, the graphed path's attention
                 return eager(tokens, features)
-
-        def compared(tokens, features):
-            out = graphed(tokens, features)
-            mismatches["steps"] += 1
-            mismatches["differ"] += int(not torch.equal(out, sdpa_eager(tokens, features)))
-            return out
 
         kinds = {"graphed (SDPA)": graphed, "step by step, SDPA": sdpa_eager}
         if flex_eager is not None:
@@ -89,9 +82,9 @@ def main() -> None:
             greedy = stack_greedy_generate(
                 target, prompt, layer_ids=layers, max_new_tokens=args.max_new_tokens + bs
             )
-            speculative_generate(  # every step's graphed draft against the step-by-step one
-                target, compared, prompt, layer_ids=layers, block_size=bs, max_new_tokens=32
-            )
+            graphed.check = True  # every step's graphed draft against the step-by-step one, untimed
+            speculative_generate(target, graphed, prompt, layer_ids=layers, block_size=bs, max_new_tokens=32)
+            graphed.check = False
             for kind, real in kinds.items():
                 out = speculative_generate(
                     target,
@@ -112,6 +105,7 @@ def main() -> None:
                             "greedy_tokens_per_s": len(greedy.tokens) / greedy.seconds,
                         }
                     )
+    report = graphed.check_report()
     summary_rows = []
     for kind in kinds:
         mine = [r for r in rows if r["kind"] == kind]
@@ -122,7 +116,11 @@ def main() -> None:
         name="draft_graphs",
         config={**{k: str(v) for k, v in vars(args).items()}, "device": str(device), "block_size": bs},
         rows=summary_rows,
-        summary={"graphed_drafts_differing": mismatches["differ"], "steps_compared": mismatches["steps"]},
+        summary={
+            "graphed_drafts_differing": report["mismatched"],
+            "steps_compared": report["checked"],
+            "first_differing": report["first"],
+        },
     )
     save_result(result, args.out)
     show_result(result, Console())
