@@ -20,7 +20,7 @@
 #      check on real features (CHECK=0: not); every export (ONLY: those named) measured by
 #      real speculative decoding on held-out ShareGPT and HumanEval (fp32), its rows added to the earlier
 #      ones; summary; the last export again drafting from captured CUDA graphs, each draft checked against
-#      the forward's (GRAPHS=on: timed without the check; GRAPHS=0: not)
+#      the forward's (GRAPHS=on: timed without the check; GRAPHS=0: not; GRAPH_PROMPTS: its prompts a set)
 #   Device time (one H100, 2026-12-06): start ~90 s, a 181 s (a cold compile; WARM=0 ~10 s), data ~6 s,
 #   b MINUTES + ~30 s, c and w the peer's rows (unless written ahead), MINUTES and exports (~660 s; ~530 s
 #   with PEER_ROWS=1 in the d before), d ~380 s with the check and a second process (its greedy references
@@ -173,7 +173,7 @@ case ${1:?phase a, data, s, b, c, w or d} in
     # forward's (the rows' graph_check; GRAPHS=on: without the check, for the timing)
     if [ -n "$L" ] && [ "${GRAPHS:-check}" != 0 ]; then
       python3 bench/real_model.py evaluate --target $G --out $D/b --device cuda --max-new-tokens 128 \
-        --eval-prompts "${EVAL_PROMPTS:-16}" --all-sets-at --only "$(basename "$L")" --draft-graphs "${GRAPHS:-check}" \
+        --eval-prompts "${GRAPH_PROMPTS:-${EVAL_PROMPTS:-16}}" --all-sets-at --only "$(basename "$L")" --draft-graphs "${GRAPHS:-check}" \
         --rows eval_rows_graphs.json && cp $D/b/eval_rows_graphs.json "$OUT/" || echo "graphed drafting eval failed (rc $?)"
     fi
     ;;
