@@ -10,7 +10,8 @@ shows a block the positions before its anchor), so the drafts are those of ``dra
 (tests/drafter/test_graphed_draft.py). Opt-in (``evaluate_generate(graphs=True)``, the real-model bench's
 ``--draft-graphs on``): on an H100 the graphs cut SmolLM2-135M's draft step from 7.6 to 1.3 ms but drafted
 other tokens than the forward (docs/performance.md). ``check=True`` finds where: every graphed draft is
-compared with the step-by-step SDPA forward's and with the same buffers run eagerly (the real-model
+compared with the step-by-step SDPA forward's; a differing one is run again eagerly on the same buffers and
+from a graph captured afresh, and the weights' addresses are compared with the capture's (the real-model
 bench's ``--draft-graphs check``).
 """
 
@@ -49,6 +50,7 @@ class _Step:
     anchor: Tensor  # [1, 1]
     run: Callable[[], Tensor]  # -> draft [bs-1], in a buffer the next run of any bucket may overwrite
     eager: Callable[[], Tensor]  # the same step on the same buffers, launched kernel by kernel
+    addresses: dict[str, int]  # where each weight the step reads lived when it was built (a graph keeps them)
 
 
 class GraphedProposer:
@@ -100,8 +102,10 @@ class GraphedProposer:
         return draft
 
     def _compare(self, draft: Tensor, step: _Step, tokens: Tensor, features: Tensor, length: int) -> None:
-        """Count a draft that differs from the step-by-step forward's; keep the first few with what tells a
-        capture fault (the same buffers run eagerly agree with the forward) from a buffer fault (they don't)."""
+        """Count a draft that differs from the step-by-step forward's; keep the first few with what tells the
+        causes apart: the buffers not holding the inputs (a copy or a stream race), the same buffers run
+        eagerly differing too (a buffer fault), a graph captured afresh agreeing (the old graph went stale:
+        moved weights, or memory another bucket's graph shares), or not (the captured kernels differ)."""
         with attending(self.drafter, "sdpa"):
             want = self._plain(tokens, features)
         self.checked += 1
@@ -110,6 +114,15 @@ class GraphedProposer:
         self.mismatched += 1
         if len(self.mismatches) < KEPT_MISMATCHES:
             eager = step.eager()
+            n = features.shape[0]
+            held = torch.equal(step.ids[0, : n + 1], tokens.to(self.device)) and torch.equal(
+                step.features[0, :n], features.to(step.features)
+            )
+            fresh = self._new_step(length, pool=None)  # its own buffers and memory pool, captured now
+            fresh.ids[0, : n + 1].copy_(tokens)
+            fresh.features[0, :n].copy_(features)
+            fresh.anchor.fill_(n)
+            now = self._addresses()
             self.mismatches.append(
                 {
                     "step": self.checked,
@@ -120,6 +133,9 @@ class GraphedProposer:
                     "graphed": draft.tolist(),
                     "forward": want.tolist(),
                     "buffers_eager_equal_forward": bool(torch.equal(eager, want)),
+                    "buffers_hold_inputs": held,
+                    "recaptured_equal_forward": bool(torch.equal(fresh.run(), want)),
+                    "weights_moved": sorted(k for k, v in step.addresses.items() if now.get(k) != v),
                 }
             )
 
@@ -128,6 +144,18 @@ class GraphedProposer:
         return {"checked": self.checked, "mismatched": self.mismatched, "first": self.mismatches}
 
     def _build(self, length: int) -> _Step:
+        self._steps[length] = step = self._new_step(length, self._pool)
+        return step
+
+    def _addresses(self) -> dict[str, int]:
+        """Where the weights a draft step reads live now (the target's embedding and head included)."""
+        drafter = self.drafter
+        named = dict(drafter.named_parameters())
+        named |= {"embed_tokens": drafter.embed_tokens.weight, "lm_head": drafter.lm_head.weight}
+        named["inv_freq"] = drafter.inv_freq
+        return {name: t.data_ptr() for name, t in named.items()}
+
+    def _new_step(self, length: int, pool) -> _Step:
         cfg, device = self.drafter.cfg, self.device
         dtype = self.drafter.fc.weight.dtype
         ids = torch.zeros(1, length, dtype=torch.long, device=device)
@@ -139,11 +167,8 @@ class GraphedProposer:
             with attending(self.drafter, "sdpa"):
                 return draft_tokens(self.drafter, ids, features, anchor, valid)[0, 0]
 
-        run = forward
-        if self.capture:
-            run = _captured(forward, self._pool)
-        self._steps[length] = step = _Step(ids, features, anchor, run, forward)
-        return step
+        run = _captured(forward, pool) if self.capture else forward
+        return _Step(ids, features, anchor, run, forward, self._addresses())
 
 
 def _captured(forward: Callable[[], Tensor], pool) -> Callable[[], Tensor]:

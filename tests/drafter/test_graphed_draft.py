@@ -80,6 +80,26 @@ def test_check_counts_every_draft_and_keeps_where_one_differed() -> None:
     assert kept["buckets_built"] == [8, 16, 24] and kept["first_slot"] == 1
     assert kept["graphed"] == wrong.tolist() != kept["forward"]
     assert kept["buffers_eager_equal_forward"] is True  # the replay is at fault, not the buffers
+    assert kept["buffers_hold_inputs"] is True and kept["recaptured_equal_forward"] is True
+    assert kept["weights_moved"] == []
+
+
+@torch.no_grad()
+def test_check_names_a_weight_that_moved_since_the_capture() -> None:
+    """A graph reads its weights where they were at capture: a weight replaced since (e.g. a target whose
+    embedding was copied) is named, and a step built afresh agrees with the forward again."""
+    drafter = _sharp(tiny_config(block_size=4, attention_backend="sdpa"))
+    graphed = GraphedProposer(drafter, bucket=8, capture=False, check=True)
+    tokens, features = _context(drafter, 5, seed=0)
+    graphed(tokens, features)
+    step = graphed._steps[8]
+    stale = step.run
+    drafter.fc.weight.data = drafter.fc.weight.data * 2.0  # new storage, as a moved weight has
+    step.run = lambda: (stale() + 1) % 49  # what a graph reading the old storage would draft
+    graphed(tokens, features)
+    (kept,) = graphed.check_report()["first"]
+    assert kept["weights_moved"] == ["fc.weight"]
+    assert kept["recaptured_equal_forward"] is True and kept["buffers_hold_inputs"] is True
 
 
 @torch.no_grad()
