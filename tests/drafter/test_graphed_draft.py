@@ -133,6 +133,7 @@ def test_bad_inputs_are_refused() -> None:
 @torch.no_grad()
 def test_captured_graphs_draft_what_the_forward_drafts_on_cuda() -> None:
     drafter = _sharp(tiny_config(block_size=4, attention_backend="sdpa")).cuda()
+    drafter.embed_tokens.cuda(), drafter.lm_head.cuda()  # the target's parts, not the drafter's modules
     assert graphs_apply(drafter)
     plain, graphed = drafter_proposer(drafter), GraphedProposer(drafter, bucket=8)
     for i, n in enumerate(LENGTHS):
