@@ -84,6 +84,7 @@ def main() -> None:
             )
             graphed.check = True  # every step's graphed draft against the step-by-step one, untimed
             speculative_generate(target, graphed, prompt, layer_ids=layers, block_size=bs, max_new_tokens=32)
+            graphed.settle()
             graphed.check = False
             for kind, real in kinds.items():
                 out = speculative_generate(

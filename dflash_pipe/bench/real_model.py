@@ -234,7 +234,8 @@ def evaluate_drafters(
                 max_new_tokens=16,
                 stop_ids=stop_ids,
                 check=False,
-                graphs=draft_graphs == "on",
+                # "check" warms up as "on" does, with captures of its own (its buffers run eagerly off CUDA)
+                graphs=GraphedProposer(drafter) if draft_graphs == "check" else draft_graphs == "on",
             )
         for set_name in (sets_for or {}).get(drafter_name, list(eval_sets)):
             started = time.perf_counter()

@@ -280,6 +280,8 @@ def evaluate_generate(
                     max_new_tokens=max_new_tokens,
                     stop_ids=stop_ids,
                 )
+                if isinstance(propose, GraphedProposer):
+                    propose.settle()  # its check (if on) compares this prompt's drafts now
                 ref = None
                 if check:
                     ref = references.get(i) if references is not None else None

@@ -10,9 +10,10 @@ shows a block the positions before its anchor), so the drafts are those of ``dra
 (tests/drafter/test_graphed_draft.py). Opt-in (``evaluate_generate(graphs=True)``, the real-model bench's
 ``--draft-graphs on``): on an H100 the graphs cut SmolLM2-135M's draft step from 7.6 to 1.3 ms but drafted
 other tokens than the forward (docs/performance.md). ``check=True`` finds where: every graphed draft is
-compared with the step-by-step SDPA forward's; a differing one is run again eagerly on the same buffers and
-from a graph captured afresh, and the weights' addresses are compared with the capture's (the real-model
-bench's ``--draft-graphs check``).
+compared with the step-by-step SDPA forward's once its sequence ends (so the graphs replay as they do
+unchecked); a differing one is replayed again, run eagerly on the same buffers and from a graph captured
+afresh, and the weights' addresses are compared with the capture's (the real-model bench's
+``--draft-graphs check``).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class GraphedProposer:
     """A ``Proposer`` (tokens [n+1], features [n, k*H] -> draft [bs-1]) that replays captured graphs.
 
     ``capture``: None captures on CUDA; False runs the same buffers eagerly (what CPU tests compare).
-    Graphs share one memory pool; the inputs live outside it, one set per bucket. ``check``: each step also
-    drafts step by step, and ``check_report()`` says how often and where the drafts differed."""
+    Graphs share one memory pool; the inputs live outside it, one set per bucket. ``check``: each draft is also
+    drafted step by step (``settle``), and ``check_report()`` says how often and where they differed."""
 
     def __init__(
         self,
@@ -83,6 +84,8 @@ class GraphedProposer:
         self._plain = drafter_proposer(drafter)
         self.checked, self.mismatched = 0, 0
         self.mismatches: list[dict] = []
+        self._pending: list[tuple[int, int, Tensor, list[int]]] = []  # (n, bucket, draft, buckets built)
+        self._last: tuple[Tensor, Tensor] | None = None  # the last context drafted from, with check
 
     def __call__(self, tokens: Tensor, features: Tensor) -> Tensor:
         n = features.shape[0]
@@ -92,20 +95,33 @@ class GraphedProposer:
             )
         length = math.ceil((n + 1) / self.bucket) * self.bucket
         step = self._steps.get(length) or self._build(length)
-        step.ids[0, : n + 1].copy_(tokens)
-        # rows from n on are never attended: zeros at first, an earlier context's (finite) features after
-        step.features[0, :n].copy_(features)
-        step.anchor.fill_(n)
+        if self.check and self._last is not None and n < self._last[1].shape[0]:
+            self.settle()  # a shorter context: another sequence's, so the last one's drafts are all kept
+        _load(step, tokens, features)
         draft = step.run().clone()
         if self.check:
-            self._compare(draft, step, tokens, features, length)
+            self._pending.append((n, length, draft, list(self._steps)))
+            self._last = (tokens, features)
         return draft
 
-    def _compare(self, draft: Tensor, step: _Step, tokens: Tensor, features: Tensor, length: int) -> None:
+    def settle(self) -> None:
+        """With ``check``: compares the drafts kept since the last call with the forward's. Each context of
+        one sequence is a prefix of its last one, so the comparison waits for the sequence's end and the
+        graphs replay as they do unchecked. A caller moves to another sequence by calling this (a shorter
+        context does it by itself)."""
+        if not self._pending:
+            return
+        tokens, features = self._last
+        for n, length, draft, built in self._pending:
+            self._compare(draft, tokens[: n + 1], features[:n], length, built)
+        self._pending.clear()
+
+    def _compare(self, draft: Tensor, tokens: Tensor, features: Tensor, length: int, built: list[int]) -> None:
         """Count a draft that differs from the step-by-step forward's; keep the first few with what tells the
-        causes apart: the buffers not holding the inputs (a copy or a stream race), the same buffers run
-        eagerly differing too (a buffer fault), a graph captured afresh agreeing (the old graph went stale:
-        moved weights, or memory another bucket's graph shares), or not (the captured kernels differ)."""
+        causes apart, each tried now on the same context: the same graph replayed again agreeing (the first
+        replay met something passing: a race, or memory another graph wrote), the same buffers run eagerly
+        differing (a buffer fault), a graph captured afresh agreeing (the old one went stale: moved weights,
+        or memory another bucket's graph shares) or not (the captured kernels differ)."""
         with attending(self.drafter, "sdpa"):
             want = self._plain(tokens, features)
         self.checked += 1
@@ -113,27 +129,23 @@ class GraphedProposer:
             return
         self.mismatched += 1
         if len(self.mismatches) < KEPT_MISMATCHES:
-            eager = step.eager()
-            n = features.shape[0]
-            held = torch.equal(step.ids[0, : n + 1], tokens.to(self.device)) and torch.equal(
-                step.features[0, :n], features.to(step.features)
-            )
+            step = self._steps[length]
+            _load(step, tokens, features)
+            again, eager = step.run().clone(), step.eager()
             fresh = self._new_step(length, pool=None)  # its own buffers and memory pool, captured now
-            fresh.ids[0, : n + 1].copy_(tokens)
-            fresh.features[0, :n].copy_(features)
-            fresh.anchor.fill_(n)
+            _load(fresh, tokens, features)
             now = self._addresses()
             self.mismatches.append(
                 {
                     "step": self.checked,
                     "context": features.shape[0],
                     "bucket": length,
-                    "buckets_built": list(self._steps),
+                    "buckets_built": built,
                     "first_slot": int((draft != want).nonzero()[0, 0]) + 1,
                     "graphed": draft.tolist(),
                     "forward": want.tolist(),
+                    "replayed_again_equal_forward": bool(torch.equal(again, want)),
                     "buffers_eager_equal_forward": bool(torch.equal(eager, want)),
-                    "buffers_hold_inputs": held,
                     "recaptured_equal_forward": bool(torch.equal(fresh.run(), want)),
                     "weights_moved": sorted(k for k, v in step.addresses.items() if now.get(k) != v),
                 }
@@ -141,6 +153,7 @@ class GraphedProposer:
 
     def check_report(self) -> dict:
         """With ``check``: drafts compared, how many differed, and the first ``KEPT_MISMATCHES`` of them."""
+        self.settle()
         return {"checked": self.checked, "mismatched": self.mismatched, "first": self.mismatches}
 
     def _build(self, length: int) -> _Step:
@@ -169,6 +182,15 @@ class GraphedProposer:
 
         run = _captured(forward, pool) if self.capture else forward
         return _Step(ids, features, anchor, run, forward, self._addresses())
+
+
+def _load(step: _Step, tokens: Tensor, features: Tensor) -> None:
+    """A context into a bucket's buffers: rows from n on are never attended (zeros at first, an earlier
+    context's finite features after)."""
+    n = features.shape[0]
+    step.ids[0, : n + 1].copy_(tokens)
+    step.features[0, :n].copy_(features)
+    step.anchor.fill_(n)
 
 
 def _captured(forward: Callable[[], Tensor], pool) -> Callable[[], Tensor]:

@@ -58,48 +58,64 @@ def test_graphed_buffers_draft_what_the_forward_drafts(windows) -> None:
     assert len({tuple(d.tolist()) for d in seen}) > 1  # the drafts depend on the context
 
 
+def _prefixes(drafter, lengths, seed):
+    """The contexts one sequence drafts from as it grows: each a prefix of the longest."""
+    tokens, features = _context(drafter, max(lengths), seed)
+    return [(tokens[: n + 1], features[:n]) for n in lengths]
+
+
 @torch.no_grad()
 def test_check_counts_every_draft_and_keeps_where_one_differed() -> None:
-    """``check``: every step compared with the forward's; a step whose replay drafts otherwise (what a faulty
-    capture would do, its buffers' eager run still right) is counted and kept with where it happened."""
+    """``check``: every draft compared with the forward's once its sequence ends (a shorter context starts
+    another); a replay that drafted otherwise once (a passing fault: it drafts right when replayed again,
+    and its buffers' eager run is right) is counted and kept with where it happened."""
     drafter = _sharp(tiny_config(block_size=4, attention_backend="sdpa"))
     graphed = GraphedProposer(drafter, bucket=8, capture=False, check=True)
-    for i, n in enumerate(LENGTHS):
-        graphed(*_context(drafter, n, seed=i))
-    assert graphed.check_report() == {"checked": len(LENGTHS), "mismatched": 0, "first": []}
+    first, second = _prefixes(drafter, (5, 7, 8, 19), seed=1), _prefixes(drafter, (3, 12), seed=2)
+    for tokens, features in first + second:
+        graphed(tokens, features)
+    assert graphed._pending and graphed.checked == len(first)  # the first sequence settled by the second
+    assert graphed.check_report() == {"checked": len(first) + len(second), "mismatched": 0, "first": []}
 
     step = graphed._steps[16]
-    right = step.run
-    step.run = lambda: (right() + 1) % 49  # a replay that drafts other tokens
-    tokens, features = _context(drafter, 12, seed=9)
+    right, runs = step.run, []
+
+    def once_wrong():  # the first replay drafts other tokens, the next ones right
+        runs.append(1)
+        return (right() + 1) % 49 if len(runs) == 1 else right()
+
+    step.run = once_wrong
+    (tokens, features), *_ = _prefixes(drafter, (12,), seed=9)
     wrong = graphed(tokens, features)
     report = graphed.check_report()
-    assert report["checked"] == len(LENGTHS) + 1 and report["mismatched"] == 1
+    assert report["checked"] == len(first) + len(second) + 1 and report["mismatched"] == 1
     (kept,) = report["first"]
-    assert kept["step"] == len(LENGTHS) + 1 and kept["context"] == 12 and kept["bucket"] == 16
+    assert kept["step"] == report["checked"] and kept["context"] == 12 and kept["bucket"] == 16
     assert kept["buckets_built"] == [8, 16, 24] and kept["first_slot"] == 1
     assert kept["graphed"] == wrong.tolist() != kept["forward"]
-    assert kept["buffers_eager_equal_forward"] is True  # the replay is at fault, not the buffers
-    assert kept["buffers_hold_inputs"] is True and kept["recaptured_equal_forward"] is True
+    assert kept["replayed_again_equal_forward"] is True  # passing, not a stale graph
+    assert kept["buffers_eager_equal_forward"] is True and kept["recaptured_equal_forward"] is True
     assert kept["weights_moved"] == []
 
 
 @torch.no_grad()
 def test_check_names_a_weight_that_moved_since_the_capture() -> None:
     """A graph reads its weights where they were at capture: a weight replaced since (e.g. a target whose
-    embedding was copied) is named, and a step built afresh agrees with the forward again."""
+    embedding was copied) is named, its replays stay wrong, and a step built afresh agrees again."""
     drafter = _sharp(tiny_config(block_size=4, attention_backend="sdpa"))
     graphed = GraphedProposer(drafter, bucket=8, capture=False, check=True)
-    tokens, features = _context(drafter, 5, seed=0)
-    graphed(tokens, features)
+    (short, longer) = _prefixes(drafter, (4, 5), seed=0)
+    graphed(*short)
     step = graphed._steps[8]
     stale = step.run
     drafter.fc.weight.data = drafter.fc.weight.data * 2.0  # new storage, as a moved weight has
     step.run = lambda: (stale() + 1) % 49  # what a graph reading the old storage would draft
-    graphed(tokens, features)
-    (kept,) = graphed.check_report()["first"]
-    assert kept["weights_moved"] == ["fc.weight"]
-    assert kept["recaptured_equal_forward"] is True and kept["buffers_hold_inputs"] is True
+    graphed(*longer)
+    report = graphed.check_report()
+    assert report["checked"] == 2 and report["mismatched"] == 1  # the draft before the move was right
+    (kept,) = report["first"]
+    assert kept["weights_moved"] == ["fc.weight"] and kept["replayed_again_equal_forward"] is False
+    assert kept["recaptured_equal_forward"] is True
 
 
 @torch.no_grad()
