@@ -116,7 +116,9 @@ class GraphedProposer:
             self._compare(draft, tokens[: n + 1], features[:n], length, built)
         self._pending.clear()
 
-    def _compare(self, draft: Tensor, tokens: Tensor, features: Tensor, length: int, built: list[int]) -> None:
+    def _compare(
+        self, draft: Tensor, tokens: Tensor, features: Tensor, length: int, built: list[int]
+    ) -> None:
         """Count a draft that differs from the step-by-step forward's; keep the first few with what tells the
         causes apart, each tried now on the same context: the same graph replayed again agreeing (the first
         replay met something passing: a race, or memory another graph wrote), the same buffers run eagerly
