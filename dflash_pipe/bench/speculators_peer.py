@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,30 +32,10 @@ from typing import Any
 import torch
 
 from dflash_pipe.bench.peer_common import Row, TimeBudget, layer_features, scalars
+from dflash_pipe.bench.speculators_weights import SPECULATORS_VERSION, speculators_layer_ids
 
-SPECULATORS_VERSION = "0.9.0"
-"""The speculators release this driver was written against (its module paths and config fields)."""
 HS_NAME = "hs_{index}.safetensors"
 """Its file backend's name for row ``index``'s hidden states (``hs_connectors.FileTransfer``)."""
-LAYER_WEIGHTS = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-)
-"""One draft layer's weights, named alike in both (``layers.{i}.`` + name)."""
-TOP_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
-VERIFIER_KEYS = frozenset(
-    {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t"}
-)
-"""Its model's parts that are the target's (frozen, reloaded from the verifier), not the drafter's."""
 
 
 class SpeculatorsMissingError(ImportError):
@@ -73,44 +54,6 @@ def import_speculators() -> Any:
             "tests/real/speculators_site.py lists (or put that folder on PYTHONPATH)"
         ) from e
     return speculators
-
-
-def draft_key_map(num_layers: int) -> dict[str, str]:
-    """dflash-pipe's drafter weight name -> speculators' ``DFlashDraftModel`` name, every drafter weight."""
-    names = {name: name for name in TOP_WEIGHTS}
-    for i in range(num_layers):
-        names |= {f"layers.{i}.{w}": f"layers.{i}.{w}" for w in LAYER_WEIGHTS}
-    return names
-
-
-def to_speculators(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Our drafter's weights under speculators' names; a missing or extra name is a ValueError naming it."""
-    names = draft_key_map(num_layers)
-    _check_names(set(state), set(names), "dflash-pipe drafter state")
-    return {names[k]: v for k, v in state.items()}
-
-
-def from_speculators(state: dict[str, torch.Tensor], num_layers: int, source: str) -> dict[str, torch.Tensor]:
-    """A speculators DFlash state (checkpoint or model) under our names, without its target parts."""
-    names = draft_key_map(num_layers)
-    _check_names(set(state) - VERIFIER_KEYS, set(names.values()), source)
-    return {ours: state[theirs] for ours, theirs in names.items()}
-
-
-def _check_names(got: set[str], want: set[str], source: str) -> None:
-    missing, extra = sorted(want - got), sorted(got - want)
-    if missing or extra:
-        raise ValueError(
-            f"{source}: weight names differ from the DFlash drafter's: missing {missing[:6]}, unexpected "
-            f"{extra[:6]}; is it a {SPECULATORS_VERSION} DFlash model of this depth? (bench/peers/"
-            "speculators_dflash.py maps names for that release)"
-        )
-
-
-def speculators_layer_ids(layer_ids: Sequence[int]) -> list[int]:
-    """Its ``--target-layer-ids`` for our feature layer ids: it names the HF hidden-state index (our id + 1;
-    its own converter does the same to z-lab's ids)."""
-    return [int(i) + 1 for i in layer_ids]
 
 
 def write_dataset(rows: Sequence[Row], tokenizer: Any, data_dir: Path, *, max_length: int) -> int:
@@ -355,6 +298,7 @@ def train_speculators(
     epoch loop runs under ``budget``. Returns (the trainer, the resolved ``TrainConfig``)."""
     import_speculators()
     from speculators.train import cli
+    from speculators.train import trainer as trainer_module
     from speculators.train.config import TrainConfig
     from speculators.train.trainer import Trainer
 
@@ -365,7 +309,8 @@ def train_speculators(
     class BudgetTrainer(Trainer):
         """Its trainer, run for the budget: the epoch loop stops when the budget says (without the per-epoch
         validation and checkpoint: the budget saves at its marks and at the end). On CPU its device is the
-        CPU (it moves the model and batches to ``local_rank``, a CUDA index)."""
+        CPU (it moves the model and batches to ``local_rank``, an accelerator index) and its step timer
+        times the host (``HostStepTimer``)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             built.append(self)
@@ -391,13 +336,25 @@ def train_speculators(
                     break
             self.control.save(self.global_step)
 
+    class HostStepTimer(trainer_module._StepTimer):
+        """Its step timer, timing the host: it synchronizes the accelerator at each mark, and has none on CPU."""
+
+        def mark(self, name: str) -> None:
+            if self.enabled:
+                self._marks[name] = time.perf_counter()
+
+        def now(self) -> float | None:
+            return time.perf_counter() if self.enabled else None
+
     cfg = TrainConfig.resolve(recipe.argv(horizon_guess=horizon_guess))
-    original = cli.Trainer
+    originals = (cli.Trainer, trainer_module._StepTimer)
     cli.Trainer = BudgetTrainer
+    if device is not None:
+        trainer_module._StepTimer = HostStepTimer
     try:
         cli.main(cfg)
     finally:
-        cli.Trainer = original
+        cli.Trainer, trainer_module._StepTimer = originals
         logging.getLogger("speculators.metrics").removeHandler(tap)
     if not built:
         raise RuntimeError("speculators' train entry returned without building its trainer (a --dry-run?)")
@@ -441,37 +398,3 @@ def slot_accuracy(trainer: Any, rows: int) -> dict[str, Any]:
         "positions": int(counted[1].item()),
         "rows": min(rows, len(dataset)),
     }
-
-
-def export_checkpoint(checkpoint: Path, cfg: Any, target: Path, out_dir: Path) -> Path:
-    """One speculators checkpoint (``model.safetensors`` + its ``config.json``) as a dflash-pipe drafter
-    export (``dflash-pipe eval --drafter`` loads it): its config checked against ``cfg`` (layer ids, block,
-    mask token, every layer full attention), its weights renamed (``from_speculators``) and loaded strictly
-    into our drafter with the target's embedding and LM head, then exported."""
-    import json
-
-    from safetensors.torch import load_file
-
-    from dflash_pipe.drafter.export import export_drafter
-    from dflash_pipe.drafter.model import DFlashDrafter
-    from dflash_pipe.drafter.target_parts import load_frozen_target_parts
-
-    theirs = json.loads((checkpoint / "config.json").read_text())
-    layers = theirs["transformer_layer_config"]
-    want = {
-        "aux_hidden_state_layer_ids": speculators_layer_ids(cfg.target_layer_ids),
-        "block_size": cfg.block_size,
-        "mask_token_id": cfg.mask_token_id,
-        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-    }
-    got = {k: layers.get(k) if k == "layer_types" else theirs.get(k) for k in want}
-    if got != want:
-        raise ValueError(f"{checkpoint}/config.json: {got} differs from the drafter's {want}")
-    state = from_speculators(
-        load_file(str(checkpoint / "model.safetensors")), cfg.num_hidden_layers, str(checkpoint)
-    )
-    embed, head = load_frozen_target_parts(target, dtype=torch.float32, device="cpu")
-    model = DFlashDrafter(cfg, embed, head)
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    export_drafter(model, out_dir, dtype=next(iter(state.values())).dtype)
-    return out_dir

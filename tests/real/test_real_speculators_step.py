@@ -3,7 +3,7 @@ speculators 0.9.0's own DFlash (``speculators.models.dflash.DFlashDraftModel``, 
 ``from_training_args`` from the real target, with its draft config derived by its own
 ``create_transformer_layer_config``: another team's code for the same paper, its eager attention with its
 own flex-style mask mod, its packing of rows by document, its targets rebuilt from the target's last hidden
-state, its loss), given the same weights (mapped by name, ``speculators_peer.to_speculators``), the same two
+state, its loss), given the same weights (mapped by name, ``speculators_weights.to_speculators``), the same two
 real samples with the target's own features and the same anchors, give the same loss and the same gradient
 for every drafter weight, in fp32 (measured: loss equal to the last digit, 25.2735843; every gradient
 within 2.1e-7 relative; 62 anchors, 578 supervised slots).
@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from dflash_pipe.bench.speculators_peer import speculators_layer_ids, to_speculators
+from dflash_pipe.bench.speculators_weights import speculators_layer_ids, to_speculators
 from dflash_pipe.drafter import DFlashDrafter, DrafterConfig
 from dflash_pipe.drafter.masks import sample_anchors, training_eligible
 from dflash_pipe.drafter.target_parts import load_frozen_target_parts
