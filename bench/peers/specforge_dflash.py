@@ -36,7 +36,6 @@ SpecForge's defaults apply (bf16, flex attention, FSDP SHARD_GRAD_OP on one rank
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -60,34 +59,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
     tokenizer = common.prepare_rows(args)
     if args.rows_only:
         return 0
     specforge = peers.import_specforge()
     rows = common.read_rows(args.rows, tokenizer, max_length=args.max_length)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    start = time.perf_counter()
-    deadline = 60.0 * args.minutes
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    layer_ids = peers.target_layer_ids(target.config.num_hidden_layers, args.layers)
     features = args.out / "features"
-    captured = peers.capture_features(
-        target.model,
+    cap = common.capture_timed(
+        args,
         rows,
-        layer_ids,
-        features,
-        should_stop=lambda: time.perf_counter() - start >= args.capture_share * deadline,
+        lambda config: peers.target_layer_ids(config.num_hidden_layers, args.layers),
+        lambda target, ids, stop: peers.capture_features(target.model, rows, ids, features, should_stop=stop),
     )
-    capture_s = time.perf_counter() - start
-    del target
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    print(f"captured {captured}/{len(rows)} rows in {capture_s:.1f}s (layers {layer_ids})", flush=True)
+    start, deadline, layer_ids, captured, capture_s = (
+        cap.start, cap.deadline, cap.layer_ids, cap.captured, cap.capture_s
+    )  # fmt: skip
 
     recipe = peers.PeerRecipe(
         target=args.target,

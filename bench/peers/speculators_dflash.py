@@ -23,7 +23,6 @@ lists (bench/real_model_carries.sh downloads them for the device). `datasets` mu
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shutil
 import sys
@@ -56,8 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
     from dflash_pipe.drafter import DrafterConfig
 
     tokenizer = common.prepare_rows(args)
@@ -66,37 +63,29 @@ def main(argv: list[str] | None = None) -> int:
     speculators = sp.import_speculators()
     rows = common.read_rows(args.rows, tokenizer, max_length=args.max_length)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     data_dir, save_dir = args.out / "data", args.out / "train"
     for old in (data_dir, save_dir):
         shutil.rmtree(old, ignore_errors=True)
     sp.write_dataset(rows, tokenizer, data_dir, max_length=args.max_length)
 
-    start = time.perf_counter()
-    deadline = 60.0 * args.minutes
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    cfg = DrafterConfig.from_target(
-        target.config,
-        num_layers=args.layers,
-        block_size=args.block_size,
-        mask_token_id=args.mask_token_id,
-        max_anchors=args.max_anchors,
-    )
-    layer_ids = list(cfg.target_layer_ids)
-    captured = sp.capture_hidden_states(
-        target,
+    def drafter_config(target_config: object) -> DrafterConfig:
+        return DrafterConfig.from_target(
+            target_config,
+            num_layers=args.layers,
+            block_size=args.block_size,
+            mask_token_id=args.mask_token_id,
+            max_anchors=args.max_anchors,
+        )
+
+    cap = common.capture_timed(
+        args,
         rows,
-        layer_ids,
-        data_dir,
-        should_stop=lambda: time.perf_counter() - start >= args.capture_share * deadline,
+        lambda config: list(drafter_config(config).target_layer_ids),
+        lambda target, ids, stop: sp.capture_hidden_states(target, rows, ids, data_dir, should_stop=stop),
     )
-    capture_s = time.perf_counter() - start
-    del target
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    start, layer_ids, captured, capture_s = cap.start, cap.layer_ids, cap.captured, cap.capture_s
+    cfg = drafter_config(cap.target_config)
     sp.keep_rows(data_dir, captured)
-    print(f"captured {captured}/{len(rows)} rows in {capture_s:.1f}s (layers {layer_ids})", flush=True)
 
     recipe = sp.SpeculatorsRecipe(
         target=args.target,
@@ -125,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics_path.unlink(missing_ok=True)
     budget = common.TimeBudget(
         start=start,
-        deadline=deadline,
+        deadline=cap.deadline,
         marks=common.budget_marks(args.minutes, args.save_at),
         metrics_path=metrics_path,
         warmup_ratio=recipe.warmup_ratio,

@@ -257,3 +257,56 @@ def package_version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+@dataclass(kw_only=True, slots=True)
+class Capture:
+    """When a peer's budget began and what its capture did."""
+
+    start: float
+    """time.perf_counter() at the start of the budget (before the target loads)."""
+    deadline: float
+    """The budget in seconds."""
+    layer_ids: list[int]
+    captured: int
+    capture_s: float
+    target_config: Any
+
+
+def capture_timed(
+    args: argparse.Namespace,
+    rows: Sequence[Row],
+    layer_ids_of: Callable[[Any], list[int]],
+    capture: Callable[[Any, list[int], Callable[[], bool]], int],
+) -> Capture:
+    """Start the budget, load the target (bf16 on CUDA, fp32 on CPU), capture with ``capture(target,
+    layer_ids, should_stop)`` until ``--capture-share`` of the budget, then free the target: the part of a
+    peer's minutes both peers spend alike."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    start = time.perf_counter()
+    deadline = 60.0 * args.minutes
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    layer_ids = layer_ids_of(target.config)
+    captured = capture(
+        target, layer_ids, lambda: time.perf_counter() - start >= args.capture_share * deadline
+    )
+    capture_s = time.perf_counter() - start
+    config = target.config
+    del target
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"captured {captured}/{len(rows)} rows in {capture_s:.1f}s (layers {layer_ids})", flush=True)
+    return Capture(
+        start=start,
+        deadline=deadline,
+        layer_ids=layer_ids,
+        captured=captured,
+        capture_s=capture_s,
+        target_config=config,
+    )

@@ -8,25 +8,20 @@ venv's own torch, transformers and datasets (``datasets`` comes with the ``test`
 ``import speculators.train.cli`` (model, data loader, trainer) reaches that the venv lacks: importing any
 part of speculators imports its data loader, which imports ``openai`` and ``datasets``.
 
-Cached under ``$DFLASH_PIPE_CACHE/speculators-site/<pins>-py<X.Y>`` (default ``~/.cache/dflash-pipe``),
-filled in a temporary folder beside it and renamed into place under a file lock, its completion marker
-written last (as ``packages.py`` does). ``RegistryUnreachable`` when pip cannot reach the index (the tests
+Cached under ``$DFLASH_PIPE_CACHE/speculators-site/speculators-<version>-py<X.Y>`` (default
+``~/.cache/dflash-pipe``), made once as ``packages.py`` makes its folder (``cached_folder``). ``RegistryUnreachable`` when pip cannot reach the index (the tests
 skip); any other failure is an error naming pip's output.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from filelock import FileLock
-
 from tests.drafter.reference_venv import RegistryUnreachable, network_error_line
+from tests.real.packages import cached_folder
 
 PINS = {
     "speculators": "0.9.0",
@@ -57,28 +52,8 @@ def speculators_site() -> Path:
     """A folder to put on ``sys.path`` (or PYTHONPATH) to import speculators, installed first when missing.
     Raises ``RegistryUnreachable`` when pip cannot reach the index, RuntimeError when it fails otherwise."""
     folder = site_dir()
-    if _complete(folder):
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder.with_name(folder.name + ".lock"))):
-        if _complete(folder):  # installed by another process while we waited
-            return folder
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-        try:
-            _install(tmp)
-            (tmp / MARKER).write_text(json.dumps(PINS) + "\n")
-            shutil.rmtree(folder, ignore_errors=True)
-            os.replace(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    cached_folder(folder, PINS, _install)
     return folder
-
-
-def _complete(folder: Path) -> bool:
-    try:
-        return json.loads((folder / MARKER).read_text()) == PINS
-    except (OSError, ValueError):
-        return False
 
 
 def _install(dest: Path) -> None:
