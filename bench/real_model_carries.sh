@@ -8,6 +8,9 @@
 #   .carry/b4g  gguf.part2 (the rest of the GGUF) and data/eval_*.jsonl
 #   .carry/b4d  data/: train.json.xz (prepare --each-turn of the first TRAIN_RECORDS ShareGPT records) and
 #               the eval files
+#   .carry/sw1  the speculators peer's pyarrow wheel (55 MB: a call of its own, phase peerwheels)
+#   .carry/sw2  the rest of that peer: speculators 0.9.0 and the packages tests/real/speculators_site.py pins,
+#               datasets and openai with their dependencies (numpy and torch are the image's)
 # Then each call fits its 64 MiB with the working tree; the sizes are checked at the end.
 # Usage (repo root, with the venv of `make test`): bash bench/real_model_carries.sh
 # (TRAIN_RECORDS=12000 EVAL_PROMPTS=32 TURNS=--each-turn, or --first-turns: the recipe of bench/results/h100_real_model_each_turn)
@@ -49,9 +52,18 @@ $PY -m pip download -q --disable-pip-version-check --python-version 3.12 --only-
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   -d .whl pydantic
 
+echo "== wheels of the speculators peer (python 3.12; PEER=speculators in bench/real_model_h200.sh)"
+rm -rf .carry/sw1 .carry/sw2 && mkdir -p .carry/sw1 .carry/sw2
+spec_pins=$($PY -c "from tests.real.speculators_site import PINS; print(' '.join(f'{k}=={v}' for k, v in PINS.items()))")
+$PY -m pip download -q --disable-pip-version-check --python-version 3.12 --only-binary=:all: \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+  -d .carry/sw2 $spec_pins datasets==5.2.0
+rm -f .carry/sw2/numpy-*.whl .carry/sw2/torch-*.whl .carry/sw2/nvidia_*.whl .carry/sw2/triton-*.whl
+mv .carry/sw2/pyarrow-*.whl .carry/sw1/
+
 echo "== each call's carry with the working tree (at most 64 MiB)"
 tree=$(git ls-files -z | xargs -0 du -cb | tail -n 1 | cut -f1)
-for call in ".carry/a .whl" ".carry/b4g" ".carry/b4d"; do
+for call in ".carry/a .whl" ".carry/b4g" ".carry/b4d" ".carry/sw1" ".carry/sw2"; do
   # shellcheck disable=SC2086
   size=$(du -cb $call | tail -n 1 | cut -f1)
   total=$((size + tree))

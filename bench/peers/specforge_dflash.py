@@ -36,7 +36,6 @@ SpecForge's defaults apply (bf16, flex attention, FSDP SHARD_GRAD_OP on one rank
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -44,88 +43,39 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipe.bench import peer_common as common
 from dflash_pipe.bench import peers
 from dflash_pipe.bench.save import provenance
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", type=Path, required=True, help="HF folder of the target model")
-    p.add_argument(
-        "--rows", type=Path, required=True, help="pre-tokenized JSONL: {input_ids, loss_mask} per line"
-    )
-    p.add_argument("--conversations", type=Path, help="write --rows first from this conversations JSONL")
-    p.add_argument("--max-rows", type=int, help="with --conversations: keep the first N rows")
-    p.add_argument(
-        "--rows-only", action="store_true",
-        help="write --rows from --conversations and stop: rows prepared ahead stay out of the timed run",
-    )  # fmt: skip
-    p.add_argument("--max-length", type=int, default=3072, help="tokens per row (truncation)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget from the start of capture")
-    p.add_argument("--save-at", type=float, nargs="*", help="checkpoint marks in minutes (default M/4, M/2)")
-    p.add_argument(
-        "--capture-share", type=float, default=0.5, help="stop capturing at this share of the budget"
-    )
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
-    )
-    p.add_argument("--layers", type=int, default=5, help="drafter layers")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--mask-token-id", type=int, required=True)
+    p = common.peer_arg_parser(__doc__.split("\n")[0])
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--max-anchors", type=int, default=512)
     p.add_argument("--gamma", type=float, default=7.0)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument(
-        "--steps", type=int, help="planned optimizer steps (the cosine horizon); default: fit to budget"
-    )
     p.add_argument("--loader-workers", type=int, help="SpecForge's dataloader workers (default its own, 8)")
-    p.add_argument("--slot-rows", type=int, default=16, help="rows for the per-slot accuracy at the end")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.rows_only and args.conversations is None:
-        p.error("--rows-only writes --rows from --conversations: give --conversations")
-    return args
+    return common.check_peer_args(p, p.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    if args.conversations is not None:
-        t0 = time.perf_counter()
-        n = peers.write_rows(
-            args.conversations, tokenizer, args.rows, max_length=args.max_length, limit=args.max_rows
-        )
-        print(f"wrote {n} rows to {args.rows} in {time.perf_counter() - t0:.1f}s", flush=True)
+    tokenizer = common.prepare_rows(args)
     if args.rows_only:
         return 0
     specforge = peers.import_specforge()
-    rows = peers.read_rows(args.rows, tokenizer, max_length=args.max_length)
+    rows = common.read_rows(args.rows, tokenizer, max_length=args.max_length)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    start = time.perf_counter()
-    deadline = 60.0 * args.minutes
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    layer_ids = peers.target_layer_ids(target.config.num_hidden_layers, args.layers)
     features = args.out / "features"
-    captured = peers.capture_features(
-        target.model,
+    cap = common.capture_timed(
+        args,
         rows,
-        layer_ids,
-        features,
-        should_stop=lambda: time.perf_counter() - start >= args.capture_share * deadline,
+        lambda config: peers.target_layer_ids(config.num_hidden_layers, args.layers),
+        lambda target, ids, stop: peers.capture_features(target.model, rows, ids, features, should_stop=stop),
     )
-    capture_s = time.perf_counter() - start
-    del target
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    print(f"captured {captured}/{len(rows)} rows in {capture_s:.1f}s (layers {layer_ids})", flush=True)
+    start, deadline, layer_ids, captured, capture_s = (
+        cap.start, cap.deadline, cap.layer_ids, cap.captured, cap.capture_s
+    )  # fmt: skip
 
     recipe = peers.PeerRecipe(
         target=args.target,
@@ -146,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     metrics_path = args.out / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
-    budget = peers.TimeBudget(
+    budget = common.TimeBudget(
         start=start,
         deadline=deadline,
-        marks=peers.budget_marks(args.minutes, args.save_at),
+        marks=common.budget_marks(args.minutes, args.save_at),
         metrics_path=metrics_path,
         warmup_ratio=recipe.warmup_ratio,
         fit_horizon=args.steps is None,
@@ -172,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         c["export"] = str(
             peers.export_reference(c["uri"], draft_config, args.target, args.out / "export" / name)
         )
-    tail = [json.loads(line) for line in metrics_path.read_text().splitlines()[-20:]]
     summary = {
         "name": "specforge_dflash",
-        "provenance": provenance() | {"specforge": getattr(specforge, "__version__", None) or _version()},
+        "provenance": provenance()
+        | {"specforge": getattr(specforge, "__version__", None) or common.package_version("specforge")},
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "specforge_config": json.loads((args.out / "specforge_config.json").read_text()),
@@ -190,12 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         "horizon_steps": args.steps or budget.horizon,
         "samples_seen": trainer.global_step * args.batch_size,
         "tokens_seen_estimate": round(
-            trainer.global_step * args.batch_size * peers.mean_row_tokens(rows[:captured])
+            trainer.global_step * args.batch_size * common.mean_row_tokens(rows[:captured])
         ),
         "epochs": round(trainer.global_step * args.batch_size / max(1, captured), 3),
         "last_metrics": budget.last,
-        "mean_acc_last_20_steps": round(sum(m.get("acc", 0.0) for m in tail) / max(1, len(tail)), 4),
-        "mean_loss_last_20_steps": round(sum(m.get("loss", 0.0) for m in tail) / max(1, len(tail)), 4),
+        **common.metrics_tail(metrics_path),
         "slot_accuracy": slots,
         "checkpoints": checkpoints,
         "specforge_pieces": [
@@ -212,15 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "specforge_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: summary[k] for k in ("capture_s", "train_s", "steps", "slot_accuracy")}), flush=True)
     return 0
-
-
-def _version() -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version("specforge")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

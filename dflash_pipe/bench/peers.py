@@ -7,29 +7,28 @@ typed ``Config``, ``resolve_run`` / ``bind_run``, ``init_distributed``, ``build_
 offline reader, normalizer, collator, ``DFlashDraftModel``, ``OnlineDFlashModel`` loss, ``BF16Optimizer``
 with its cosine-warm-up scheduler, ``Trainer`` / ``TrainerController``, ``CheckpointManager``), and the
 export is its ``export_to_hf``. What this module adds is a wall-clock budget around ``Trainer.fit``
-(``TimeBudget``, hooked in as the trainer's logger), per-slot accuracy (SpecForge logs one accuracy over
+(``peer_common.TimeBudget``, hooked in as the trainer's logger through ``SpecForgeControl``), per-slot accuracy (SpecForge logs one accuracy over
 all slots) and the two top-level config keys older DFlash loaders read.
 
 Nothing of SpecForge is copied here: it is imported from the installed package, lazily
 (``import_specforge``), so dflash-pipe does not depend on it.
 
-Past 400 lines: the peer's capture, its trainer's budget and its export belong to one comparison and
-change together with SpecForge's version; none is used elsewhere.
+What both peers share (rows, features, the budget, the scripts' flags) is in ``peer_common.py``; the
+second peer, speculators, is ``speculators_peer.py``.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash_pipe.bench.peer_common import Row, TimeBudget, layer_features
 from dflash_pipe.config.drafter import default_target_layer_ids
 
 SPECFORGE_VERSION = "0.2.0"
@@ -56,46 +55,6 @@ def import_specforge() -> Any:
             "bench/peers/specforge_dflash.py's docstring"
         ) from e
     return specforge
-
-
-@dataclass(kw_only=True, slots=True)
-class Row:
-    """One tokenized training row, exactly as dflash-pipe trains it."""
-
-    input_ids: torch.Tensor  # [T] int64
-    loss_mask: torch.Tensor  # [T] bool
-
-
-def write_rows(conversations: Path, tokenizer: Any, out: Path, *, max_length: int, limit: int | None) -> int:
-    """Tokenize a conversations JSONL the way dflash-pipe does and write the rows as pre-tokenized JSONL
-    (``{"input_ids", "loss_mask"}`` per line); returns the rows written. A regenerated file gives the
-    samples its run trained (``data.regen_samples``: the target's own ids where a line keeps them), any
-    other file what ``load_samples`` makes of it."""
-    from dflash_pipe.data.config import DataConfig
-    from dflash_pipe.data.loader import load_samples
-    from dflash_pipe.data.regen_samples import is_regenerated_file, regenerated_samples
-
-    cfg = DataConfig(path=conversations, max_length=max_length)
-    if is_regenerated_file(conversations):
-        made = regenerated_samples(conversations, tokenizer, cfg)
-    else:
-        made = iter(load_samples(cfg, tokenizer).samples)
-    samples = list(itertools.islice(made, limit))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        for s in samples:
-            line = {"input_ids": s.input_ids.tolist(), "loss_mask": [int(m) for m in s.loss_mask.tolist()]}
-            f.write(json.dumps(line) + "\n")
-    return len(samples)
-
-
-def read_rows(path: Path, tokenizer: Any, *, max_length: int) -> list[Row]:
-    """The rows of a pre-tokenized JSONL through dflash-pipe's own loader (same truncation and drops)."""
-    from dflash_pipe.data.config import DataConfig
-    from dflash_pipe.data.loader import load_samples
-
-    loaded = load_samples(DataConfig(path=path, max_length=max_length), tokenizer)
-    return [Row(input_ids=s.input_ids, loss_mask=s.loss_mask.bool()) for s in loaded.samples]
 
 
 def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -135,7 +94,7 @@ def capture_features(
                 break
             ids = row.input_ids.to(device)
             out = target(input_ids=ids[None], output_hidden_states=True, use_cache=False)
-            feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [1, T, k*H]
+            feats = layer_features(out, layer_ids)  # [1, T, k*H]
             record = {
                 "input_ids": row.input_ids.to(torch.long).clone(),
                 "loss_mask": row.loss_mask.to(torch.long).clone(),
@@ -237,88 +196,23 @@ class PeerRecipe:
         }
 
 
-@dataclass(kw_only=True, slots=True)
-class TimeBudget:
-    """SpecForge's trainer logger, wrapped: every optimizer step's metrics go to a JSONL file; a checkpoint
-    is saved at each mark (seconds since ``start``); the run stops at ``deadline``. Without a step plan the
-    schedule's horizon is fitted to the budget once, early in the warm-up: steps done + the step rate
-    measured after the first two steps (compilation, warm-up) x the time left (warm-up ``warmup_ratio`` of
-    that, cosine over the rest); the run then also stops at that horizon, where the cosine reaches zero
-    (SpecForge's cosine would climb again past it)."""
+@dataclass(slots=True)
+class SpecForgeControl:
+    """SpecForge's ``Trainer`` as ``TimeBudget`` drives it (``peer_common.PeerControl``)."""
 
-    start: float
-    """time.perf_counter() when the budget began (before the capture)."""
-    deadline: float
-    """Seconds after ``start`` at which training stops (after the step in flight)."""
-    marks: list[float]
-    """Seconds after ``start`` at which to save a checkpoint."""
-    metrics_path: Path
-    warmup_ratio: float
-    fit_horizon: bool
-    """True: no step plan was given; fit the scheduler's horizon to the budget."""
-    print_every: int = 10
-    console: Callable[[dict, int], None] | None = None
-    """SpecForge's own console logger, called every ``print_every`` steps."""
-    trainer: Any = None
-    """SpecForge's Trainer (set after it is built)."""
-    probe_start: float | None = None
-    """When step 2 ended: the step rate is measured from here."""
-    horizon: int | None = None
-    saved: list[dict[str, Any]] = field(default_factory=list)
-    last: dict[str, float] = field(default_factory=dict)
-    steps: int = 0
-    stopped_by: str = "steps"
+    trainer: Any
 
-    def __call__(self, metrics: dict[str, Any], step: int) -> None:
-        now = time.perf_counter()
-        if step == 2:
-            self.probe_start = now
-        row = {"step": step, "elapsed_s": round(now - self.start, 3)} | _scalars(metrics)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.last, self.steps = row, step
-        if self.console is not None and (step % self.print_every == 0 or step == 1):
-            self.console(metrics, step)
-        if self.fit_horizon and self.horizon is None:
-            self._maybe_fit_horizon(step, now)
-        while self.marks and now - self.start >= self.marks[0]:
-            self.marks.pop(0)
-            self.save(step, now)
-        if now - self.start >= self.deadline:
-            self.stop(step, "time")
-        elif self.horizon is not None and step >= self.horizon:
-            self.stop(step, "horizon")
+    def save(self, step: int) -> str | None:
+        if self.trainer.last_checkpoint_step == step:
+            return None
+        return self.trainer.save_checkpoint().checkpoint_uri
 
-    def stop(self, step: int, why: str) -> None:
-        """End the run after this step; ``Trainer.fit`` then saves it as the last checkpoint."""
-        self.stopped_by = why
+    def stop(self, step: int) -> None:
+        """``Trainer.fit`` then saves this step as the last checkpoint."""
         self.trainer._controller.max_steps = step
 
-    def save(self, step: int, now: float) -> None:
-        if self.trainer.last_checkpoint_step == step:
-            return
-        checkpoint = self.trainer.save_checkpoint()
-        self.saved.append(
-            {"step": step, "elapsed_s": round(now - self.start, 3), "uri": checkpoint.checkpoint_uri}
-        )
-
-    def _maybe_fit_horizon(self, step: int, now: float) -> None:
-        """Fit once 10 steps and 5 s (or 2% of the budget) have passed since step 2, or, on a slow device,
-        3 steps and a tenth of the time left."""
-        if self.probe_start is None or step < 3:
-            return
-        probed, ran = step - 2, now - self.probe_start
-        left = self.deadline - (now - self.start)
-        if not ((probed >= 10 and ran >= min(5.0, 0.02 * self.deadline)) or ran >= 0.1 * left):
-            return
-        rate = probed / ran
-        horizon = int(step + rate * max(self.deadline - (now - self.start), 0.0))
-        # The warm-up must still run a step after this one: its last step sets the peak LR the cosine
-        # (recursive, from the current LR) starts from.
-        warmup = max(int(self.warmup_ratio * horizon), step + 2)
-        horizon = max(horizon, warmup + 1)
+    def set_horizon(self, horizon: int, warmup: int) -> None:
         set_cosine_horizon(self.trainer.backend.optimizer, horizon=horizon, warmup=warmup)
-        self.horizon = horizon
 
 
 def set_cosine_horizon(optimizer: Any, *, horizon: int, warmup: int) -> None:
@@ -329,16 +223,6 @@ def set_cosine_horizon(optimizer: Any, *, horizon: int, warmup: int) -> None:
         raise RuntimeError("the schedule already left its warm-up; pass --steps instead")
     scheduler.warmup_epochs = warmup
     scheduler.after_scheduler.T_max = max(1, horizon - warmup)
-
-
-def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for key, value in metrics.items():
-        try:
-            out[key] = float(value)
-        except (TypeError, ValueError):
-            continue
-    return out
 
 
 def train_specforge(
@@ -372,7 +256,7 @@ def train_specforge(
     run = build_application_run(run_cfg)
     trainer = run.trainer
     budget.console = trainer._controller.logger
-    budget.trainer = trainer
+    budget.trainer = SpecForgeControl(trainer)
     trainer._controller.logger = budget
     run.run()
     return trainer
@@ -453,14 +337,3 @@ def write_draft_config(trainer: Any, path: Path) -> Path:
     draft = training_model(trainer).draft_model
     draft.config.to_json_file(str(path))
     return path
-
-
-def budget_marks(minutes: float, save_at: Sequence[float] | None) -> list[float]:
-    """Checkpoint marks in seconds: ``save_at`` minutes, default a quarter and a half of the budget (the
-    end is saved anyway)."""
-    marks = save_at if save_at else [minutes / 4, minutes / 2]
-    return sorted(60.0 * m for m in marks if 0 < m < minutes)
-
-
-def mean_row_tokens(rows: Sequence[Row]) -> float:
-    return float(sum(int(r.input_ids.numel()) for r in rows)) / max(1, len(rows))

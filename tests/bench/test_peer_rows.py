@@ -40,7 +40,7 @@ def test_rows_only_needs_conversations(tmp_path):
 def test_rows_of_a_regenerated_file_are_the_target_ids_the_run_trained(tmp_path):
     """A regenerated line that keeps the target's ids gives those ids (not its text tokenized again, which
     differs here); a line without them gives its rendered text, as the producer's samples do."""
-    from dflash_pipe.bench.peers import write_rows
+    from dflash_pipe.bench.peer_common import write_rows
     from dflash_pipe.data.config import RegenConfig
     from dflash_pipe.data.regenerated import Regenerated, RegenStore, provenance
     from dflash_pipe.data.render import render_conversation, render_prompt

@@ -1,4 +1,5 @@
-"""The SpecForge peer's wall-clock budget (dflash_pipe/bench/peers.py): marks, stops, the fitted horizon."""
+"""The peers' wall-clock budget (dflash_pipe/bench/peer_common.py) driving SpecForge's trainer
+(``peers.SpecForgeControl``): marks, stops, the fitted horizon."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_pipe.bench.peers import TimeBudget, budget_marks, set_cosine_horizon
+from dflash_pipe.bench.peer_common import TimeBudget, budget_marks
+from dflash_pipe.bench.peers import SpecForgeControl, set_cosine_horizon
 
 
 class FakeTrainer:
@@ -38,7 +40,7 @@ def test_budget_saves_passed_marks_once_and_stops_at_the_deadline(tmp_path):
         metrics_path=tmp_path / "m.jsonl",
         warmup_ratio=0.04,
         fit_horizon=False,
-        trainer=trainer,
+        trainer=SpecForgeControl(trainer),
     )
     budget({"loss": torch.tensor(2.0), "acc": 0.5}, 1)
     assert len(budget.saved) == 1 and budget.marks == [70.0]  # two marks passed, one save for the step

