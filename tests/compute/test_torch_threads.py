@@ -50,9 +50,15 @@ def test_a_registered_thread_in_a_torch_op_exits_with_the_commands_code_and_says
 
 
 def test_without_it_the_same_exit_aborts():
-    """The hazard the helper exists for (so the test above can fail)."""
-    done = _run(register=False)
-    assert done.returncode == -6, (done.returncode, done.stderr[-2000:])
+    """The hazard the helper exists for (so the test above can fail). A race: the exit must find the thread
+    inside an op, and on a loaded machine it can find it between two; so one abort in three tries shows it."""
+    tries = []
+    for _ in range(3):
+        done = _run(register=False)
+        tries.append((done.returncode, done.stderr[-500:]))
+        if done.returncode == -6:
+            break
+    assert done.returncode == -6, tries
     assert "terminate called without an active exception" in done.stderr
 
 
