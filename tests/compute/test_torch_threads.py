@@ -20,8 +20,8 @@ inside = threading.Event()
 def compute():
     a = torch.randn(3000, 3000)
     inside.set()
-    while True:  # as a prefill: op after op, the exit below finds the thread inside one
-        a = (a @ a).tanh()
+    while True:  # as a prefill: op after op, the exit below finds the thread inside one (elementwise ops
+        a = (a.exp().sin() + a.cos()).tanh()  # run on the OpenMP pool; a matmul may run on BLAS's own)
 thread = threading.Thread(target=compute, name="target-cpu0", daemon=True)
 if REGISTER:
     computes_torch(thread)
