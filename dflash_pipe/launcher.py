@@ -117,6 +117,7 @@ def _launch(
     from transformers.utils import logging as hf_logging
 
     from dflash_pipe.config.mask_token import mask_line
+    from dflash_pipe.producer.build import ProducerParts
     from dflash_pipe.producer.proc import DRAIN_MARGIN_S, ProducerProc
 
     if cfg.layout.device == "cpu":
@@ -137,7 +138,8 @@ def _launch(
     ctx, replicas = prepare(cfg, resume=resume, checked=checked, live=live)
     check_open_work(ctx)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
-    producer = ProducerProc(ctx, console=console, live=live, replicas=replicas, signals=stop.signals)
+    parts = ProducerParts(ctx, replicas=replicas, signals=stop.signals, console=console, live=live)
+    producer = ProducerProc(parts)
     pool = stop.pool = WorkerPool(cfg, producer.address)
     console.print(
         f"[bold]dflash-pipe[/] run {ctx.run_id}: producer at {producer.address}, "

@@ -103,6 +103,13 @@ class ProducerCore:
         self.note(f"warning: {first}; {released} leased {leased}(es) go to the others")
         self.account.warn(f"[yellow]warning:[/] {first}; the run goes on without it")
 
+    def drop_gone(self, peer_id: bytes, why: str) -> None:
+        """A send found ``peer_id`` gone (its connection closed, or it stopped reading): dropped, unless it
+        left already."""
+        peer = self.peers.get(peer_id)
+        if peer is not None and not peer.left:
+            self.drop(peer, why)
+
     # --- inbound -----------------------------------------------------------------------------------------
 
     def handle(self, peer_id: bytes, msg: Any) -> None:
