@@ -132,8 +132,7 @@ def _launch(
         os.environ.setdefault(key, value)
     hf_logging.disable_progress_bar()
     from dflash_pipe.producer.setup import check_open_work
-    from dflash_pipe.run.record import read_record, write_record
-    from dflash_pipe.run.resume import record_complete
+    from dflash_pipe.run.record import read_record, record_complete, write_record
 
     ctx, replicas = prepare(cfg, resume=resume, checked=checked, live=live)
     check_open_work(ctx)
