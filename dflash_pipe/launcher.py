@@ -22,22 +22,22 @@ from dflash_pipe.worker_pool import SAFE_GPU_ENV, WorkerPool
 
 if TYPE_CHECKING:
     from dflash_pipe.producer.setup import RunContext
-    from dflash_pipe.run.resume import LaunchCheck
+    from dflash_pipe.run.resume import LaunchCheck, ResumePoint
 
 
 def prepare(
-    cfg: RunConfig, *, resume: bool, checked: LaunchCheck | None = None, live: bool | None = None
+    cfg: RunConfig, *, resume: bool, point: ResumePoint | None = None, live: bool | None = None
 ) -> tuple[RunContext, Future]:
     """The run's context, with its target replicas loading: the data tokenizes in the background (worker
     processes for a big file) while a thread puts the target's weights on its devices; only the set-up that
     needs the data (ledger, train/eval split) waits for it. The future's ``result()`` is the replicas (or the
-    loading error); ``ProducerProc`` waits for it when it starts serving. ``checked``: what the checks under
-    the run dir's lock found (the resumed checkpoint, read once)."""
+    loading error); ``ProducerProc`` waits for it when it starts serving. ``point``: the resumed checkpoint
+    the checks under the run dir's lock read (once)."""
     from dflash_pipe.producer import target_threads
     from dflash_pipe.producer.setup import start_run
 
     # leaving the block stops the tokenization on any error
-    with start_run(cfg, resume=resume, checked=checked, progress=live) as pending:
+    with start_run(cfg, resume=resume, point=point, progress=live) as pending:
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
         replicas = loader.submit(target_threads.load_replicas, pending)
         loader.shutdown(wait=False)  # the thread ends when the target is loaded
@@ -134,7 +134,8 @@ def _launch(
     from dflash_pipe.producer.setup import check_open_work
     from dflash_pipe.run.record import read_record, record_complete, write_record
 
-    ctx, replicas = prepare(cfg, resume=resume, checked=checked, live=live)
+    point = checked.resume if checked is not None else None
+    ctx, replicas = prepare(cfg, resume=resume, point=point, live=live)
     check_open_work(ctx)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
     parts = ProducerParts(ctx, replicas=replicas, signals=stop.signals, console=console, live=live)
