@@ -140,7 +140,6 @@ def _launch(
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
     parts = ProducerParts(ctx, replicas=replicas, signals=stop.signals, console=console, live=live)
     producer = ProducerProc(parts)
-    pool = stop.pool = WorkerPool(cfg, producer.address)
     console.print(
         f"[bold]dflash-pipe[/] run {ctx.run_id}: producer at {producer.address}, "
         f"{cfg.layout.num_workers} drafter(s) on {', '.join(cfg.layout.worker_devices())} "
@@ -158,6 +157,7 @@ def _launch(
         from dflash_pipe.producer.display import data_lines, data_report
 
         console.print(data_lines(data_report(producer.core))[0], markup=False, highlight=False)
+    pool = stop.pool = WorkerPool(cfg, producer.address)
     try:
         pool.start(previous)
         write_record(cfg.run_dir, workers=pool.records())
