@@ -83,7 +83,18 @@ class ProducerCore:
         self.host_id, self.rendezvous = host_id, rendezvous
         self.account = Accounting(metrics=metrics, step=ctx.resume_step, warn=warn)
         self.peers = Peers()
-        self.leases = Leasing(ctx, note=self.account.note, plans=plans)
+        cfg = ctx.cfg
+        self.leases = Leasing(
+            ctx.train_samples,
+            ctx.ledger,
+            regen=ctx.regen,
+            epochs=cfg.train.epochs,
+            token_budget=cfg.data.token_budget,
+            seed=cfg.train.seed,
+            ready_batches=cfg.wire.ready_batches,
+            note=self.account.note,
+            plans=plans,
+        )
 
     def note(self, text: str) -> None:
         self.account.note(text)
