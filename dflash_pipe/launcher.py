@@ -22,22 +22,22 @@ from dflash_pipe.worker_pool import SAFE_GPU_ENV, WorkerPool
 
 if TYPE_CHECKING:
     from dflash_pipe.producer.setup import RunContext
-    from dflash_pipe.run.resume import LaunchCheck
+    from dflash_pipe.run.resume import LaunchCheck, ResumePoint
 
 
 def prepare(
-    cfg: RunConfig, *, resume: bool, checked: LaunchCheck | None = None, live: bool | None = None
+    cfg: RunConfig, *, resume: bool, point: ResumePoint | None = None, live: bool | None = None
 ) -> tuple[RunContext, Future]:
     """The run's context, with its target replicas loading: the data tokenizes in the background (worker
     processes for a big file) while a thread puts the target's weights on its devices; only the set-up that
     needs the data (ledger, train/eval split) waits for it. The future's ``result()`` is the replicas (or the
-    loading error); ``ProducerProc`` waits for it when it starts serving. ``checked``: what the checks under
-    the run dir's lock found (the resumed checkpoint, read once)."""
+    loading error); ``ProducerProc`` waits for it when it starts serving. ``point``: the resumed checkpoint
+    the checks under the run dir's lock read (once)."""
     from dflash_pipe.producer import target_threads
     from dflash_pipe.producer.setup import start_run
 
     # leaving the block stops the tokenization on any error
-    with start_run(cfg, resume=resume, checked=checked, progress=live) as pending:
+    with start_run(cfg, resume=resume, point=point, progress=live) as pending:
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
         replicas = loader.submit(target_threads.load_replicas, pending)
         loader.shutdown(wait=False)  # the thread ends when the target is loaded
@@ -117,6 +117,7 @@ def _launch(
     from transformers.utils import logging as hf_logging
 
     from dflash_pipe.config.mask_token import mask_line
+    from dflash_pipe.producer.build import ProducerParts
     from dflash_pipe.producer.proc import DRAIN_MARGIN_S, ProducerProc
 
     if cfg.layout.device == "cpu":
@@ -131,14 +132,14 @@ def _launch(
         os.environ.setdefault(key, value)
     hf_logging.disable_progress_bar()
     from dflash_pipe.producer.setup import check_open_work
-    from dflash_pipe.run.record import read_record, write_record
-    from dflash_pipe.run.resume import record_complete
+    from dflash_pipe.run.record import read_record, record_complete, write_record
 
-    ctx, replicas = prepare(cfg, resume=resume, checked=checked, live=live)
+    point = checked.resume if checked is not None else None
+    ctx, replicas = prepare(cfg, resume=resume, point=point, live=live)
     check_open_work(ctx)
     previous = read_record(cfg.run_dir).get("workers", []) if resume else []
-    producer = ProducerProc(ctx, console=console, live=live, replicas=replicas, signals=stop.signals)
-    pool = stop.pool = WorkerPool(cfg, producer.address)
+    parts = ProducerParts(ctx, replicas=replicas, signals=stop.signals, console=console, live=live)
+    producer = ProducerProc(parts)
     console.print(
         f"[bold]dflash-pipe[/] run {ctx.run_id}: producer at {producer.address}, "
         f"{cfg.layout.num_workers} drafter(s) on {', '.join(cfg.layout.worker_devices())} "
@@ -156,6 +157,7 @@ def _launch(
         from dflash_pipe.producer.display import data_lines, data_report
 
         console.print(data_lines(data_report(producer.core))[0], markup=False, highlight=False)
+    pool = stop.pool = WorkerPool(cfg, producer.address)
     try:
         pool.start(previous)
         write_record(cfg.run_dir, workers=pool.records())

@@ -138,13 +138,13 @@ class WorkerPool:
             if name in running:
                 self.adopted.append(AdoptedWorker(name, device, int(running[name]["pid"])))
                 continue
+            cmd = self.worker_command(name, device)
             env = {**os.environ, **SAFE_GPU_ENV, "PYTHONUNBUFFERED": "1"}
             env.update(compile_cache_env(self.cfg.cache_dir, workers_on_host=drafters))
             if devices[0] == "cpu":
                 env["OMP_NUM_THREADS"] = str(threads_per_process(drafters + 1, share=len(devices)))
             log_path = logs / f"{name}.log"
             log = open(log_path, "ab")  # noqa: SIM115 -- held open for the child; closed in stop()
-            cmd = self.worker_command(name, device)
             proc = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )

@@ -29,6 +29,7 @@ from dflash_pipe.run.config import RunConfig
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.layout import LayoutConfig
 from dflash_pipe.run.ledger import Ledger
+from dflash_pipe.run.signals import Signals
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.auth import AuthError
 from dflash_pipe.wire.shm import host_identity
@@ -124,7 +125,8 @@ def run_attached(
 ) -> ProducerSummary:
     """Joins the run at ``address``, starts this node's workers (``layout``'s drafter devices) and serves
     them until the coordinator says DONE, every worker here leaves, or the coordinator is lost."""
-    from dflash_pipe.producer.proc import ProducerProc
+    from dflash_pipe.producer.build import ProducerParts
+    from dflash_pipe.producer.proc import ProducerProc, hard_exit
     from dflash_pipe.producer.target_threads import load_replicas
     from dflash_pipe.worker_pool import WorkerPool
 
@@ -145,7 +147,19 @@ def run_attached(
     loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-target-load")
     replicas = loader.submit(load_replicas, ctx)  # while the link keeps beating (ProducerProc.start_targets)
     loader.shutdown(wait=False)
-    producer = ProducerProc(ctx, console=console, live=live, upstream=upstream, replicas=replicas)
+    signals = Signals(
+        stop_timeout_s=cfg.wire.stop_timeout_s, preempt=cfg.wire.preempt_signal, on_hard_stop=hard_exit
+    )
+    parts = ProducerParts(
+        ctx,
+        replicas=replicas,
+        signals=signals,
+        own_signals=True,
+        console=console,
+        live=live,
+        upstream=upstream,
+    )
+    producer = ProducerProc(parts)
     upstream.serve_at(producer.address)
     pool = WorkerPool(cfg, producer.address, prefix=f"{name}-", logs=RunDir(cfg.run_dir).attached(name).logs)
     console.print(

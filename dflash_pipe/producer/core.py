@@ -83,7 +83,18 @@ class ProducerCore:
         self.host_id, self.rendezvous = host_id, rendezvous
         self.account = Accounting(metrics=metrics, step=ctx.resume_step, warn=warn)
         self.peers = Peers()
-        self.leases = Leasing(ctx, note=self.account.note, plans=plans)
+        cfg = ctx.cfg
+        self.leases = Leasing(
+            ctx.train_samples,
+            ctx.ledger,
+            regen=ctx.regen,
+            epochs=cfg.train.epochs,
+            token_budget=cfg.data.token_budget,
+            seed=cfg.train.seed,
+            ready_batches=cfg.wire.ready_batches,
+            note=self.account.note,
+            plans=plans,
+        )
 
     def note(self, text: str) -> None:
         self.account.note(text)
@@ -102,6 +113,13 @@ class ProducerCore:
         leased = "plan" if peer.role == "producer" else "batch"
         self.note(f"warning: {first}; {released} leased {leased}(es) go to the others")
         self.account.warn(f"[yellow]warning:[/] {first}; the run goes on without it")
+
+    def drop_gone(self, peer_id: bytes, why: str) -> None:
+        """A send found ``peer_id`` gone (its connection closed, or it stopped reading): dropped, unless it
+        left already."""
+        peer = self.peers.get(peer_id)
+        if peer is not None and not peer.left:
+            self.drop(peer, why)
 
     # --- inbound -----------------------------------------------------------------------------------------
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from dflash_pipe.data import plan_batches, sample_lengths
+from dflash_pipe.data import Sample, plan_batches, sample_lengths
 from dflash_pipe.producer.errors import NothingToTrain, RunAborted
-from dflash_pipe.producer.regen import GenerateDone, GenerateJob, first_open_epoch
+from dflash_pipe.producer.regen import GenerateDone, GenerateJob, Regeneration, first_open_epoch
 from dflash_pipe.producer.scheduler import BatchScheduler, PlannedBatch, ReadyBatch
-from dflash_pipe.producer.setup import RunContext
 from dflash_pipe.producer.target_threads import EvalDone, EvalJob, TargetFailure, pack
+from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.wire import messages as m
 
 
@@ -28,23 +28,31 @@ class Leasing:
 
     def __init__(
         self,
-        ctx: RunContext,
+        samples: Sequence[Sample],
+        ledger: Ledger,
         *,
+        regen: Regeneration | None,
+        epochs: int,
+        token_budget: int,
+        seed: int,
+        ready_batches: int,
         note: Callable[[str], None],
         plans: Iterator[PlannedBatch | None] | None = None,
     ) -> None:
-        """``plans``: plans made elsewhere (an attaching producer's, from the coordinator) instead of this
+        """``samples``: the run's training samples (sample id = index), planned ``token_budget`` tokens a
+        batch, shuffled by ``seed``, for ``epochs`` epochs from the first that ``ledger`` has open; with
+        ``regen``, the regeneration that fills them. ``ready_batches``: batches kept computed ahead.
+        ``plans``: plans made elsewhere (an attaching producer's, from the coordinator) instead of this
         run's own. ``note``: where a line for the dashboard goes."""
-        self.ctx, self.cfg, self._note = ctx, ctx.cfg, note
-        self.regen = ctx.regen
-        start_epoch = first_open_epoch(ctx.ledger, self.regen.voids if self.regen else set())
+        self._samples, self._note = samples, note
+        self._token_budget, self._seed, self._ready_batches = token_budget, seed, ready_batches
+        self.regen = regen
+        start_epoch = first_open_epoch(ledger, regen.voids if regen else set())
         self.scheduler = BatchScheduler(
             plan_epoch=self._plan_epoch,
-            epochs=self.cfg.train.epochs,
-            start_epoch=min(start_epoch, self.cfg.train.epochs),
-            trained_in_start_epoch=ctx.ledger.trained(start_epoch)
-            if start_epoch < ctx.ledger.epochs
-            else set(),
+            epochs=epochs,
+            start_epoch=min(start_epoch, epochs),
+            trained_in_start_epoch=ledger.trained(start_epoch) if start_epoch < ledger.epochs else set(),
             source=plans,
         )
         self.plans: queue.Queue[PlannedBatch | GenerateJob | EvalJob | None] = queue.Queue()
@@ -74,10 +82,8 @@ class Leasing:
     def _plan_epoch(self, epoch: int, exclude: set[int]) -> Iterable[list[int] | None]:
         if self.regen is not None:
             return self.regen.epoch0(exclude) if epoch == 0 else self.regen.later_epoch(epoch, exclude)
-        lengths = sample_lengths(self.ctx.train_samples)
-        return plan_batches(
-            lengths, self.cfg.data.token_budget, seed=self.cfg.train.seed, epoch=epoch, exclude=exclude
-        )
+        lengths = sample_lengths(self._samples)
+        return plan_batches(lengths, self._token_budget, seed=self._seed, epoch=epoch, exclude=exclude)
 
     # --- set-up ------------------------------------------------------------------------------------------
 
@@ -137,7 +143,7 @@ class Leasing:
         """Keeps ``ready_batches`` computed plus two plans per target thread in computation, so no replica
         waits on us: all threads take from one queue (an idle one takes the next plan), and each holds one
         batch whose copy drains while it computes the next (``TargetThread``)."""
-        bound = self.cfg.wire.ready_batches + 2 * self.target_threads
+        bound = self._ready_batches + 2 * self.target_threads
         while self.in_target + self.scheduler.ready_count() < bound:
             if self.done_sent:
                 return
@@ -188,7 +194,7 @@ class Leasing:
         that attaches takes only what would otherwise wait."""
         if self.done_sent or (plan := self.scheduler.next_plan()) is None:
             return None
-        ids, mask, lengths = pack([self.ctx.train_samples[i] for i in plan.sample_ids])
+        ids, mask, lengths = pack([self._samples[i] for i in plan.sample_ids])
         self.scheduler.lease_plan(peer_id, plan, tokens=int(ids.numel()), now=time.monotonic())
         return m.Plan(
             batch_id=plan.batch_id,

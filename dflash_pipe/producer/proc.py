@@ -1,12 +1,11 @@
 """The producer process: the socket, the target threads and the signals around a ``ProducerCore``.
 
-``ProducerProc`` binds the ROUTER, starts the drafters' rendezvous store, loads the target replicas into
-their threads and runs the busy loop, a few named steps: receive, refill, dispatch, watch, show. What each
-step decides (plans, leases, accounting) is the core's (``producer.core``); the rings are sized in
-``producer.rings`` and the dashboard and summary read in ``producer.display``.
-
-Past 400 lines because the loop's steps and the set-up and close around them read best in one place;
-an attaching producer's link is ``producer.upstream`` and only its hooks are here.
+``ProducerProc`` serves with the parts ``producer.build.ProducerParts`` built from the run's context (the
+bound ROUTER, the rendezvous store, metrics, dashboard, rings and the core) and reads no config of its own.
+It starts the target threads on the loaded replicas and runs the busy loop, a few named steps: receive,
+refill, dispatch, watch, show. What each step decides (plans, leases, accounting) is the core's
+(``producer.core``); the dashboard and summary read in ``producer.display``. An attaching producer's link
+is ``producer.upstream`` and only its hooks are here.
 """
 
 from __future__ import annotations
@@ -21,27 +20,17 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-
 from dflash_pipe.producer.balance import balance_hint
-from dflash_pipe.producer.core import ProducerCore, WorkerWatch
+from dflash_pipe.producer.build import ProducerParts
+from dflash_pipe.producer.core import WorkerWatch
 from dflash_pipe.producer.display import ProducerSummary, dashboard_state, data_metrics, data_report, summary
 from dflash_pipe.producer.errors import RunAborted
-from dflash_pipe.producer.rings import make_rings
-from dflash_pipe.producer.setup import RunContext
-from dflash_pipe.producer.target_threads import TargetThread, build_eval_batches, load_replicas
-from dflash_pipe.producer.upstream import CoordinatorLost, Upstream
-from dflash_pipe.run.dir import RunDir
-from dflash_pipe.run.record import bind_address, write_record
-from dflash_pipe.run.signals import Signals
+from dflash_pipe.producer.target_threads import TargetThread, build_eval_batches
+from dflash_pipe.producer.upstream import CoordinatorLost
 from dflash_pipe.target import TargetCore
 from dflash_pipe.target.decode.choose import engine_refusal
-from dflash_pipe.telemetry import Dashboard, make_logger
 from dflash_pipe.wire import messages as m
-from dflash_pipe.wire.addresses import store_host
-from dflash_pipe.wire.errors import BadMessage, PeerGoneError, SendTimeoutError
-from dflash_pipe.wire.shm import host_identity
-from dflash_pipe.wire.transport import ProducerEndpoint
+from dflash_pipe.wire.errors import BadMessage
 
 _TICK_S = 0.02
 _MAX_MESSAGES_PER_TICK = 256
@@ -76,129 +65,54 @@ def drain(
     return handled
 
 
-def gone_reason(exc: PeerGoneError, send_timeout_s: float) -> str:
-    """Why a send to a worker failed, in the words the run's summary shows."""
-    if isinstance(exc, SendTimeoutError):
-        return (
-            f"stopped reading: a message to it waited {send_timeout_s:.0f} s in a full queue "
-            "(its process hung, or starved of CPU)"
-        )
-    return "disconnected: its connection to the producer closed"
-
-
 class ProducerProc:
-    def __init__(
-        self,
-        ctx: RunContext,
-        *,
-        console: Any = None,
-        live: bool | None = None,
-        replicas: Future[list[TargetCore]] | None = None,
-        signals: Signals | None = None,
-        upstream: Upstream | None = None,
-    ) -> None:
-        """``replicas``: the target already loading (``load_replicas`` started while the data tokenized);
-        ``serve`` waits for it (default: loaded in ``serve``). ``signals``: the launch's, already installed
-        (default: ``serve`` installs its own, stopping hard with ``os._exit``). ``upstream``: this producer
-        attaches to a run's coordinator (``producer.attach``) and serves the workers of its own node the
-        plans it leases there; it keeps no record, store or metrics file of the run's own."""
-        self.ctx = ctx
-        self.cfg = cfg = ctx.cfg
-        self.upstream = upstream
-        bind = cfg.wire.bind if upstream else bind_address(cfg.run_dir, cfg.wire.bind)
-        self.endpoint = ProducerEndpoint(bind, keys=cfg.wire.keys, frame_bytes=cfg.wire.frame_bytes)
+    def __init__(self, parts: ProducerParts) -> None:
+        """``parts``: built by ``ProducerParts`` (the launch's, or an attaching producer's with its
+        ``upstream``); ``serve`` waits for their target replicas to load."""
+        self.endpoint, self.core, self.upstream = parts.endpoint, parts.core, parts.upstream
         self.address = self.endpoint.address
-        self._store = None
-        if upstream is None:
-            write_record(cfg.run_dir, address=self.address)
-            self._store = _start_rendezvous_store(self.address)
-            rendezvous = f"tcp://{store_host(self.address)}:{self._store.port}"
-        else:
-            rendezvous = upstream.welcome.rendezvous
-        run = RunDir(cfg.run_dir) if upstream is None else RunDir(cfg.run_dir).attached(upstream.name)
-        self.metrics = make_logger(
-            run.metrics,
-            cfg.log,
-            tensorboard_dir=run.tensorboard,
-            config=cfg.to_dict(),
-            gpu_devices=[*cfg.layout.target_devices(), *cfg.layout.worker_devices()],
-        )
-        self.dashboard = Dashboard("dflash-pipe", cfg.train.max_steps, live=live, console=console)
-        notes: list[str] = []
-        self.rings = make_rings(ctx, notes.append)
+        self.metrics, self.dashboard, self.rings = parts.metrics, parts.dashboard, parts.rings
         self.staging = self.rings.staging
         """Memory the target threads copy features into; the producer closes it."""
-        self.core = ProducerCore(
-            ctx,
-            out=self,
-            metrics=self.metrics,
-            rings=self.rings,
-            host_id=host_identity(),
-            rendezvous=rendezvous,
-            warn=lambda line: self.dashboard.console.print(line),
-            plans=upstream.source() if upstream else None,
-        )
-        if upstream is not None and (upstream.welcome.eval_batches > 0 or upstream.welcome.eval_pending):
-            self.core.leases.await_eval()
-        for line in notes:
-            self.core.note(line)
+        self.signals, self._own_signals = parts.signals, parts.own_signals
+        self.targets, self.limits = parts.targets, parts.limits
+        self._store = parts.store
         self._threads: list[TargetThread] = []
         self._cores: list[TargetCore] = []
-        self._replicas = replicas
-        self._own_signals = signals is None
-        self.signals = signals or Signals(
-            stop_timeout_s=cfg.wire.stop_timeout_s, preempt=cfg.wire.preempt_signal, on_hard_stop=_hard_exit
-        )
+        self._replicas = parts.replicas
         self._closed = False
         self._started = time.monotonic()
         self._hinted: int | None = None
         """The target GPU count of the last balance hint (``_hint``)."""
-
-    # --- the outbox the core speaks through ----------------------------------------------------------------
-
-    def send(self, peer_id: bytes, msg: Any, *, ring: Any = None) -> None:
-        """``ring``: the ring the peer opened, so tensors in its slots go by reference. A peer that is gone
-        is dropped, never raised."""
-        try:
-            self.endpoint.send(peer_id, msg, ring=ring)
-        except PeerGoneError as exc:
-            peer = self.core.peers.get(peer_id)
-            if peer is not None and not peer.left:
-                self.core.drop(peer, gone_reason(exc, self.endpoint.send_timeout_s))
-
-    def reject(self, peer_id: bytes, reason: str) -> None:
-        self.endpoint.reject(peer_id, reason)
-
-    def redirect(self, peer_id: bytes, msg: m.Redirect) -> None:
-        self.endpoint.try_send(peer_id, msg)
 
     # --- set-up ----------------------------------------------------------------------------------------
 
     def start_targets(self) -> None:
         """One TargetCore per replica (a GPU, or a group of GPUs for a split target), each fed by its own
         thread."""
-        if self.upstream is not None and self._replicas is not None:
+        if self.upstream is not None:
             self._keep_link_while_loading(self._replicas)
-        self._cores = self._replicas.result() if self._replicas is not None else load_replicas(self.ctx)
+        self._cores = self._replicas.result()
         placed = ", ".join("+".join(str(d) for d in core.devices) for core in self._cores)
         self.core.note(f"target: {len(self._cores)} replica(s) on {placed}")
         leases = self.core.leases
         regen = leases.regen
         if regen is not None:
-            shared = bool(self.cfg.layout.shared_gpus())
-            note = regen.size_jobs(self._cores, drafters_share_gpus=shared)  # before any thread takes a job
+            note = regen.size_jobs(
+                self._cores, drafters_share_gpus=self.targets.shared_gpus
+            )  # before any thread takes a job
             if note is not None:
                 self.core.note(note)
         for core in self._cores:
             thread = TargetThread(
                 core,
-                self.ctx.train_samples,
+                self.targets.train_samples,
                 leases.plans,
                 leases.ready,
                 self.core.account.target_rate,
                 name=str(core.device),
                 staging=self.staging,
-                wire_dtype=self.cfg.wire.wire_dtype,
+                wire_dtype=self.targets.wire_dtype,
                 make_generator=regen.make_generator if regen is not None else None,
             )
             thread.start()
@@ -225,7 +139,7 @@ class ProducerProc:
     def _build_eval_batches(self) -> list[m.Batch]:
         """The eval set of a run on dataset responses, before serving. With regeneration it is built once
         its held-out conversations are regenerated, in a target thread (``ProducerCore._refill_eval``)."""
-        return build_eval_batches(self._cores[0], self.ctx.eval_samples, self.cfg.wire.wire_dtype)
+        return build_eval_batches(self._cores[0], self.targets.eval_samples, self.targets.wire_dtype)
 
     # --- serving -----------------------------------------------------------------------------------------
 
@@ -240,7 +154,7 @@ class ProducerProc:
         try:
             self._log_data()  # what the data gave and left out, by reason, in metrics.jsonl
             self.start_targets()  # a stop signal until the loop runs raises StopNow: nothing to drain yet
-            self.core.leases.set_eval(self._build_eval_batches() if self.ctx.eval_samples else [])
+            self.core.leases.set_eval(self._build_eval_batches() if self.targets.eval_samples else [])
             self.signals.drainable = True
             try:
                 stop_reason = self._run(watch)
@@ -272,19 +186,19 @@ class ProducerProc:
         peers, leases = core.peers, core.leases
         stop_reason = "finished"
         last_show = last_hint = 0.0
-        join_deadline = time.monotonic() + self.cfg.wire.join_timeout_s
+        join_deadline = time.monotonic() + self.limits.join_timeout_s
         while True:
             core.check(watch)
             if not peers and time.monotonic() > join_deadline:
                 raise RunAborted(
-                    f"no worker said HELLO within {self.cfg.wire.join_timeout_s:.0f} s "
+                    f"no worker said HELLO within {self.limits.join_timeout_s:.0f} s "
                     "(wire.join_timeout_s); see RUN_DIR/logs for their output."
                 )
             if self.signals.stop.is_set() and not leases.done_sent:
                 stop_reason = self._drain()
             if self.signals.save.is_set():
                 self.signals.save.clear()
-                core.request_checkpoint(f"SIG{self.cfg.wire.preempt_signal} (preemption warning)")
+                core.request_checkpoint(f"SIG{self.limits.preempt_signal} (preemption warning)")
             core.take_ready()
             core.refill()
             if self.upstream is not None:
@@ -360,7 +274,7 @@ class ProducerProc:
         name = self.signals.stop_name
         self.dashboard.console.print(
             f"{name}: draining (workers finish their step, checkpoint and leave; at most "
-            f"{self.cfg.wire.stop_timeout_s:.0f} s, --stop-timeout); a second {name} stops at once",
+            f"{self.limits.stop_timeout_s:.0f} s, --stop-timeout); a second {name} stops at once",
             markup=False,
             highlight=False,
         )
@@ -443,12 +357,7 @@ class ProducerProc:
             )
 
 
-def _start_rendezvous_store(address: str) -> torch.distributed.TCPStore:
-    """The drafters' torch.distributed store lives in the producer, which outlives any worker."""
-    return torch.distributed.TCPStore(store_host(address), 0, is_master=True, wait_for_workers=False)
-
-
-def _hard_exit(reason: str, code: int) -> None:
+def hard_exit(reason: str, code: int) -> None:
     """A producer serving without a launcher around it: say why, stop."""
     sys.stderr.write(f"dflash-pipe producer: {reason}\n")
     sys.stderr.flush()

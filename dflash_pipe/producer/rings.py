@@ -59,18 +59,22 @@ def ring_shape(ctx: RunContext) -> tuple[int, int]:
 
 
 def make_rings(ctx: RunContext, note: Callable[[str], None]) -> Rings:
-    """The rings ``wire.payload_path`` asks for; ``note`` hears why an optional one is missing, and a ring
-    the path demands but cannot be made is ``RunAborted``."""
-    return Rings(cuda=_make_cuda_ring(ctx, note), shm=_make_shm_ring(ctx, note))
-
-
-def _make_shm_ring(ctx: RunContext, note: Callable[[str], None]) -> ShmRing | None:
-    """The shared-memory ring same-host workers read payloads from (with payload_path auto or shm)."""
+    """The rings ``wire.payload_path`` asks for, each of one shape (``ring_shape``); ``note`` hears why an
+    optional one is missing, and a ring the path demands but cannot be made is ``RunAborted``."""
     path = ctx.cfg.wire.payload_path
+    if path not in ("auto", "shm", "cuda_ipc"):
+        return Rings(cuda=None, shm=None)
+    shape = ring_shape(ctx)
+    device = torch.device(ctx.cfg.layout.target_devices()[0])
+    return Rings(cuda=_make_cuda_ring(path, shape, device, note), shm=_make_shm_ring(path, shape, note))
+
+
+def _make_shm_ring(path: str, shape: tuple[int, int], note: Callable[[str], None]) -> ShmRing | None:
+    """The shared-memory ring same-host workers read payloads from (with payload_path auto or shm)."""
     if path not in ("auto", "shm"):
         return None
     try:
-        return ShmRing.create(*ring_shape(ctx))
+        return ShmRing.create(*shape)
     except (RingUnavailable, OSError) as exc:
         if path == "shm":
             raise RunAborted(f"wire.payload_path is shm, but no shared-memory ring: {exc}") from exc
@@ -78,18 +82,18 @@ def _make_shm_ring(ctx: RunContext, note: Callable[[str], None]) -> ShmRing | No
         return None
 
 
-def _make_cuda_ring(ctx: RunContext, note: Callable[[str], None]) -> CudaIpcRing | None:
-    """The ring in the (first) target GPU's memory that same-host CUDA workers open with CUDA IPC (with
-    payload_path auto or cuda_ipc, when the target runs on CUDA). Target replicas on other GPUs copy into
-    it peer to peer."""
-    path = ctx.cfg.wire.payload_path
+def _make_cuda_ring(
+    path: str, shape: tuple[int, int], device: torch.device, note: Callable[[str], None]
+) -> CudaIpcRing | None:
+    """The ring in the (first) target GPU's memory, ``device``, that same-host CUDA workers open with CUDA
+    IPC (with payload_path auto or cuda_ipc, when the target runs on CUDA). Target replicas on other GPUs
+    copy into it peer to peer."""
     if path not in ("auto", "cuda_ipc"):
         return None
-    device = torch.device(ctx.cfg.layout.target_devices()[0])
     try:
         if device.type != "cuda":
             raise RingUnavailable(f"the target runs on {device}, not on a GPU")
-        return CudaIpcRing.create(*ring_shape(ctx), device)
+        return CudaIpcRing.create(*shape, device)
     except (RingUnavailable, RuntimeError) as exc:
         if path == "cuda_ipc":
             raise RunAborted(f"wire.payload_path is cuda_ipc, but no CUDA IPC ring: {exc}") from exc

@@ -40,7 +40,6 @@ from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.files import RunDirError
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.run.resume import (
-    LaunchCheck,
     NothingTrained,
     ResumePoint,
     RunComplete,
@@ -265,25 +264,25 @@ def no_eval_note(cfg: RunConfig, total: int) -> str | None:
 
 
 def prepare_run(cfg: RunConfig, *, resume: bool, progress: bool | None = None) -> RunContext:
-    """Everything resolved before the producer serves, data included (``start_run`` + ``context()``)."""
-    with start_run(cfg, resume=resume, progress=progress) as pending:
+    """Everything resolved before the producer serves, data included (``start_run`` + ``context()``); a
+    resume runs the launch's checks first (``check_resume``, without the run dir's lock)."""
+    RunDir(cfg.run_dir).check(resume=resume)
+    point = check_resume(cfg).resume if resume else None
+    with start_run(cfg, resume=resume, point=point, progress=progress) as pending:
         return pending.context()
 
 
 def start_run(
-    cfg: RunConfig, *, resume: bool, checked: LaunchCheck | None = None, progress: bool | None = None
+    cfg: RunConfig, *, resume: bool, point: ResumePoint | None = None, progress: bool | None = None
 ) -> PendingRun:
     """Checks the run dir, target and options against the resume point, with the data tokenizing in the
     background from the moment the tokenizer is loaded. Raises ``SetupError`` (the tokenization stopped).
-    ``checked``: the launch's checks under the run dir's lock (the resumed checkpoint, read there); without
-    it, a resume runs them here."""
+    ``point``: the resumed checkpoint, read by the launch's checks (``run.resume.check_resume``); None for a
+    fresh run or a resumed one that wrote none."""
     from transformers import AutoConfig, AutoTokenizer
 
     run_dir = RunDir(cfg.run_dir)
     run_dir.check(resume=resume)
-    point = None
-    if resume:
-        point = (checked if checked is not None else check_resume(cfg)).resume
     run_dir.root.mkdir(parents=True, exist_ok=True)
     target_path = target_folder(cfg.target_model)
     if target_path is None:

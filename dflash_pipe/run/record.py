@@ -1,4 +1,5 @@
-"""RUN_DIR/producer.json: where the producer listens and which worker processes it started.
+"""RUN_DIR/producer.json: where the producer listens, which worker processes it started and whether a launch
+trained every epoch.
 
 A resumed producer (``launch --resume``) binds the address recorded here, so workers that outlived a
 killed producer reconnect to the same place, and the launcher adopts those workers instead of starting
@@ -40,3 +41,20 @@ def bind_address(run_dir: Path, configured: str) -> str:
     if recorded and configured.endswith(":0") and configured.rsplit(":", 1)[0] == recorded.rsplit(":", 1)[0]:
         return recorded
     return configured
+
+
+COMPLETE_KEY = "complete"
+"""RUN_DIR/producer.json key: the checkpoint and epoch count of a launch that trained every epoch."""
+
+
+def record_complete(run_dir: Path, *, checkpoint: str | None, epochs: int) -> None:
+    """Written when a launch trained every epoch: a later resume of that checkpoint knows the run is complete
+    without the data (regenerated conversations with nothing to train never fill the ledger)."""
+    if checkpoint:
+        write_record(run_dir, **{COMPLETE_KEY: {"checkpoint": Path(checkpoint).name, "epochs": epochs}})
+
+
+def recorded_complete(run_dir: Path, checkpoint: Path, epochs: int) -> bool:
+    """Whether a launch recorded ``checkpoint`` as having trained ``epochs`` epochs or more."""
+    done = read_record(run_dir).get(COMPLETE_KEY) or {}
+    return done.get("checkpoint") == checkpoint.name and epochs <= int(done.get("epochs", 0))

@@ -24,7 +24,7 @@ from dflash_pipe.run.files import (
 )
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.run.locate import choose_checkpoint
-from dflash_pipe.run.record import read_record, write_record
+from dflash_pipe.run.record import recorded_complete
 
 if TYPE_CHECKING:
     from dflash_pipe.run.config import RunConfig
@@ -144,7 +144,9 @@ def check_resume(cfg: RunConfig) -> LaunchCheck:
         ledger = point.ledger.with_epochs(cfg.train.epochs)
     except ValueError as e:
         raise RunDirError(f"--resume {run_dir} --{e}") from None
-    epochs_done = ledger.current_epoch() >= cfg.train.epochs or _recorded_complete(run_dir, ckpt, cfg)
+    epochs_done = ledger.current_epoch() >= cfg.train.epochs or recorded_complete(
+        run_dir, ckpt, cfg.train.epochs
+    )
     if message := complete_message(cfg, ckpt.name, point.step, epochs_done=epochs_done):
         raise RunComplete(message)
     return LaunchCheck(notes, point)
@@ -178,10 +180,6 @@ def _check_metrics(path: Path) -> list[str]:
     return notes
 
 
-COMPLETE_KEY = "complete"
-"""RUN_DIR/producer.json key: the checkpoint and epoch count of a launch that trained every epoch."""
-
-
 def complete_message(cfg: RunConfig, checkpoint: str, step: int, *, epochs_done: bool) -> str | None:
     """One line for a resume that has nothing to train (every epoch trained, or ``max_steps`` reached), or
     None. It says how to train on. A run at step 0 trained nothing, so it is never complete (None)."""
@@ -203,15 +201,3 @@ def complete_message(cfg: RunConfig, checkpoint: str, step: int, *, epochs_done:
         f"To train on: dflash-pipe launch --resume {run_dir} {' '.join(more)}; "
         f"to use the drafter: dflash-pipe export {run_dir} OUT"
     )
-
-
-def record_complete(run_dir: Path, *, checkpoint: str | None, epochs: int) -> None:
-    """Written when a launch trained every epoch: a later resume of that checkpoint knows the run is complete
-    without the data (regenerated conversations with nothing to train never fill the ledger)."""
-    if checkpoint:
-        write_record(run_dir, **{COMPLETE_KEY: {"checkpoint": Path(checkpoint).name, "epochs": epochs}})
-
-
-def _recorded_complete(run_dir: Path, ckpt: Path, cfg: RunConfig) -> bool:
-    done = read_record(run_dir).get(COMPLETE_KEY) or {}
-    return done.get("checkpoint") == ckpt.name and cfg.train.epochs <= int(done.get("epochs", 0))

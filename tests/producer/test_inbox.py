@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from dflash_pipe.producer.proc import drain, gone_reason
+from dflash_pipe.producer.build import gone_reason
+from dflash_pipe.producer.proc import drain
 from dflash_pipe.telemetry import RateMeter
 from dflash_pipe.wire.errors import PeerGoneError, SendTimeoutError
 

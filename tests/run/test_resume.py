@@ -236,7 +236,7 @@ def test_voids_of_a_regenerated_run_count_as_trained_after_set_up(tmp_path: Path
     from types import SimpleNamespace
 
     from dflash_pipe.producer.setup import check_open_work
-    from dflash_pipe.run.resume import record_complete
+    from dflash_pipe.run.record import record_complete
 
     run_dir = make_run(tmp_path / "run", trained=SAMPLES - 1)
     cfg = resumed(run_dir)
@@ -288,7 +288,8 @@ def test_a_run_that_trained_zero_steps_is_never_complete_and_does_not_export(tmp
     from types import SimpleNamespace
 
     from dflash_pipe.producer.setup import check_open_work
-    from dflash_pipe.run.resume import NothingTrained, complete_message, record_complete
+    from dflash_pipe.run.record import record_complete
+    from dflash_pipe.run.resume import NothingTrained, complete_message
 
     run_dir = make_run(tmp_path / "run", steps=(0,), trained=SAMPLES)
     cfg = resumed(run_dir)
