@@ -220,7 +220,7 @@ class SpeculatorsRecipe:
             "verifier-name-or-path": self.target,
             "data-path": self.data_dir,
             "save-path": self.save_dir,
-            "log-dir": self.save_dir / "logs",
+            "log-dir": self.save_dir / "speculators-log",  # its logger's folder, not a run dir's
             "num-layers": self.num_draft_layers,
             "full-attention-indices": list(range(self.num_draft_layers)),
             "block-size": self.block_size,
