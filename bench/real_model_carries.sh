@@ -55,9 +55,14 @@ $PY -m pip download -q --disable-pip-version-check --python-version 3.12 --only-
 echo "== wheels of the speculators peer (python 3.12; PEER=speculators in bench/real_model_h200.sh)"
 rm -rf .carry/sw1 .carry/sw2 && mkdir -p .carry/sw1 .carry/sw2
 spec_pins=$($PY -c "from tests.real.speculators_site import PINS; print(' '.join(f'{k}=={v}' for k, v in PINS.items()))")
-$PY -m pip download -q --disable-pip-version-check --python-version 3.12 --only-binary=:all: \
-  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-  -d .carry/sw2 $spec_pins datasets==5.2.0
+wheel_args=(-q --disable-pip-version-check --python-version 3.12 --only-binary=:all:
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .carry/sw2)
+# the pins alone (speculators' own pins on transformers and datasets conflict with what runs it: not needed),
+# then what they import, with its dependencies
+$PY -m pip download "${wheel_args[@]}" --no-deps $spec_pins
+# shellcheck disable=SC2046
+$PY -m pip download "${wheel_args[@]}" datasets==5.2.0 \
+  $(tr ' ' '\n' <<<"$spec_pins" | grep -v -e '^speculators==' -e '^hs-connectors==')
 rm -f .carry/sw2/numpy-*.whl .carry/sw2/torch-*.whl .carry/sw2/nvidia_*.whl .carry/sw2/triton-*.whl
 mv .carry/sw2/pyarrow-*.whl .carry/sw1/
 
