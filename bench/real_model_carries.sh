@@ -63,7 +63,12 @@ $PY -m pip download "${wheel_args[@]}" --no-deps $spec_pins
 # shellcheck disable=SC2046
 $PY -m pip download "${wheel_args[@]}" datasets==5.2.0 \
   $(tr ' ' '\n' <<<"$spec_pins" | grep -v -e '^speculators==' -e '^hs-connectors==')
-rm -f .carry/sw2/numpy-*.whl .carry/sw2/torch-*.whl .carry/sw2/nvidia_*.whl .carry/sw2/triton-*.whl
+# what the device's image has (its package list in the device tool's KINDS.md) stays the image's: a newer
+# huggingface_hub or fsspec in /tmp/site would shadow the ones its transformers was installed with
+for have in numpy torch nvidia_ triton huggingface_hub hf_xet fsspec filelock packaging pyyaml tqdm click \
+  certifi idna anyio h11 httpcore- pandas python_dateutil tzdata xxhash typing_extensions; do
+  rm -f .carry/sw2/"$have"*.whl
+done
 mv .carry/sw2/pyarrow-*.whl .carry/sw1/
 
 echo "== each call's carry with the working tree (at most 64 MiB)"
