@@ -10,8 +10,8 @@ TORCH ?= torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-compile $(TORCH)
+	$(PY) -m pip install -q --no-compile -e '.[test]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -269,7 +269,7 @@ def sweep_shape(
             drafter_config=asdict(cfg),
             cache_dir=Path(tempfile.mkdtemp(prefix="compile-sweep-warmup-")),  # its markers only
             device=device,
-            seq_len=min(1024, cfg.max_position_embeddings),
+            seq_len=min(args.warmup_len, cfg.max_position_embeddings),
         )
         say(f"{name} {mode}: warm-up {warm_s:.1f} s, {graphs_compiled() - before} graph(s)")
         warm = {"warmup_s": round(warm_s, 2), "warmup_graphs": graphs_compiled() - before}
@@ -462,6 +462,9 @@ def main(argv: list[str] | None = None) -> BenchResult:
     p.add_argument("--budget", type=int, default=None, help="tokens per batch (default: the shape's)")
     p.add_argument("--max-len", type=int, default=None, help="longest sample (default: the shape's)")
     p.add_argument("--max-anchors", type=int, default=512)
+    p.add_argument(
+        "--warmup-len", type=int, default=1024, help="the warm-up's longer length (default: a worker's, 1024)"
+    )
     p.add_argument("--sliding-window", type=int, default=None, help="override the presets' window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inductor", action="append", default=[], help="KEY=VALUE for torch._inductor.config")

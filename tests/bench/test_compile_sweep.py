@@ -17,10 +17,15 @@ from tests.drafter.conftest import tiny_drafter
 
 pytestmark = pytest.mark.slow
 
+SMALL = ("--max-anchors", "8", "--warmup-len", "256")
+"""8 blocks a sample, not the CPU mode's 32, and a warm-up at 256 tokens (the CPU shapes' longest sample),
+not a worker's 1024: the same graphs compile (the same warm-up, at lengths on both sides of the batches'),
+but every step, compiled and eager, costs a fraction (a sliding+full case: 45 -> 24 s of CPU)."""
+
 
 def run_sweep(out, *args: str) -> dict:
     done = subprocess.run(  # its own process: Dynamo's caches and counters stay out of this one
-        [sys.executable, str(ROOT / "bench" / "compile_sweep.py"), "--cpu", *args, "--out", str(out)],
+        [sys.executable, str(ROOT / "bench" / "compile_sweep.py"), "--cpu", *SMALL, *args, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -30,8 +35,9 @@ def run_sweep(out, *args: str) -> dict:
 
 
 def test_cpu_sweep_compiled_equals_eager(tmp_path) -> None:
-    """Minutes: 3 drafter shapes x 2 compile modes x 3 batch shapes, each step compiled for real and checked
-    against eager; three draws are the fewest that show a later batch reusing the compiled graph."""
+    """Over a minute (about 75 s of CPU on a warm Inductor cache, 140 s on a cold one): 3 drafter shapes x 2
+    compile modes x 3 batch shapes, each case compiled for real (Dynamo reset) and every step checked against
+    eager; three draws are the fewest that show a later batch reusing the compiled graph."""
     result = run_sweep(tmp_path, "--draws", "3")
     rows = result["rows"]
     assert {(r["shape"], r["mode"]) for r in rows} == {
@@ -56,7 +62,8 @@ def test_cpu_sweep_compiled_equals_eager(tmp_path) -> None:
 
 def test_long_run_in_parts_profiled_with_update(tmp_path) -> None:
     """What a device call of a long run does: resume the plan at a batch, no eager model, a kernel table,
-    the weight update timed, MFU with it (None on CPU, where MFU is not measured)."""
+    the weight update timed, MFU with it (None on CPU, where MFU is not measured). About 25 s of CPU, most
+    of it the warm-up's real compile."""
     result = run_sweep(
         tmp_path,
         "--shapes",
