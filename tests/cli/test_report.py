@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_pipe.cli import main
+from tests.launch_flags import SMALL_RUN, demo_subset
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,10 +20,14 @@ PNGS = ("loss.png", "accuracy.png", "tau.png", "throughput.png")
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> Path:
-    """A real 12-step demo launch, once for the module: the report reads what a run writes."""
-    run_dir = tmp_path_factory.mktemp("report") / "run"
+    """A real 12-step demo launch, once for the module: the report reads what a run writes. Its regeneration
+    and real eval run as in the demo (the report has their rows to show), at SMALL_RUN's sizes on 200 of the
+    demo's conversations, with 4 real-eval prompts: the report plots whatever values a run logs."""
+    tmp = tmp_path_factory.mktemp("report")
+    run_dir, data = tmp / "run", demo_subset(tmp / "demo200.jsonl", 200)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--device", "cpu", "--max-steps", "12", "--plain"]
+    cmd += ["--data", str(data), *SMALL_RUN, "--eval-prompts", "4"]
     out = subprocess.run(
         [*cmd, "--run-dir", str(run_dir)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
     )
