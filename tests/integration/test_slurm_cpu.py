@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
+from tests.launch_flags import SMALL_RUN, demo_subset
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,9 @@ fi
 
 
 def test_the_warning_signal_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path: Path):
-    """About a minute: a live launch under a fake scontrol gets Slurm's warning signal, requeues and resumes."""
+    """About a minute: a live launch under a fake scontrol gets Slurm's warning signal, requeues and resumes.
+    The recipe's run at SMALL_RUN's sizes on 200 demo conversations, epochs enough that it is still training
+    when the signal comes (the signals and the script are the same at any size)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
@@ -47,9 +50,10 @@ def test_the_warning_signal_checkpoints_requeues_and_the_requeued_job_resumes(tm
         "SLURM_SUBMIT_DIR": str(ROOT),
         "SCONTROL_LOG": str(log),
     }
+    data = demo_subset(tmp_path / "demo200.jsonl", 200)
     first = subprocess.Popen(
         ["bash", str(SBATCH), "--max-steps", "100000", "--checkpoint-every", "100000", "--responses",
-         "dataset", "--eval-generate", "off", "--token-budget", "1024", "--max-length", "256"],
+         "dataset", "--eval-generate", "off", *SMALL_RUN, "--data", str(data), "--epochs", "100"],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,  # the job's process group, which the stand-in scontrol signals
     )  # fmt: skip
