@@ -21,13 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integration")]
 
 import test_multinode_cpu as t  # noqa: E402
-from test_elastic_cpu import small_data  # noqa: E402
+
+from tests.launch_flags import demo_subset  # noqa: E402
 
 
 def measure(kind: str, seed: int, root: Path) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    data = small_data(root, t.CURVE_SAMPLES)
+    data = demo_subset(root / "data.jsonl", t.CURVE_SAMPLES)
     args = ["--token-budget", "256", "--seed", str(seed)] + (["--min-workers", "4"] if kind != "old" else [])
     if kind == "one":
         run, node = t.one_node(root, data, *args), None

@@ -1,5 +1,6 @@
 """Elastic drafter group on CPU: a worker attaches mid-run, a worker is SIGKILLed, the producer is SIGKILLed
-and resumed. Each run trains one epoch of a small data set, and its ledger proves no sample was lost.
+and resumed. Each run trains one epoch (the attach, two) of a small data set, and its ledger proves no sample
+was lost.
 
 Each test prints the figures docs/reliability.md records (run with ``-s`` to see them).
 """
@@ -18,13 +19,19 @@ from pathlib import Path
 import pytest
 from test_faults_cpu import ROOT, LiveRun, worker_pid
 
-from dflash_pipe.data import demo_data_path
 from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
 from dflash_pipe.run.ledger import Ledger
+from tests.launch_flags import demo_subset
 
 pytestmark = pytest.mark.slow
 
-SAMPLES = 400
+SAMPLES = 240
+"""An epoch of the first 240 demo conversations (236 trained, 4 held out) at the sizes LiveRun launches with
+(tests/launch_flags.py): ~60 batches, 26 steps of two workers, ~6 s of training on 2 idle cores, so a fault
+at step 1 or 10 leaves steps to train after it."""
+ATTACH_SAMPLES = 600
+"""Two epochs of these, ~260 batches: ~60 s of one worker's steps (0.23 s each), which a newcomer joined after
+~95 (22 s on 2 idle cores, 42 s with this file running twice at once: its start-up slows as the steps do)."""
 
 
 class ResumedRun(LiveRun):
@@ -40,14 +47,6 @@ class ResumedRun(LiveRun):
         self.lines = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-
-
-def small_data(tmp_path: Path, n: int = SAMPLES) -> Path:
-    """The first n demo conversations: one epoch is ~45 steps of 1024 tokens, about 30 s on 2 cores."""
-    path = tmp_path / "data.jsonl"
-    lines = demo_data_path().read_text().splitlines()[:n]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -87,9 +86,10 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def test_a_worker_attaches_mid_run_and_the_epoch_completes(tmp_path: Path):
-    """Two epochs, so steps are left after the newcomer joins even when a loaded machine makes its start-up
-    (a process importing torch, then the group's regroup) as long as one worker's whole epoch."""
-    data = small_data(tmp_path)
+    """About a minute: two epochs of ``ATTACH_SAMPLES``, so steps are left after the newcomer joins even when
+    a loaded machine makes its start-up (a process importing torch, then the group's regroup) as long as one
+    worker's whole epoch; the steps after it joins train two batches in about the time of one."""
+    data = demo_subset(tmp_path / "data.jsonl", ATTACH_SAMPLES)
     run = LiveRun(
         tmp_path / "run", "--workers", "1", "--data", str(data), "--epochs", "2", "--eval-samples", "4"
     )
@@ -122,8 +122,8 @@ def test_a_worker_attaches_mid_run_and_the_epoch_completes(tmp_path: Path):
 
 
 def test_a_sigkilled_worker_is_removed_and_the_epoch_completes(tmp_path: Path):
-    """About a minute: a live two-worker launch loses one worker to SIGKILL and must finish the epoch without it."""
-    data = small_data(tmp_path)
+    """About 30 s: a live two-worker launch loses one worker to SIGKILL and must finish the epoch without it."""
+    data = demo_subset(tmp_path / "data.jsonl", SAMPLES)
     run = LiveRun(tmp_path / "run", "--data", str(data), "--epochs", "1", "--eval-samples", "4")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
     wait_for_row(run, lambda r: r.get("world_size") == 2 and "loss" in r)
@@ -146,9 +146,9 @@ def test_a_sigkilled_worker_is_removed_and_the_epoch_completes(tmp_path: Path):
 
 
 def test_a_sigkilled_producer_resumes_and_its_workers_reconnect(tmp_path: Path):
-    """About a minute: a live launch trains 10 steps, its producer is SIGKILLed, and a resume must find the
-    same workers reconnecting."""
-    data = small_data(tmp_path)
+    """About 35 s (two launches' start-up): a live launch trains 10 steps, its producer is SIGKILLed, and a
+    resume must find the same workers reconnecting."""
+    data = demo_subset(tmp_path / "data.jsonl", SAMPLES)
     args = ["--data", str(data), "--epochs", "1", "--eval-samples", "4", "--checkpoint-every", "5"]
     run = LiveRun(tmp_path / "run", *args, "--peer-timeout", "5")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
@@ -195,8 +195,8 @@ def test_a_worker_gives_up_with_a_message_when_no_producer_comes_back(tmp_path: 
 
 
 def test_ctrl_c_on_one_worker_leaves_and_the_others_train_on(tmp_path: Path):
-    """About a minute: a live two-worker launch, one worker interrupted mid-run, the epoch finished by the other."""
-    data = small_data(tmp_path)
+    """About 30 s: a live two-worker launch, one worker interrupted mid-run, the epoch finished by the other."""
+    data = demo_subset(tmp_path / "data.jsonl", SAMPLES)
     run = LiveRun(tmp_path / "run", "--data", str(data), "--epochs", "1", "--eval-samples", "4")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
     wait_for_row(run, lambda r: r.get("world_size") == 2 and "loss" in r)

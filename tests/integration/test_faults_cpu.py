@@ -20,6 +20,7 @@ from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
 from dflash_pipe.wire import messages as m
 from dflash_pipe.wire.codec import encode
 from dflash_pipe.wire.transport import WorkerEndpoint
+from tests.launch_flags import SMALL_RUN
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class LiveRun:
-    def __init__(self, run_dir: Path, *args: str) -> None:
+    """``launch`` of two CPU workers on the demo target, at ``sizes`` (a one-layer drafter on short samples in
+    small batches: the faults, the handshakes and the ledger are the same at any size, and a step takes ~0.2 s
+    on 2 cores); ``args`` come last and win."""
+
+    def __init__(self, run_dir: Path, *args: str, sizes: tuple[str, ...] = SMALL_RUN) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         cmd = [
             sys.executable,
@@ -41,10 +46,7 @@ class LiveRun:
             "2",
             "--run-dir",
             str(run_dir),
-            "--token-budget",
-            "1024",
-            "--max-length",
-            "256",
+            *sizes,
             # faults and elasticity are about the feature path: the data's own responses, no real eval
             # (regeneration and real eval have their own end-to-end tests)
             "--responses",

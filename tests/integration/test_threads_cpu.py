@@ -13,6 +13,7 @@ import pytest
 
 from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
 from dflash_pipe.run.ledger import Ledger
+from tests.launch_flags import SMALL_RUN, demo_subset
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_launch_with_drafter_threads(tmp_path: Path):
-    run_dir = tmp_path / "run"
+    """At SMALL_RUN's sizes on 200 demo conversations: the threads, the group of one and the ledger are the
+    same at any size."""
+    run_dir, data = tmp_path / "run", demo_subset(tmp_path / "demo200.jsonl", 200)
     cmd = [sys.executable, "-m", "dflash_pipe", "launch", "--plain", "--run-dir", str(run_dir)]
     cmd += ["--device", "cpu", "--workers", "2", "--drafter-mode", "threads", "--max-steps", "8"]
-    cmd += ["--token-budget", "1024", "--max-length", "256", "--activation-checkpointing", "layers"]
+    cmd += [*SMALL_RUN, "--data", str(data), "--activation-checkpointing", "layers"]
     cmd += ["--responses", "dataset", "--eval-generate", "off"]  # the threads' feature path only
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
