@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.data import demo_data_path
 from dflash_pipe.run.checkpoint import OPTIMIZER, latest_checkpoint, read_trainer_state
 from dflash_pipe.run.ledger import Ledger
 from dflash_pipe.target import default_cache_dir
 from tests.integration.test_faults_cpu import LiveRun
 from tests.integration.test_launch_cpu import ROOT, cli, launch
+from tests.launch_flags import SMALL_RUN, demo_subset
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +30,13 @@ def loss_records(run_dir: Path) -> int:
 
 
 def test_a_second_launch_is_refused_and_a_killed_run_resumes_after_a_move(tmp_path: Path):
-    """Minutes: a live launch, two refused launches beside it, then the killed run moved and resumed: the lock
-    is only proven against a run that really holds it."""
+    """About 90 s, most of it six processes' start-ups: a live launch, two refused launches beside it, a
+    report and an export of it, then the killed run moved and resumed: the lock is only proven against a run
+    that really holds it."""
     run_dir = tmp_path / "run"
-    run = LiveRun(run_dir, "--workers", "1", "--max-steps", "100000", "--checkpoint-every", "3")
+    data = demo_subset(tmp_path / "data.jsonl", 200)
+    args = ["--data", str(data), "--epochs", "100", "--max-steps", "100000", "--checkpoint-every", "3"]
+    run = LiveRun(run_dir, "--workers", "1", *args)
     run.wait_for_steps()
     owner = json.loads((run_dir / "owner.json").read_text())
     assert owner["pid"] == run.proc.pid
@@ -86,8 +89,7 @@ def test_a_second_launch_is_refused_and_a_killed_run_resumes_after_a_move(tmp_pa
 
 
 def test_a_finished_run_says_so_and_trains_on_with_more_epochs(tmp_path: Path):
-    data = tmp_path / "tiny.jsonl"
-    data.write_text("".join(demo_data_path().read_text().splitlines(keepends=True)[:40]))
+    data = demo_subset(tmp_path / "tiny.jsonl", 40)
     run_dir = tmp_path / "run"
     args = [
         "--device",
@@ -99,7 +101,7 @@ def test_a_finished_run_says_so_and_trains_on_with_more_epochs(tmp_path: Path):
         "--data",
         str(data),
     ]
-    args += ["--token-budget", "1024", "--max-length", "256", "--draft-layers", "1", "--eval-generate", "off"]
+    args += [*SMALL_RUN, "--eval-generate", "off"]
     first = launch("--run-dir", str(run_dir), "--epochs", "1", "--checkpoint-every", "2", *args)
     assert first.returncode == 0, first.stderr
     end = read_trainer_state(latest_checkpoint(run_dir))
