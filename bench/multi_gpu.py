@@ -48,6 +48,7 @@ RUN_FIELDS = (
     "data.path",
     "data.token_budget",
     "data.max_length",
+    "data.responses",
     "drafter.num_layers",
     "drafter.max_anchors",
     "train.compile",

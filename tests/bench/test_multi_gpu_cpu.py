@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench.helpers import ROOT
+from tests.launch_flags import demo_subset
 
 pytestmark = pytest.mark.slow
 
@@ -18,6 +19,9 @@ multi_gpu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(multi_gpu)
 
 TINY = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
+TINY += ["--responses", "dataset"]
+"""A one-layer drafter on short samples in small batches, trained on the data's own replies: these benches
+measure the pipeline's plumbing, and regeneration has its own bench test (test_throughput_cli)."""
 
 
 def run(out: Path, *argv: str) -> dict:
@@ -46,10 +50,11 @@ def test_design_topology_follows_the_issue():
 
 def test_scaling_runs_the_producer_and_1_and_2_drafter_workers(tmp_path: Path):
     """About a minute: the scaling bench's real runs with one and two drafter workers, each with its start-up."""
-    producer = run(tmp_path, "scaling-producer", "--seconds", "0.3", *TINY)
+    tiny = [*TINY, "--data", str(demo_subset(tmp_path / "data.jsonl", 200))]
+    producer = run(tmp_path, "scaling-producer", "--seconds", "0.3", *tiny)
     (row,) = producer["rows"]
     assert row["tokens_per_s"] > 0 and row["efficiency"] == 1.0 and row["replicas"] == 1
-    drafters = run(tmp_path, "scaling-drafters", "--seconds", "0.5", "--workers", "2", *TINY)
+    drafters = run(tmp_path, "scaling-drafters", "--seconds", "0.5", "--workers", "2", *tiny)
     rows = drafters["rows"]
     assert [r["workers"] for r in rows] == [1, 2]
     for key in ("drafters_alone", "pipeline"):
@@ -88,7 +93,8 @@ def test_elastic_attaches_kills_and_loses_no_sample(tmp_path: Path):
 
 def test_topology_is_bench_throughput_on_the_layout(tmp_path: Path):
     # --no-compare: the offline and threaded rows are bench throughput's own, tested in test_throughput_cli.
-    data = run(tmp_path, "topology", "--seconds", "0.3", "--no-compare", *TINY)
+    tiny = [*TINY, "--data", str(demo_subset(tmp_path / "data.jsonl", 200))]
+    data = run(tmp_path, "topology", "--seconds", "0.3", "--no-compare", *tiny)
     stages = {r["stage"]: r["tokens_per_s"] for r in data["rows"]}
     assert stages["pipeline"] > 0 and "offline (disk)" not in stages
     assert data["summary"]["pipeline_efficiency"] > 0 and "where_time_went" in data["summary"]
