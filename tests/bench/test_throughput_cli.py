@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.data import demo_data_path
 from dflash_pipe.run.dir import RunDir
 from tests.bench.helpers import ON_EACH_DEVICE, read_result, run_bench
+from tests.launch_flags import demo_subset
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +24,11 @@ DEVICES = {
 @ON_EACH_DEVICE
 def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path, device: str):
     """About a minute: each stage alone, the pipeline, threads and the offline baseline are real runs, half a
-    second of measuring each after its start-up."""
+    second of measuring each after its start-up. On the data's own replies (the next test prices
+    regeneration) of 200 demo conversations (a launch tokenizes its whole data first)."""
     out = tmp_path / "res"
     tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
+    tiny += ["--responses", "dataset", "--data", str(demo_subset(tmp_path / "data.jsonl", 200))]
     done = run_bench(
         "throughput", *DEVICES[device], "--seconds", "0.5", "--compare", "--out", str(out), *tiny
     )
@@ -60,9 +62,7 @@ def test_throughput_measures_every_stage_and_the_pipeline(tmp_path: Path, device
 
 def test_throughput_with_target_responses_beside_dataset_responses(tmp_path: Path):
     """About a minute: two real pipelines, one regenerating its replies with the target, measured side by side."""
-    data = tmp_path / "chat.jsonl"
-    with open(demo_data_path()) as f:
-        data.write_text("".join(next(f) for _ in range(300)))
+    data = demo_subset(tmp_path / "chat.jsonl", 300)
     out = tmp_path / "res"
     tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
     regen = ["--responses", "target", "--max-new-tokens", "8", "--regen-batch", "8"]
