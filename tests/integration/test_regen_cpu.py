@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipe.data import demo_data_path
 from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
 from dflash_pipe.run.dir import RunDir
 from dflash_pipe.run.ledger import Ledger
+from tests.launch_flags import SMALL_DRAFTER, demo_subset
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +33,7 @@ def _cmd(run_dir: Path, data: Path) -> list[str]:
         "dflash_pipe",
         "launch",
         *flags.split(),
+        *SMALL_DRAFTER,
         "--run-dir",
         str(run_dir),
         "--data",
@@ -69,9 +70,7 @@ def _kill_run(run_dir: Path, proc: subprocess.Popen) -> None:
 def test_killed_mid_regeneration_resumes_without_redoing(tmp_path: Path):
     """About a minute: a launch regenerating with the demo target is SIGKILLed part way, and the resume must reuse
     what the regenerated file already holds."""
-    data = tmp_path / "data.jsonl"
-    with open(demo_data_path()) as f:
-        data.write_text("".join(next(f) for _ in range(CONVERSATIONS)))
+    data = demo_subset(tmp_path / "data.jsonl", CONVERSATIONS)
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     first = subprocess.Popen(

@@ -17,6 +17,7 @@ import pytest
 
 from dflash_pipe.run.checkpoint import latest_checkpoint, read_trainer_state
 from tests.integration.test_faults_cpu import ROOT, LiveRun, worker_pid
+from tests.launch_flags import demo_subset
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +31,12 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_drains_the_launch_usr1_checkpoints_and_the_run_resumes(tmp_path: Path):
-    """About a minute: a live launch takes SIGUSR1 (checkpoint, train on) and SIGTERM (drain), then resumes: the
+    """About 35 s: a live launch takes SIGUSR1 (checkpoint, train on) and SIGTERM (drain), then resumes: the
     signals are only proven on real processes."""
     run_dir = tmp_path / "run"
-    run = LiveRun(run_dir, "--max-steps", "100000", "--checkpoint-every", "100000", "--stop-timeout", "60")
+    data = demo_subset(tmp_path / "data.jsonl", 200)
+    args = ["--data", str(data), "--epochs", "100", "--max-steps", "100000", "--checkpoint-every", "100000"]
+    run = LiveRun(run_dir, *args, "--stop-timeout", "60")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
     run.wait_for_steps()
     pids = [worker_pid(address, f"worker{i}") for i in range(2)]
