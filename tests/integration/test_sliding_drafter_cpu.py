@@ -1,5 +1,5 @@
 """A mixed sliding/full drafter end to end on the demo: `launch --drafter-preset qwen3.6-27b` (window cut to 64
-so it bites at 256-token samples, and 4 feature layers: the 6-layer demo target is too shallow for 5
+so it bites at 128-token samples, and 4 feature layers: the 6-layer demo target is too shallow for 5
 distinct even-spread ones), export, and every loader check of tests/drafter/engine_loaders.py."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from tests.drafter.engine_loaders import reference_loads, sglang_loads, vllm_loads
+from tests.launch_flags import SMALL_BATCHES, demo_subset
 
 SLIDING_THEN_FULL = [(64, True)] * 4 + [(None, False)]
 
@@ -23,13 +24,15 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_preset_drafter_trains_exports_and_loads_everywhere(tmp_path: Path) -> None:
-    """About a minute: a real launch with a sliding-window preset drafter, its export, and the export loaded as
-    vLLM's, SGLang's and the reference's loaders load it."""
+    """About 30 s: a real launch with a sliding-window preset drafter (on 100 demo conversations' own replies:
+    the drafter's layers are what is checked), its export, and the export loaded as vLLM's, SGLang's and the
+    reference's loaders load it."""
     run_dir, exported = tmp_path / "run", tmp_path / "export"
     out = cli(
         "launch", "--plain", "--device", "cpu", "--workers", "1", "--run-dir", str(run_dir),
         "--drafter-preset", "qwen3.6-27b", "--sliding-window", "64", "--target-layer-ids", "1,2,3,4",
-        "--max-steps", "3", "--token-budget", "1024", "--max-length", "256", "--eval-samples", "4",
+        "--max-steps", "3", *SMALL_BATCHES, "--eval-samples", "4", "--responses", "dataset",
+        "--data", str(demo_subset(tmp_path / "data.jsonl", 100)),
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     saved = json.loads((run_dir / "config.json").read_text())["drafter"]
