@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from dflash_pipe.cli import main
 from dflash_pipe.run.split import neighbours, shared_device, splits, supply_with_regeneration
 from tests.bench.helpers import read_result, run_bench
+from tests.launch_flags import demo_subset
 
 
 def test_the_pick_balances_supply_and_demand() -> None:
@@ -40,8 +41,11 @@ def test_one_device_is_shared_in_proportion_to_each_sides_cost() -> None:
 
 @pytest.mark.slow
 def test_bench_split_on_cpu_probes_both_sides_and_verifies_with_the_pipeline(tmp_path: Path) -> None:
+    """The probes and the verifying pipeline on 200 demo conversations' own replies (the next test prices
+    regeneration): a launch tokenizes its whole data before the first step."""
     out = tmp_path / "res"
     tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
+    tiny += ["--responses", "dataset", "--data", str(demo_subset(tmp_path / "data.jsonl", 200))]
     done = run_bench("split", "--device", "cpu", "--seconds", "0.5", "--verify", "--out", str(out), *tiny)
     assert done.returncode == 0, done.stdout + done.stderr
     data = read_result(out, "split")
@@ -62,6 +66,7 @@ def test_bench_split_with_target_responses_prices_regeneration_into_the_supply(t
     out = tmp_path / "res"
     tiny = ["--max-length", "128", "--token-budget", "512", "--draft-layers", "1", "--max-anchors", "8"]
     regen = ["--responses", "target", "--regen-batch", "4", "--max-new-tokens", "8"]
+    tiny += ["--data", str(demo_subset(tmp_path / "data.jsonl", 200))]
     done = run_bench("split", "--device", "cpu", "--seconds", "0.5", "--out", str(out), *tiny, *regen)
     assert done.returncode == 0, done.stdout + done.stderr
     s = read_result(out, "split")["summary"]
