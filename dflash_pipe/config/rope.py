@@ -75,13 +75,15 @@ def _hf_config(cfg: RopeShape) -> Any:
 def rope_inv_freq(cfg: RopeShape) -> tuple[Tensor, float]:
     """([head_dim/2] float32 inverse frequencies, attention factor), as transformers computes them."""
     import torch
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = rope_type_of(cfg.rope_scaling)
     if rope_type == "default":  # transformers' default rule, written the same way (fp32)
         dim = cfg.head_dim
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
         return 1.0 / (cfg.rope_theta**exponent), 1.0
+    # only here: importing transformers costs a worker ~2 s of start-up, and the default rule needs none of it
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(
             f"rope_scaling={cfg.rope_scaling}: rope_type {rope_type!r} is not one this transformers knows "
