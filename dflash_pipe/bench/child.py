@@ -171,6 +171,7 @@ def warm(model: Any, spec: dict[str, Any], device: Any) -> dict[str, float]:
         cache_dir=Path(spec["cache_dir"]),
         device=device,
         seq_len=min(spec.get("warmup_seq_len", 1024), cfg.max_position_embeddings),
+        batch_sizes=tuple(spec.get("warmup_batch_sizes", (2, 1))),
         once=spec["train"]["compile_warmup"] == "once",
     )
 
@@ -264,14 +265,18 @@ def run_compile(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if not spec.get("cpu_simd", True):  # bench compile --no-cpu-simd: scalar C++ kernels, less g++ time
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.vec_isa_ok = False
     model, optimizer, _, _ = build_from_spec(spec, device, compile_layers=spec["compile_layers"])
     built = time.time()
     warm_info = warm(model, spec, device)
     warmed = time.time()
     k = len(spec["drafter"]["target_layer_ids"])
     gen = torch.Generator(device=device).manual_seed(1)
-    # Batch 2, the warm-up's first shape: a warm worker's first real batch runs compiled code, not a recompile.
-    shape = (2, spec["step_seq_len"])
+    # The warm-up's first shape: a warm worker's first real batch runs compiled code, not a recompile.
+    shape = (spec.get("warmup_batch_sizes", [2])[0], spec["step_seq_len"])
     ids = torch.randint(0, spec["drafter"]["vocab_size"], shape, device=device, generator=gen)
     dtype = compute_dtype(device)
     feats = torch.randn(*shape, k * spec["drafter"]["hidden_size"], device=device, generator=gen).to(dtype)

@@ -30,6 +30,13 @@ from dflash_pipe.bench.save import goal
 TOGETHER_GOAL = 1.2
 CHILD_TIMEOUT_S = 1800.0
 """A worker start that takes longer than this is killed (a cold compile of big shapes takes minutes)."""
+WORKER_WARMUP_BATCH_SIZES = (2, 1)
+"""``train.warmup.warm_up``'s batch sizes: a worker compiles batch 2 and, as dynamic shapes specialise on
+size 1, batch 1 again (a second whole compile: on CPU over a third of a cold start's CPU time)."""
+CPU_SCALAR_NOTE = (
+    "CPU kernels compiled without SIMD (--no-cpu-simd): the same Dynamo, AOT autograd, Inductor and g++ "
+    "steps and cache, a fifth to a quarter less CPU time per cold start"
+)
 Progress = Callable[[str], None]
 
 
@@ -42,23 +49,37 @@ def run_compile_bench(
     draft_layers: int | None = None,
     seq_len: int | None = None,
     warmups: tuple[str, ...] = ("once",),
+    warmup_batch_sizes: tuple[int, ...] = WORKER_WARMUP_BATCH_SIZES,
+    cpu_simd: bool = True,
     work_dir: Path,
     progress: Progress | None = None,
 ) -> BenchResult:
     """``warmups``: the ``train.compile_warmup`` modes to start the N workers together with, each on its
-    own empty cache (once: the launcher's default lock; each: all compile at once)."""
+    own empty cache (once: the launcher's default lock; each: all compile at once).
+    ``warmup_batch_sizes``: each worker's warm-up batches (a worker's own: 2 then 1, two compiled variants);
+    the first step runs at the first. ``cpu_simd`` False: CPU kernels compiled scalar (``CPU_SCALAR_NOTE``)."""
     say = progress or (lambda _text: None)
     if not warmups or set(warmups) - {"once", "each"}:
         raise ValueError(f"--compile-warmup takes once and/or each, got {','.join(warmups) or 'nothing'}.")
+    if not warmup_batch_sizes or min(warmup_batch_sizes) < 1:
+        raise ValueError(f"--warmup-batch-sizes takes sizes >= 1, got {warmup_batch_sizes}.")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}.")
+    if not cpu_simd and device != "cpu":
+        raise ValueError("--no-cpu-simd is for --device cpu (CUDA kernels are Triton's).")
     work_dir = Path(work_dir)
     cpu = device == "cpu"
     layers = draft_layers or (1 if cpu else 5)
     length = seq_len or (256 if cpu else 2048)
     say("resolving the target and the drafter shape")
     spec = _drafter_spec(target_model, layers, device, progress=say)
-    spec.update(compile_layers=cpu, step_seq_len=length, warmup_seq_len=length)
+    spec.update(
+        compile_layers=cpu,
+        step_seq_len=length,
+        warmup_seq_len=length,
+        warmup_batch_sizes=list(warmup_batch_sizes),
+        cpu_simd=cpu_simd,
+    )
     devices = ["cpu"] * workers if cpu else [f"cuda:{gpus[i % len(gpus)]}" for i in range(workers)]
     together_rows: list[dict[str, Any]] = []
     # The together cases run first: whatever a machine's first compile pays once (files not yet in the
@@ -85,6 +106,8 @@ def run_compile_bench(
             "CPU: a CPU worker compiles nothing (eager SDPA); this bench compiles the drafter's decoder "
             "layers with torch.compile(dynamic=True) so that it measures a real Inductor compile"
         )
+        if not cpu_simd:
+            notes.append(CPU_SCALAR_NOTE)
     summary = {
         "cold_s": round(cold["first_step_s"], 2),
         "warm_s": round(warm["first_step_s"], 2),
@@ -109,6 +132,8 @@ def run_compile_bench(
         "hidden_size": spec["drafter"]["hidden_size"],
         "seq_len": length,
         "compile_warmups": list(warmups),
+        "warmup_batch_sizes": list(warmup_batch_sizes),
+        "cpu_simd": cpu_simd,
         "compiled": "drafter decoder layers (bench, CPU)"
         if cpu
         else "flex attention + block mask (as a run)",
