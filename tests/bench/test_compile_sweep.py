@@ -23,19 +23,24 @@ not a worker's 1024: the same graphs compile (the same warm-up, at lengths on bo
 but every step, compiled and eager, costs a fraction (a sliding+full case: 45 -> 24 s of CPU)."""
 
 
+SWEEP_TIMEOUT_S = 1200
+"""A cold Inductor cache (a fresh clone's) beside the other xdist worker: the sweep alone took 250 s cold, and
+one run of the full suite needed more than 600 s for it."""
+
+
 def run_sweep(out, *args: str) -> dict:
     done = subprocess.run(  # its own process: Dynamo's caches and counters stay out of this one
         [sys.executable, str(ROOT / "bench" / "compile_sweep.py"), "--cpu", *SMALL, *args, "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=SWEEP_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "compile_sweep.json").read_text())
 
 
 def test_cpu_sweep_compiled_equals_eager(tmp_path) -> None:
-    """Over a minute (about 75 s of CPU on a warm Inductor cache, 140 s on a cold one): 3 drafter shapes x 2
+    """Minutes (alone on 2 cores: about 75 s on a warm Inductor cache, 250 s on a cold one): 3 drafter shapes x 2
     compile modes x 3 batch shapes, each case compiled for real (Dynamo reset) and every step checked against
     eager; three draws are the fewest that show a later batch reusing the compiled graph."""
     result = run_sweep(tmp_path, "--draws", "3")
