@@ -364,9 +364,8 @@ def elastic(args: argparse.Namespace, work_dir: Path, say: Callable[[str], None]
     layout, free = elastic_devices(args)
     run_dir = work_dir / "elastic-run"
     argv = [*layout, "--epochs", "1", "--eval-samples", "0", "--reconnect-timeout", "5"]
-    every_step = (
-        work_dir / "log-every-step.yaml"
-    )  # a metrics row each step: join, kill and recovery to the step
+    # a metrics row each step, not each tenth: the join, the kill and the recovery are timed to the step
+    every_step = work_dir / "log-every-step.yaml"
     every_step.write_text("train:\n  log_every: 1\n")
     argv += ["--config", str(every_step)]
     opts = run_opts(args)
