@@ -265,10 +265,6 @@ def run_compile(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(spec["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not spec.get("cpu_simd", True):  # bench compile --no-cpu-simd: scalar C++ kernels, less g++ time
-        import torch._inductor.config
-
-        torch._inductor.config.cpp.vec_isa_ok = False
     model, optimizer, _, _ = build_from_spec(spec, device, compile_layers=spec["compile_layers"])
     built = time.time()
     warm_info = warm(model, spec, device)

@@ -18,6 +18,7 @@ drafter's decoder layers (``torch.compile(dynamic=True)``) to measure a real com
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -34,8 +35,8 @@ WORKER_WARMUP_BATCH_SIZES = (2, 1)
 """``train.warmup.warm_up``'s batch sizes: a worker compiles batch 2 and, as dynamic shapes specialise on
 size 1, batch 1 again (a second whole compile: on CPU over a third of a cold start's CPU time)."""
 CPU_SCALAR_NOTE = (
-    "CPU kernels compiled without SIMD (--no-cpu-simd): the same Dynamo, AOT autograd, Inductor and g++ "
-    "steps and cache, a fifth to a quarter less CPU time per cold start"
+    "CPU kernels compiled without SIMD (TORCHINDUCTOR_VEC_ISA_OK=0, as the test suite sets it): the same "
+    "Dynamo, AOT autograd, Inductor and g++ steps and cache, a fifth to a quarter less CPU time per cold start"
 )
 Progress = Callable[[str], None]
 
@@ -50,14 +51,14 @@ def run_compile_bench(
     seq_len: int | None = None,
     warmups: tuple[str, ...] = ("once",),
     warmup_batch_sizes: tuple[int, ...] = WORKER_WARMUP_BATCH_SIZES,
-    cpu_simd: bool = True,
     work_dir: Path,
     progress: Progress | None = None,
 ) -> BenchResult:
     """``warmups``: the ``train.compile_warmup`` modes to start the N workers together with, each on its
     own empty cache (once: the launcher's default lock; each: all compile at once).
     ``warmup_batch_sizes``: each worker's warm-up batches (a worker's own: 2 then 1, two compiled variants);
-    the first step runs at the first. ``cpu_simd`` False: CPU kernels compiled scalar (``CPU_SCALAR_NOTE``)."""
+    the first step runs at the first. The children inherit this environment: torch's
+    ``TORCHINDUCTOR_VEC_ISA_OK=0`` compiles CPU kernels scalar (``CPU_SCALAR_NOTE``), and the config says so."""
     say = progress or (lambda _text: None)
     if not warmups or set(warmups) - {"once", "each"}:
         raise ValueError(f"--compile-warmup takes once and/or each, got {','.join(warmups) or 'nothing'}.")
@@ -65,10 +66,9 @@ def run_compile_bench(
         raise ValueError(f"--warmup-batch-sizes takes sizes >= 1, got {warmup_batch_sizes}.")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}.")
-    if not cpu_simd and device != "cpu":
-        raise ValueError("--no-cpu-simd is for --device cpu (CUDA kernels are Triton's).")
     work_dir = Path(work_dir)
     cpu = device == "cpu"
+    cpu_simd = os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") != "0"  # torch's switch, which the children inherit
     layers = draft_layers or (1 if cpu else 5)
     length = seq_len or (256 if cpu else 2048)
     say("resolving the target and the drafter shape")
@@ -78,7 +78,6 @@ def run_compile_bench(
         step_seq_len=length,
         warmup_seq_len=length,
         warmup_batch_sizes=list(warmup_batch_sizes),
-        cpu_simd=cpu_simd,
     )
     devices = ["cpu"] * workers if cpu else [f"cuda:{gpus[i % len(gpus)]}" for i in range(workers)]
     together_rows: list[dict[str, Any]] = []
@@ -133,7 +132,7 @@ def run_compile_bench(
         "seq_len": length,
         "compile_warmups": list(warmups),
         "warmup_batch_sizes": list(warmup_batch_sizes),
-        "cpu_simd": cpu_simd,
+        "cpu_simd": cpu_simd if cpu else None,
         "compiled": "drafter decoder layers (bench, CPU)"
         if cpu
         else "flex attention + block mask (as a run)",

@@ -282,13 +282,6 @@ def bench_transport(sizes_mib: str | None, budget_mib: int, device: str, out_dir
     help="Batch sizes of each worker's warm-up; the first step runs at the first. 2,1 is a worker's own "
     "(size 1 compiles a second variant); 2 alone compiles one, about 2/3 of the CPU cost per cold start.",
 )
-@click.option(
-    "--cpu-simd/--no-cpu-simd",
-    default=True,
-    show_default=True,
-    help="CPU: Inductor's SIMD C++ kernels. --no-cpu-simd compiles them scalar: the same compile steps "
-    "and cache, a fifth to a quarter less CPU time per cold start (the test suite's quick run).",
-)
 @_OUT_OPTION
 @_KEEP_OPTION
 def bench_compile(
@@ -300,7 +293,6 @@ def bench_compile(
     seq_len: int | None,
     warmups: str,
     warmup_batch_sizes: str,
-    cpu_simd: bool,
     out_dir: Path | None,
     keep_work: bool,
 ) -> None:
@@ -341,7 +333,6 @@ def bench_compile(
                 seq_len=seq_len,
                 warmups=tuple(w.strip() for w in warmups.split(",") if w.strip()),
                 warmup_batch_sizes=batch_sizes,
-                cpu_simd=cpu_simd,
                 work_dir=Path(scratch),
                 progress=progress,
             )

@@ -17,17 +17,18 @@ def test_compile_cold_warm_and_together(tmp_path: Path, device: str):
     cold) and a warm start from the cold one's cache, because the claims are about real compiles. A cold
     worker's CPU goes mostly to g++ (a few s a kernel file) and AOT autograd, once per compiled variant.
     --warmup-batch-sizes 2 compiles one variant, not a worker's two (batch 1 is a second whole compile), and
-    --no-cpu-simd compiles scalar kernels. Together they cut a cold worker from about 80 s of CPU to 37 s,
-    and the test from 265 s of wall time to 117 s. --seq-len 96 warms up at 96 and 48 tokens. Neither is a
-    size of the demo drafter's weights: at 128, its hidden size, the first graph specialised the length to
-    it."""
+    the suite's TORCHINDUCTOR_VEC_ISA_OK=0 (tests/conftest.py) compiles scalar kernels. Together they cut a
+    cold worker from about 80 s of CPU to 37 s, and the test from 265 s of wall time to 117 s. --seq-len 96
+    warms up at 96 and 48 tokens. Neither is a size of the demo drafter's weights: at 128, its hidden size,
+    the first graph specialised the length to it."""
     out = tmp_path / "res"
     args = ["--device", device, "--workers", "2", "--seq-len", "96", "--draft-layers", "1"]
-    args += ["--warmup-batch-sizes", "2", *(["--no-cpu-simd"] if device == "cpu" else [])]
+    args += ["--warmup-batch-sizes", "2"]
     done = run_bench("compile", *args, "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     data = read_result(out, "compile")
     assert data["config"]["warmup_batch_sizes"] == [2]
+    assert data["config"]["cpu_simd"] is (False if device == "cpu" else None)  # tests/conftest.py's setting
     rows = {r["case"]: r for r in data["rows"]}
     cold, warm = rows["cold"], rows["warm"]
     together = [r for case, r in rows.items() if case.startswith("together")]

@@ -99,8 +99,6 @@ def test_compile_warmup_flag_and_bench_modes(tmp_path: Path):
         run_compile_bench(target_model=None, device="cpu", warmups=("twice",), work_dir=tmp_path)
     with pytest.raises(ValueError, match="sizes >= 1"):
         run_compile_bench(target_model=None, device="cpu", warmup_batch_sizes=(2, 0), work_dir=tmp_path)
-    with pytest.raises(ValueError, match="--no-cpu-simd is for --device cpu"):
-        run_compile_bench(target_model=None, device="cuda", cpu_simd=False, work_dir=tmp_path)
 
 
 @pytest.mark.parametrize("max_anchors", [512, 32])
