@@ -29,6 +29,9 @@ EPOCHS = 6
 """Six epochs of 240 samples at LiveRun's sizes: ~155 steps of two workers (~35 s on 2 idle cores), which the
 second node (a producer and its two workers starting) joined after ~60 (19 s): time for it to join, train
 and be killed, with steps to spare on a loaded machine, where its start-up slows as the steps do."""
+REDIRECT_EPOCHS = 50
+"""More than the redirect test ever trains: it stops the run with Ctrl-C once an epoch was trained whole by
+its three workers."""
 
 
 def attach_node(address: str, name: str, log: Path, workers: int = 2) -> subprocess.Popen:
@@ -54,42 +57,79 @@ def last(run_dir: Path, key: str) -> float:
     return max((r[key] for r in rows(run_dir) if key in r), default=0.0)
 
 
-def test_two_nodes_train_every_sample_once_and_no_feature_crosses_between_them(tmp_path: Path):
-    """About a minute: two "nodes" (a producer and two workers each, six processes) train ``EPOCHS`` epochs
-    together, the second from the time its processes have started."""
+def test_two_nodes_train_every_sample_once_features_stay_home_and_a_stray_worker_is_redirected(
+    tmp_path: Path,
+):
+    """About a minute and a half: two "nodes" (a producer and one worker each), and a third worker started by
+    hand on node1 with the coordinator's address, train one run together. The coordinator redirects that
+    worker to node1's producer; an epoch trained from start to end by all three holds every sample exactly
+    once across both producers; no feature byte crosses between the nodes (only plans' tokens); and a Ctrl-C
+    on the coordinator then drains all five processes to exit 0. One run for the three claims: each launch
+    of five processes costs a minute and a half of two shared cores."""
     data = demo_subset(tmp_path / "data.jsonl", 240)
-    run = LiveRun(tmp_path / "run", "--data", str(data), "--epochs", str(EPOCHS), "--eval-samples", "4")
+    args = ["--data", str(data), "--workers", "1", "--epochs", str(REDIRECT_EPOCHS), "--eval-samples", "4"]
+    run = LiveRun(tmp_path / "run", *args, "--checkpoint-every", "100000")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
-    node = attach_node(address, "node1", tmp_path / "node1.log")
+    node = attach_node(address, "node1", tmp_path / "node1.log", workers=1)
+    extra: subprocess.Popen | None = None
+    log = tmp_path / "extra.log"
     try:
-        joined = wait_for_row(run, lambda r: r.get("world_size") == 4, timeout=180)
-        rc, out = run.finish(timeout=240)
+        wait_for_row(run, lambda r: r.get("world_size") == 2, timeout=180)  # node1 serves (it welcomed one)
+        extra = node_worker(address, "extra", "node1", log)
+        joined = wait_for_row(run, lambda r: r.get("world_size") == 3, timeout=180)
+        # the epoch after the one the third worker joined in is trained by all three from start to end
+        whole = int(_epoch_of(run.run_dir, joined["step"])) + 1
+        wait_for_row(run, lambda r: r.get("progress", 0.0) * REDIRECT_EPOCHS > whole + 1.05, timeout=240)
+        run.proc.send_signal(signal.SIGINT)
+        rc, out = run.finish(timeout=180)
         assert rc == 0, out
         assert node.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()
+        assert extra.wait(timeout=60) == 0, log.read_text()
     finally:
-        if node.poll() is None:
-            node.kill()
+        for proc in (node, extra):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
     step, ledger = final_ledger(run.run_dir)
-    counts = [ledger.count(e) for e in range(EPOCHS)]
-    assert all(ledger.complete(e) for e in range(EPOCHS)) and ledger.duplicates == 0, (
+    counts = [ledger.count(e) for e in range(whole + 1)]
+    assert all(ledger.complete(e) for e in range(whole + 1)) and ledger.duplicates == 0, (
+        whole,
         counts,
         ledger.duplicates,
     )
+    node1_log, extra_log = (tmp_path / "node1.log").read_text(), log.read_text()
+    assert "attached to run" in node1_log, node1_log
+    served_at = _served_at(tmp_path / "node1.log")
+    assert (
+        f"redirected by the coordinator to producer node1 at {served_at}: it runs on this node, so features "
+        "stay here"
+    ) in extra_log, extra_log
+    assert last(run.run_dir, "workers_redirected") == 1.0
+    assert last(run.run_dir, "time_to_first_step_s/extra") > 0  # its first step, reported by node1's producer
+    assert "gets its features over the network" not in out + node1_log
+    remote = [
+        last(run.run_dir, k)
+        for k in ("wire/feature_bytes_remote", "producer/node1/wire/feature_bytes_remote")
+    ]
     node1_features = last(run.run_dir, "producer/node1/wire/feature_bytes_local")
     own_features = last(run.run_dir, "wire/feature_bytes_local") - node1_features
-    assert node1_features > 0 and own_features > 0  # each node's workers trained on their own producer's
-    assert last(run.run_dir, "wire/feature_bytes_remote") == 0.0
-    assert last(run.run_dir, "producer/node1/wire/feature_bytes_remote") == 0.0
     plan_bytes = last(run.run_dir, "wire/plan_bytes")
+    assert remote == [0.0, 0.0] and node1_features > 0 and own_features > 0, (remote, node1_features)
     assert 0 < plan_bytes < node1_features / 50  # tokens, not features, cross to the second node
-    log = (tmp_path / "node1.log").read_text()
-    assert "attached to run" in log and "the coordinator said DONE" in log, log
     print(
-        f"\nFIGURES two nodes: world 4 from step {joined['step']}, steps {step}, samples per epoch {counts} of "
-        f"{ledger.num_samples}, duplicates {ledger.duplicates}; feature bytes node0 {own_features / 1e6:.1f} MB, "
-        f"node1 {node1_features / 1e6:.1f} MB (both local), between nodes: 0 of features, "
-        f"{plan_bytes / 1e3:.0f} KB of plans"
+        f"\nFIGURES two nodes and a redirected worker: world 3 from step {joined['step']}, epoch {whole} trained "
+        f"whole by the three, steps {step}, samples per epoch {counts} of {ledger.num_samples}, duplicates "
+        f"{ledger.duplicates}; feature bytes node0 local {own_features / 1e6:.1f} MB, node1 local "
+        f"{node1_features / 1e6:.1f} MB, remote {remote[0]:.0f} (coordinator's links) and {remote[1]:.0f} "
+        f"(node1's); plans {plan_bytes / 1e3:.0f} KB"
     )
+
+
+def _epoch_of(run_dir: Path, step: int) -> float:
+    """The epoch the run was in at ``step``: the progress (share of all planned samples) of its loss row."""
+    progress = max(
+        (r["progress"] for r in rows(run_dir) if "progress" in r and r["step"] <= step), default=0.0
+    )
+    return progress * REDIRECT_EPOCHS
 
 
 def test_a_sigkilled_node_loses_nothing_and_the_run_finishes(tmp_path: Path):
@@ -128,56 +168,6 @@ def test_a_sigkilled_node_loses_nothing_and_the_run_finishes(tmp_path: Path):
         f"\nFIGURES node SIGKILL: group of 2 again {recover_s:.1f} s after its workers were killed (step "
         f"{regrouped['step']}), steps {step}, samples lost {EPOCHS * ledger.num_samples - ledger.total_trained()}, "
         f"duplicates {ledger.duplicates} (given back: {released:.0f} samples)"
-    )
-
-
-def test_a_worker_pointed_at_the_coordinator_is_sent_to_its_nodes_producer(tmp_path: Path):
-    """One worker a node (a third comes by hand to node1 with the coordinator's address): the coordinator
-    redirects it to node1's producer, it trains in the run's one group there, and no feature byte crosses
-    between the nodes. The run is stopped (SIGINT, a drain) a few steps after the third worker joined."""
-    data = demo_subset(tmp_path / "data.jsonl", 240)
-    args = ["--data", str(data), "--workers", "1", "--epochs", "50", "--eval-samples", "4"]
-    run = LiveRun(tmp_path / "run", *args, "--checkpoint-every", "100000")
-    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
-    node = attach_node(address, "node1", tmp_path / "node1.log", workers=1)
-    extra: subprocess.Popen | None = None
-    log = tmp_path / "extra.log"
-    try:
-        wait_for_row(run, lambda r: r.get("world_size") == 2, timeout=180)  # node1 serves (it welcomed one)
-        extra = node_worker(address, "extra", "node1", log)
-        joined = wait_for_row(run, lambda r: r.get("world_size") == 3, timeout=180)
-        wait_for_row(run, lambda r: "loss" in r and r["step"] >= joined["step"] + 3, timeout=180)
-        run.proc.send_signal(signal.SIGINT)
-        rc, out = run.finish(timeout=180)
-        assert rc == 0, out
-        assert node.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()
-        assert extra.wait(timeout=60) == 0, log.read_text()
-    finally:
-        for proc in (node, extra):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-    node1_log, extra_log = (tmp_path / "node1.log").read_text(), log.read_text()
-    served_at = _served_at(tmp_path / "node1.log")
-    assert (
-        f"redirected by the coordinator to producer node1 at {served_at}: it runs on this node, so features "
-        "stay here"
-    ) in extra_log, extra_log
-    assert last(run.run_dir, "workers_redirected") == 1.0
-    assert last(run.run_dir, "time_to_first_step_s/extra") > 0  # its first step, reported by node1's producer
-    assert "gets its features over the network" not in out + node1_log
-    remote = [
-        last(run.run_dir, k)
-        for k in ("wire/feature_bytes_remote", "producer/node1/wire/feature_bytes_remote")
-    ]
-    node1_features = last(run.run_dir, "producer/node1/wire/feature_bytes_local")
-    own_features = last(run.run_dir, "wire/feature_bytes_local") - node1_features
-    plan_bytes = last(run.run_dir, "wire/plan_bytes")
-    assert remote == [0.0, 0.0] and node1_features > 0 and own_features > 0, (remote, node1_features)
-    print(
-        f"\nFIGURES redirect: the third worker joined at step {joined['step']} through node1's producer; "
-        f"feature bytes node0 local {own_features / 1e6:.1f} MB, node1 local {node1_features / 1e6:.1f} MB, "
-        f"remote {remote[0]:.0f} (coordinator's links) and {remote[1]:.0f} (node1's); plans "
-        f"{plan_bytes / 1e3:.0f} KB"
     )
 
 
