@@ -1,6 +1,6 @@
 # Two entry points on a fresh machine (Python >= 3.10 with venv):
 #   make demo   creates .venv, installs dflash-pipe, runs the embedded demo (tiny target, CPU is fine)
-#   make test   creates .venv, installs dflash-pipe with its test tools, runs the test suite
+#   make test   creates .venv, installs dflash-pipe with its test tools, builds the test assets, runs the suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Pin torch first: on the CPU CI machines this resolves to a local CPU build; a bare `torch` would pull CUDA.
@@ -17,7 +17,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/dflash-pipe launch
 
+# The cached builds the tests read (demo target, reference venv, real target, speculators site) are made
+# first, side by side (tests/assets.py), then the suite runs.
 test: $(VENV)/.installed
+	$(PY) -m tests.assets
 	$(PY) -m pytest
 
 lint: $(VENV)/.installed
