@@ -29,11 +29,9 @@ SAMPLES = 240
 """An epoch of the first 240 demo conversations (236 trained, 4 held out) at the sizes LiveRun launches with
 (tests/launch_flags.py): ~60 batches, 26 steps of two workers, ~6 s of training on 2 idle cores, so a fault
 at step 1 or 10 leaves steps to train after it."""
-ATTACH_SAMPLES = 600
-"""Two epochs of these, ~260 batches: ~60 s of one worker's steps (0.23 s each), which a newcomer joined after
-~95 (22 s on 2 idle cores, 42 s with this file running twice at once: its start-up slows as the steps do)."""
-
-
+ATTACH_EPOCHS = 100
+"""More than the attach test ever trains: it stops the run with Ctrl-C once an epoch was trained whole by
+the group of two, whenever the newcomer got in."""
 TWO_FAULTS_EPOCHS = 3
 """Three epochs of ``SAMPLES`` for two faults in turn, each waited out before the next: ~60 steps of two or
 three workers, so steps are left after the second even when a loaded machine slows the regroups."""
@@ -90,29 +88,35 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in rows(run_dir) if "loss" in r]
 
 
-def test_a_worker_attaches_mid_run_and_the_epoch_completes(tmp_path: Path):
-    """About a minute: two epochs of ``ATTACH_SAMPLES``, so steps are left after the newcomer joins even when
-    a loaded machine makes its start-up (a process importing torch, then the group's regroup) as long as one
-    worker's whole epoch; the steps after it joins train two batches in about the time of one."""
-    data = demo_subset(tmp_path / "data.jsonl", ATTACH_SAMPLES)
-    run = LiveRun(
-        tmp_path / "run", "--workers", "1", "--data", str(data), "--epochs", "2", "--eval-samples", "4"
-    )
+def test_a_worker_attaches_mid_run_and_a_whole_epoch_trains_with_it(tmp_path: Path):
+    """About a minute: a launch of one worker, a second attached once it trains. However long the
+    newcomer's start-up takes on a loaded machine (a process importing torch, then the group's regroup: 22 s
+    on 2 idle cores, more than a whole epoch of one worker's steps when the cores are busy), the run has
+    epochs left (``ATTACH_EPOCHS``): the test waits for the group of two, then for an epoch trained whole by
+    it, and stops the run with Ctrl-C (a drain). The steps after the join train two batches in about the
+    time of one."""
+    data = demo_subset(tmp_path / "data.jsonl", SAMPLES)
+    args = ["--workers", "1", "--data", str(data), "--epochs", str(ATTACH_EPOCHS), "--eval-samples", "4"]
+    run = LiveRun(tmp_path / "run", *args, "--checkpoint-every", "100000")
     address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
     run.wait_for_steps()
     extra = attach(address, "attached", tmp_path / "attached.log")
     t0 = time.monotonic()
     try:
-        joined = wait_for_row(run, lambda r: r.get("world_size") == 2 and "generation" in r)
+        joined = wait_for_row(run, lambda r: r.get("world_size") == 2 and "generation" in r, timeout=240)
         join_s = time.monotonic() - t0
+        whole = int(max(r["progress"] for r in rows(run.run_dir) if "progress" in r) * ATTACH_EPOCHS) + 1
+        wait_for_row(run, lambda r: r.get("progress", 0.0) * ATTACH_EPOCHS > whole + 1.05, timeout=240)
+        run.proc.send_signal(signal.SIGINT)
         rc, out = run.finish(timeout=120)
         assert rc == 0, out
-        assert extra.wait(timeout=30) == 0, (tmp_path / "attached.log").read_text()
+        assert extra.wait(timeout=60) == 0, (tmp_path / "attached.log").read_text()
     finally:
         if extra.poll() is None:
             extra.kill()
     step, ledger = final_ledger(run.run_dir)
-    assert ledger.complete(0) and ledger.complete(1) and ledger.duplicates == 0
+    counts = [ledger.count(e) for e in range(whole + 1)]
+    assert all(ledger.complete(e) for e in range(whole + 1)) and ledger.duplicates == 0, (whole, counts)
     trained_after_join = [r for r in rows(run.run_dir) if "loss" in r and r["step"] > joined["step"]]
     assert trained_after_join and all(r["world_size"] == 2 for r in trained_after_join[:1])
     curve = losses(run.run_dir)
@@ -120,9 +124,9 @@ def test_a_worker_attaches_mid_run_and_the_epoch_completes(tmp_path: Path):
     assert any("time_to_first_step_s/attached" in r for r in rows(run.run_dir))
     print(
         f"\nFIGURES attach: world 1 -> 2 at step {joined['step']}, {join_s:.1f} s from `worker` start to the "
-        f"new group (regroup {joined['regroup_s']:.1f} s), steps {step}, samples lost "
-        f"{ledger.num_samples - ledger.count(0)}, "
-        f"duplicates {ledger.duplicates}, loss {curve[0]:.2f} -> {curve[-1]:.2f}"
+        f"new group (regroup {joined['regroup_s']:.1f} s), epoch {whole} trained whole by the two, steps {step}, "
+        f"samples per epoch {counts} of {ledger.num_samples}, duplicates {ledger.duplicates}, loss "
+        f"{curve[0]:.2f} -> {curve[-1]:.2f}"
     )
 
 
@@ -167,8 +171,9 @@ def test_a_worker_leaves_on_ctrl_c_then_one_is_sigkilled_and_the_last_finishes_t
 
 
 def test_a_sigkilled_producer_resumes_and_its_workers_reconnect(tmp_path: Path):
-    """About 35 s (two launches' start-up): a live launch trains 10 steps, its producer is SIGKILLed, and a
-    resume must find the same workers reconnecting."""
+    """About 35 s (two launches' start-up): a live launch trains 10 steps, its producer is SIGKILLed, its
+    workers wait to reconnect (alive, their logs saying how to resume), and a resume must find the same
+    workers reconnecting."""
     data = demo_subset(tmp_path / "data.jsonl", SAMPLES)
     args = ["--data", str(data), "--epochs", "1", "--eval-samples", "4", "--checkpoint-every", "5"]
     run = LiveRun(tmp_path / "run", *args, "--peer-timeout", "5")
@@ -178,6 +183,15 @@ def test_a_sigkilled_producer_resumes_and_its_workers_reconnect(tmp_path: Path):
     run.proc.kill()
     run.finish()
     t0 = time.monotonic()
+    # the orphaned workers notice, say how to resume, and wait for a producer at the same address
+    logs = [run.run_dir / "logs" / f"worker{i}.log" for i in range(2)]
+    deadline = time.monotonic() + 40
+    while not all("Reconnecting" in log.read_text() for log in logs):
+        assert time.monotonic() < deadline, "workers did not notice their producer died"
+        time.sleep(0.2)
+    for log in logs:
+        assert "--resume" in log.read_text(), log.read_text()
+    assert all(Path(f"/proc/{pid}").exists() for pid in pids), "workers should wait for a resumed producer"
     saved_step, saved = final_ledger(run.run_dir)
     before = len(rows(run.run_dir))
     resumed = ResumedRun(run.run_dir, "--peer-timeout", "5")

@@ -1,5 +1,5 @@
-"""A live CPU run under stress: bad handshakes are refused, a late worker is welcomed, Ctrl-C drains, workers
-outlive a killed producer and wait to reconnect (never a hang). Worker faults: test_elastic_cpu.py."""
+"""A live CPU run under stress: bad handshakes are refused, a late worker is welcomed, Ctrl-C drains (never a
+hang). Worker faults, and workers that outlive a killed producer and wait to reconnect: test_elastic_cpu.py."""
 
 from __future__ import annotations
 
@@ -153,27 +153,3 @@ def test_bad_handshakes_are_refused_and_ctrl_c_drains_to_a_checkpoint(tmp_path: 
     assert "stopped by SIGINT: final checkpoint" in out, out
     ckpt = latest_checkpoint(run.run_dir)
     assert ckpt is not None and read_trainer_state(ckpt).step >= 1
-
-
-def test_workers_wait_to_reconnect_when_the_producer_is_killed(tmp_path: Path):
-    run = LiveRun(tmp_path / "run", "--max-steps", "100000", "--peer-timeout", "6")
-    address = run.wait_for(r"producer at (tcp://\S+?),").group(1)
-    run.wait_for_steps()
-    pids = [worker_pid(address, f"worker{i}") for i in range(2)]
-    run.proc.kill()
-    run.finish()
-    logs = [tmp_path / "run" / "logs" / f"worker{i}.log" for i in range(2)]
-    try:
-        deadline = time.monotonic() + 40
-        while not all("Reconnecting" in log.read_text() for log in logs):
-            assert time.monotonic() < deadline, "workers did not notice their producer died"
-            time.sleep(0.5)
-        for log in logs:
-            assert "--resume" in log.read_text(), log.read_text()
-        assert all(Path(f"/proc/{pid}").exists() for pid in pids), (
-            "workers should wait for a resumed producer"
-        )
-    finally:
-        for pid in pids:
-            if Path(f"/proc/{pid}").exists():
-                os.kill(pid, signal.SIGKILL)
