@@ -71,6 +71,14 @@ def wait_for_row(run: LiveRun, test, timeout: float = 90, skip: int = 0) -> dict
     raise AssertionError("metrics never showed the expected row:\n" + "".join(run.lines))
 
 
+def wait_for_a_whole_epoch(run: LiveRun, epochs: int, timeout: float = 240) -> int:
+    """Waits until the epoch after the current one (the run's ``progress`` times its ``epochs``) is trained
+    from start to end, and returns it: an epoch trained whole by the group as it is now."""
+    whole = int(max((r["progress"] for r in rows(run.run_dir) if "progress" in r), default=0.0) * epochs) + 1
+    wait_for_row(run, lambda r: r.get("progress", 0.0) * epochs > whole + 1.05, timeout=timeout)
+    return whole
+
+
 def final_ledger(run_dir: Path) -> tuple[int, Ledger]:
     state = read_trainer_state(latest_checkpoint(run_dir))
     return state.step, Ledger.from_dict(state.ledger)
@@ -105,8 +113,7 @@ def test_a_worker_attaches_mid_run_and_a_whole_epoch_trains_with_it(tmp_path: Pa
     try:
         joined = wait_for_row(run, lambda r: r.get("world_size") == 2 and "generation" in r, timeout=240)
         join_s = time.monotonic() - t0
-        whole = int(max(r["progress"] for r in rows(run.run_dir) if "progress" in r) * ATTACH_EPOCHS) + 1
-        wait_for_row(run, lambda r: r.get("progress", 0.0) * ATTACH_EPOCHS > whole + 1.05, timeout=240)
+        whole = wait_for_a_whole_epoch(run, ATTACH_EPOCHS)
         run.proc.send_signal(signal.SIGINT)
         rc, out = run.finish(timeout=120)
         assert rc == 0, out

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_elastic_cpu import final_ledger, rows, wait_for_row
+from test_elastic_cpu import final_ledger, rows, wait_for_a_whole_epoch, wait_for_row
 from test_faults_cpu import ROOT, LiveRun, worker_pid
 
 from tests.launch_flags import demo_subset
@@ -77,9 +77,7 @@ def test_two_nodes_train_every_sample_once_features_stay_home_and_a_stray_worker
         wait_for_row(run, lambda r: r.get("world_size") == 2, timeout=180)  # node1 serves (it welcomed one)
         extra = node_worker(address, "extra", "node1", log)
         joined = wait_for_row(run, lambda r: r.get("world_size") == 3, timeout=180)
-        # the epoch after the one the third worker joined in is trained by all three from start to end
-        whole = int(_epoch_of(run.run_dir, joined["step"])) + 1
-        wait_for_row(run, lambda r: r.get("progress", 0.0) * REDIRECT_EPOCHS > whole + 1.05, timeout=240)
+        whole = wait_for_a_whole_epoch(run, REDIRECT_EPOCHS)  # trained by all three from start to end
         run.proc.send_signal(signal.SIGINT)
         rc, out = run.finish(timeout=180)
         assert rc == 0, out
@@ -97,7 +95,7 @@ def test_two_nodes_train_every_sample_once_features_stay_home_and_a_stray_worker
         ledger.duplicates,
     )
     node1_log, extra_log = (tmp_path / "node1.log").read_text(), log.read_text()
-    assert "attached to run" in node1_log, node1_log
+    assert "attached to run" in node1_log and "the coordinator said DONE" in node1_log, node1_log
     served_at = _served_at(tmp_path / "node1.log")
     assert (
         f"redirected by the coordinator to producer node1 at {served_at}: it runs on this node, so features "
@@ -122,14 +120,6 @@ def test_two_nodes_train_every_sample_once_features_stay_home_and_a_stray_worker
         f"{node1_features / 1e6:.1f} MB, remote {remote[0]:.0f} (coordinator's links) and {remote[1]:.0f} "
         f"(node1's); plans {plan_bytes / 1e3:.0f} KB"
     )
-
-
-def _epoch_of(run_dir: Path, step: int) -> float:
-    """The epoch the run was in at ``step``: the progress (share of all planned samples) of its loss row."""
-    progress = max(
-        (r["progress"] for r in rows(run_dir) if "progress" in r and r["step"] <= step), default=0.0
-    )
-    return progress * REDIRECT_EPOCHS
 
 
 def test_a_sigkilled_node_loses_nothing_and_the_run_finishes(tmp_path: Path):
