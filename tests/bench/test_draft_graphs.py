@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.tiny_models import tiny_qwen3_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_draft_graphs_bench_measures_both_kinds_and_compares_drafts(tmp_path):
     tiny_qwen3_config(num_hidden_layers=8, vocab_size=64, max_position_embeddings=256).save_pretrained(
         tmp_path / "target"

@@ -93,6 +93,9 @@ def test_elastic_attaches_kills_and_loses_no_sample(tmp_path: Path):
 
 
 def test_topology_is_bench_throughput_on_the_layout(tmp_path: Path):
+    """About a minute in a full suite: the topology bench measures each stage alone and then a real pipeline
+    launch (a producer and its worker processes). Most of the time is those processes' start-ups, and the
+    bench's numbers only mean something when the launch is real."""
     # --no-compare: the offline and threaded rows are bench throughput's own, tested in test_throughput_cli.
     tiny = [*TINY, "--data", str(demo_subset(tmp_path / "data.jsonl", 200))]
     data = run(tmp_path, "topology", "--seconds", "0.3", "--no-compare", *tiny)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dflash_pipe.data import DataConfig, demo_data_path, demo_tokenizer, load_samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,6 +18,7 @@ def peer(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_rows_only_writes_the_rows_dflash_pipe_trains_on(tmp_path):
     tok = demo_tokenizer()
     tok.save_pretrained(tmp_path / "target")

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.bench.helpers import ROOT
 
 
+@pytest.mark.slow
 def test_cpu_mode_writes_rows_with_provenance(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "regenerate_speed.py"), "--device", "cpu", "--shapes", "demo"]

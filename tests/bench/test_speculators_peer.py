@@ -28,6 +28,7 @@ def site() -> Path:
         pytest.skip(f"package index unreachable, so speculators cannot be installed: {e}")
 
 
+@pytest.mark.slow
 def test_peer_trains_exports_and_its_export_speculates_losslessly(site, tmp_path):
     target = tmp_path / "target"
     save_demo_target(target, tie_word_embeddings=True)

@@ -73,6 +73,7 @@ def _multinode_dry_run(env: dict[str, str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", LAUNCH_SCRIPTS, ids=lambda p: str(p.relative_to(LAUNCH)))
 def test_script_runs_as_written_with_dry_run(script: Path, tmp_path: Path):
     env = {**_env(), "RUN_DIR": str(tmp_path / "run"), "SLURM_SUBMIT_DIR": str(ROOT)}
@@ -144,6 +145,7 @@ def test_multinode_recipe_attaches_every_other_node_as_a_producer(rank: str, tmp
     assert not (tmp_path / "run").exists() and not (tmp_path / "run.keys").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "needed"),
     [({"NNODES": "3"}, "12"), ({"NNODES": "2", "DRAFTER_GPUS": "0,2,5-6"}, "8"), ({}, None)],

@@ -78,6 +78,7 @@ def test_blocks_are_independent_and_padded_slots_are_harmless() -> None:
     assert torch.isfinite(many).all()  # the padded slot sees its own block: no NaN row
 
 
+@pytest.mark.slow
 def test_compiled_layers_keep_names_and_match_eager() -> None:
     """Compiled layers apply in place: same state_dict keys, same loss and gradients (SDPA on CPU)."""
     cfg = dataclasses.replace(tiny_config(block_size=4, max_anchors=5), attention_backend="sdpa")

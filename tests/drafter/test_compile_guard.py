@@ -17,6 +17,7 @@ THREADS = 6
 SHAPES = [(1, 8), (3, 8), (5, 8), (7, 8)]
 
 
+@pytest.mark.slow
 def test_many_threads_cold_cache_first_calls(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch._dynamo.reset()

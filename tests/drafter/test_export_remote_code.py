@@ -136,6 +136,7 @@ def run_child(export_dir, target_dir, out) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_export_loads_with_trust_remote_code_and_decodes_losslessly(tmp_path, target, name) -> None:
     model, target_dir = target

@@ -89,6 +89,10 @@ def test_a_second_launch_is_refused_and_a_killed_run_resumes_after_a_move(tmp_pa
 
 
 def test_a_finished_run_says_so_and_trains_on_with_more_epochs(tmp_path: Path):
+    """About 50 s in a full suite: three launches of one run dir, each with its own start-up. The first trains
+    one epoch. The second must say the run is complete and start no worker. The third goes on to 2 epochs
+    from the previous checkpoint, because the latest one is damaged. Each claim is about what a new process
+    reads from the run dir."""
     data = demo_subset(tmp_path / "tiny.jsonl", 40)
     run_dir = tmp_path / "run"
     args = [

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 from transformers import Qwen3Config
 
@@ -23,6 +24,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_preset_drafter_trains_exports_and_loads_everywhere(tmp_path: Path) -> None:
     """About 30 s: a real launch with a sliding-window preset drafter (on 100 demo conversations' own replies:
     the drafter's layers are what is checked), its export, and the export loaded as vLLM's, SGLang's and the

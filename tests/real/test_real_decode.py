@@ -47,7 +47,11 @@ def _hf_reply(model, prompt: list[int], end_ids: list[int]) -> list[int]:
     return out[:-1] if out and out[-1] in end_ids else out
 
 
+@pytest.mark.slow
 def test_slot_engine_replies_equal_hf_generate(hf_model, tokenizer, sharegpt_prompts):
+    """About 45 s in a full suite: SmolLM2-135M decodes the ShareGPT prompts twice, with HF's own ``generate``
+    one prompt at a time (the reference) and with the slot engine. The claim is about the real trained model,
+    so the model is not shrunk."""
     settings = RegenConfig(max_new_tokens=MAX_NEW, batch_size=SLOTS)
     gen = TurnGenerator(hf_model, tokenizer, settings, device="cpu", max_length=512)
     engine = gen.engine()

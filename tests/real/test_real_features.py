@@ -20,6 +20,7 @@ LAYER_IDS = (*default_target_layer_ids(30, 5), 0, 29)
 SAMPLES = 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_packed_features_equal_hf_per_sample(smollm2_dir, hf_model, real_samples, attention):
     samples = real_samples[:SAMPLES]

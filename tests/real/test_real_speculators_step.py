@@ -75,6 +75,7 @@ def _rows(samples, model, layer_ids):
     return out
 
 
+@pytest.mark.slow
 def test_training_step_equals_speculators(speculators, smollm2_dir, hf_model, tokenizer, real_samples):
     core, resolve_loss_config, create_layer_config = speculators
     cfg = DrafterConfig.from_target(

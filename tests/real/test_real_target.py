@@ -16,6 +16,7 @@ pytestmark = pytest.mark.real
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
+@pytest.mark.slow
 def test_converted_folder_equals_transformers_gguf_loader(
     real, smollm2_dir, hf_model, tokenizer, sharegpt_prompts
 ):

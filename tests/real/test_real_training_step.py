@@ -85,6 +85,7 @@ def _specforge_model(cfg: DrafterConfig, draft_cls):
     return draft_cls(config).float()
 
 
+@pytest.mark.slow
 def test_training_step_equals_specforge(specforge, smollm2_dir, hf_model, tokenizer, real_samples):
     draft_cls, online_cls = specforge
     cfg = DrafterConfig.from_target(

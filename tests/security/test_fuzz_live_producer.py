@@ -205,6 +205,8 @@ def generate_corpus() -> list[tuple[list[bytes], int]]:
 
 
 def test_fuzzed_producer_keeps_training_and_serving(tmp_path: Path):
+    """About a minute in a full suite: a live launch takes its start-up, then the 10,000+ messages while it
+    trains, then a Ctrl-C drain. The producer's survival is only shown on a real process that is training."""
     run = LiveRun(tmp_path / "run")
     try:
         corpus = generate_corpus()  # while the run starts up

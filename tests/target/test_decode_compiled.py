@@ -46,9 +46,11 @@ def _decode(stack: DecodeStack, prompts: list[list[int]], steps: int) -> tuple[l
     return out, picked
 
 
-@pytest.mark.slow  # compiles the decoder layers: ~20 s on 2 shared cores
+@pytest.mark.slow
 @torch.inference_mode()
 def test_compiled_layers_give_the_eager_logits_and_tokens():
+    """About 45 s in a full suite, most of it Inductor compiling the decode stack's prefill and decode graphs
+    on CPU. The claim is about the compiled graphs, so they are compiled for real."""
     model = _model()
     prompts = [list(range(3, 3 + n)) for n in (17, 9, 30)]
     eager = DecodeStack(model, MAX_LEN, compile_layers=False)
@@ -61,6 +63,7 @@ def test_compiled_layers_give_the_eager_logits_and_tokens():
     assert got_tokens == want_tokens
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_one_compiled_graph_serves_every_layer_and_another_model_instance():
     """The weights are inputs of the compiled functions, not constants: a second model (new modules, new

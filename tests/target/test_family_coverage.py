@@ -79,6 +79,7 @@ def paths(row: str) -> list[tuple[str, str | None]]:
 CASES = [(row, packing, attention) for row in FAMILIES for packing, attention in paths(row)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("row", "packing", "attention"), CASES, ids=[f"{r}-{p}{'-' + a if a else ''}" for r, p, a in CASES]
 )

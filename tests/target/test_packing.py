@@ -102,6 +102,7 @@ def test_compiled_flex_on_cuda_matches_padded_across_shapes(model_dir):
         )
 
 
+@pytest.mark.slow
 def test_compiled_block_mask_equals_the_eager_one():
     """compile=True goes through the compile lock with the device keyword (runs Inductor on CPU here)."""
     ids = torch.arange(300)
@@ -125,6 +126,7 @@ def test_first_compiled_call_per_length_class_holds_the_compile_lock(monkeypatch
     assert held == [True, False, True, True, True, False]
 
 
+@pytest.mark.slow
 def test_compiled_layers_give_the_eager_features(qwen3_dir):
     """compile_layers runs every decoder layer through one compiled function (Inductor on CPU here): the
     same features as eager layers, across batch shapes, with the forward still stopped by the hooks."""
@@ -163,6 +165,7 @@ def test_a_failing_layer_compile_falls_back_to_eager_layers(qwen3_dir, monkeypat
     assert TargetCore(qwen3_dir, LAYERS, "cpu", torch.float32).compile_layers is False  # None: CUDA only
 
 
+@pytest.mark.slow
 def test_compiled_flex_rows_are_padded_to_whole_tiles():
     """Compiled flex gets whole 128-token tiles (torch 2.11's compiled layers were wrong on partial ones):
     the padding is its own sample, position ids restart in it, and pack() returns the real tokens only."""

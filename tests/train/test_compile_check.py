@@ -41,7 +41,11 @@ def _wrong_kernel():
     return compiled
 
 
+@pytest.mark.slow
 def test_a_correct_compile_passes_and_stays_full(tmp_path: Path) -> None:
+    """About 50 s in a full suite, most of it Inductor compiling the tiny drafter's whole layers on CPU (g++
+    and AOT autograd), first for the warm-up alone and then for a second model's warm-up, check and verdict.
+    A check of eager against eager would pass without proving anything."""
     from torch._dynamo.utils import counters
 
     model = _full_drafter()

@@ -124,7 +124,8 @@ def test_warm_up_meets_two_anchor_counts_per_batch_size(max_anchors: int):
 def test_a_batch_with_fewer_anchors_compiles_nothing_after_the_warm_up(tmp_path: Path):
     """Whole layers compiled (CPU, SDPA). At the anchor cap the block tokens (16 anchors x 4) number 64, the
     hidden size: the first compile made them one size (duck sizing) and specialised both to the weights'
-    64, so with a warm-up at the cap only, the first real batch with fewer anchors compiled again."""
+    64, so with a warm-up at the cap only, the first real batch with fewer anchors compiled again. About a
+    minute in a full suite, most of it the real cold compile: recompiles are only counted on a real one."""
     cfg = dataclasses.replace(
         tiny_config(),
         hidden_size=64,

@@ -133,6 +133,9 @@ def _process_member(port: int, run_dir: str, out: mp.Queue) -> None:
 
 
 def test_threads_match_processes(tmp_path: Path, monkeypatch):
+    """About a minute in a full suite: two spawned member processes (each importing torch) train eagerly, then
+    two threads train with their layers compiled by Inductor on a cold cache. The claim is that both modes
+    give the same losses and weights from a real cold compile, so neither side can be a stand-in."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
