@@ -24,7 +24,7 @@ test: $(VENV)/.installed
 	$(PY) -m tests.assets
 	$(PY) -m pytest
 
-# While iterating: every test but those marked slow (pyproject.toml's markers), about 4 minutes on 2 cores
+# While iterating: every test but those marked slow (pyproject.toml's markers), about 3 minutes on 2 cores
 # once the assets are cached. Not a substitute for `make test` before a change lands: CI runs every test.
 test-fast: $(VENV)/.installed
 	$(PY) -m tests.assets
