@@ -171,7 +171,7 @@ def turn_prompts(samples) -> list[list[int]]:
 def job(tmp_path_factory) -> dict:
     """A drafter trained on the demo target and an untrained one of the same shape, both exported with
     ``export_drafter``, and what the reference venv's child runs them on. About 100 s in a full suite, most of
-    it the STEPS AdamW steps on one thread. The test's claim is that the trained drafter's tau, in the
+    it its 300 AdamW steps (STEPS) on one thread. The test's claim is that the trained drafter's tau, in the
     reference's own decoding, beats the untrained one's by 0.4, and that needs a drafter that has learned."""
     root = tmp_path_factory.mktemp("reference")
     threads = torch.get_num_threads()

@@ -43,9 +43,9 @@ def _wrong_kernel():
 
 @pytest.mark.slow
 def test_a_correct_compile_passes_and_stays_full(tmp_path: Path) -> None:
-    """About 50 s in a full suite, most of it Inductor compiling the tiny drafter's whole layers on CPU (g++
-    and AOT autograd), first for the warm-up alone and then for a second model's warm-up, check and verdict.
-    A check of eager against eager would pass without proving anything."""
+    """About 50 s in a full suite, most of it torch.compile of the tiny drafter's whole layers on CPU (Dynamo,
+    AOT autograd, Inductor's lowering, then g++), for the warm-up alone and again for a second model's
+    warm-up, check and verdict. A check of eager against eager would pass without proving anything."""
     from torch._dynamo.utils import counters
 
     model = _full_drafter()
