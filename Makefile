@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # Pin torch first: on the CPU CI machines this resolves to a local CPU build; a bare `torch` would pull CUDA.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint clean
+.PHONY: demo assets test test-fast lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,16 +18,17 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/dflash-pipe launch
 
-# The cached builds the tests read (demo target, reference venv, real target, speculators site) are made
-# first, side by side (tests/assets.py), then the suite runs.
-test: $(VENV)/.installed
+# The cached builds the tests read (demo target, reference venv, real target, speculators site), made side
+# by side (tests/assets.py) before the suite runs.
+assets: $(VENV)/.installed
 	$(PY) -m tests.assets
+
+test: assets
 	$(PY) -m pytest
 
 # While iterating: every test but those marked slow (pyproject.toml's markers), about 3 minutes on 2 cores
 # once the assets are cached. Not a substitute for `make test` before a change lands: CI runs every test.
-test-fast: $(VENV)/.installed
-	$(PY) -m tests.assets
+test-fast: assets
 	$(PY) -m pytest -m "not slow"
 
 lint: $(VENV)/.installed

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test suite's time as CI sees it: a fresh clone of a commit, cold caches (dflash-pipe's and Inductor's
 # in empty folders, Inductor's precompiled headers removed), `bash .ci/run` (install, test assets, pytest),
-# the CPU of the whole machine sampled every 5 s. What README's `make test` line and issue 51's notes quote.
+# the CPU of the whole machine sampled every 5 s. What README's `make test` line and issue 51's notes quote;
+# with a make target, that target in place of `.ci/run` (README's `make test-fast` line: `test-fast`).
 #
-#   bench/suite_time.sh [COMMIT] [OUT]     # default: HEAD, bench-results/suite-<time>
+#   bench/suite_time.sh [COMMIT] [OUT] [MAKE_TARGET]     # default: HEAD, bench-results/suite-<time>, .ci/run
 #
 # OUT gets run.log (the run's output, with pytest's --durations=0 list and `wall/user/sys` at the end),
 # cpu.log (/proc/stat's cpu line every 5 s) and summary.txt (the run's times and the cores' mean use).
@@ -11,6 +12,9 @@
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 commit="${1:-HEAD}"
+target="${3:-}"
+run=(bash .ci/run)
+[ -n "$target" ] && run=(make "$target")
 out="$(realpath -m "${2:-bench-results/suite-$(date +%Y%m%d-%H%M%S)}")"
 work="$(mktemp -d /tmp/dflash-suite-XXXXXX)"
 mkdir -p "$out"
@@ -22,12 +26,12 @@ sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
 set +e
 (cd "$work/clone" && DFLASH_PIPE_CACHE="$work/cache" TORCHINDUCTOR_CACHE_DIR="$work/inductor" \
-  PYTEST_ADDOPTS="--durations=0" /usr/bin/time -f "wall %e user %U sys %S" bash .ci/run) > "$out/run.log" 2>&1
+  PYTEST_ADDOPTS="--durations=0" /usr/bin/time -f "wall %e user %U sys %S" "${run[@]}") > "$out/run.log" 2>&1
 rc=$?
 set -e
 kill $sampler 2>/dev/null || true
 {
-  echo "commit $(git -C "$work/clone" rev-parse HEAD), exit status $rc"
+  echo "commit $(git -C "$work/clone" rev-parse HEAD), ${run[*]}, exit status $rc"
   grep -E "^test asset|passed|failed|^wall " "$out/run.log" || true
   awk '{idle = $6 + $7; total = 0; for (i = 3; i <= 10; i++) total += $i;
         if (NR > 1) { busy += (total - pt) - (idle - pi); all += total - pt } pt = total; pi = idle }
